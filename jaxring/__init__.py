@@ -1,0 +1,1 @@
+"""jaxring: fast, hierarchical, compressed gradient reduction for data-parallel JAX."""
