@@ -1,1 +1,17 @@
-"""jaxring: fast, hierarchical, compressed gradient reduction for data-parallel JAX."""
+"""jaxring: fast, hierarchical, compressed gradient reduction for data-parallel JAX.
+
+Drop-ins for ``jax.lax`` collectives inside ``shard_map``/``pmap`` with algorithms ``xla``,
+``ring``, ``hierarchical`` (BlueConnect) and ``auto``; codecs that keep the bandwidth-optimal ring.
+"""
+from jaxring import codecs as codecs
+from jaxring._src.collectives import all_gather as all_gather
+from jaxring._src.collectives import pmean as pmean
+from jaxring._src.collectives import psum as psum
+from jaxring._src.collectives import psum_scatter as psum_scatter
+from jaxring._src.topology import Level as Level
+from jaxring._src.topology import Topology as Topology
+from jaxring._src.topology import default_topology as default_topology
+from jaxring._src.topology import set_default_topology as set_default_topology
+from jaxring._src.topology import use_topology as use_topology
+
+__version__ = "0.1.0"

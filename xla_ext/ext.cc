@@ -1,8 +1,55 @@
-// Registration module for jaxring's XLA FFI handlers (filled in by the kernels).
+// Registration module for jaxring's XLA FFI handlers: hands each handler to Python as a capsule,
+// plus what it was built against so that jaxring._src.ext can refuse a mismatched build.
 #include <nanobind/nanobind.h>
+
+#include <type_traits>
+
+#include "handlers.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "Encapsulated function must be an XLA FFI handler");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+#ifndef JAXRING_JAXLIB_VERSION
+#define JAXRING_JAXLIB_VERSION "unknown"
+#endif
+
+}  // namespace
+
 NB_MODULE(_ext, m) {
-  m.def("registrations", []() { return nb::dict(); });
+  m.def("registrations", []() {
+    nb::dict targets;
+#define JAXRING_ADD_CPU(name, stem) targets["jaxring_" name] = EncapsulateFfiHandler(stem##Cpu);
+    JAXRING_FOR_EACH_TARGET(JAXRING_ADD_CPU)
+#undef JAXRING_ADD_CPU
+    return targets;
+  });
+  m.def("cuda_registrations", []() {
+    nb::dict targets;
+#ifdef JAXRING_WITH_CUDA
+#define JAXRING_ADD_CUDA(name, stem) targets["jaxring_" name] = EncapsulateFfiHandler(stem##Cuda);
+    JAXRING_FOR_EACH_TARGET(JAXRING_ADD_CUDA)
+#undef JAXRING_ADD_CUDA
+#endif
+    return targets;
+  });
+  m.def("build_info", []() {
+    nb::dict info;
+    info["jaxlib_version"] = JAXRING_JAXLIB_VERSION;
+    info["ffi_api_version"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+#ifdef JAXRING_WITH_CUDA
+    info["cuda"] = true;
+#else
+    info["cuda"] = false;
+#endif
+    return info;
+  });
 }

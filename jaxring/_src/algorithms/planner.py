@@ -1,0 +1,155 @@
+"""Turns (axes, message size, topology, codec, algorithm) into a plan: which algorithm, which groups.
+
+``auto`` reads the alpha-beta model (jaxring._src.cost_model) for the levels the axes span. On one
+host every level is in-process and the native collective is one fused operation, so ``auto`` picks
+``xla`` there unless a lossy codec is asked for (the native collectives cannot compress).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from jaxring._src import cost_model
+from jaxring._src import topology as topo_mod
+from jaxring._src.codecs.base import Codec, for_dtype
+from jaxring._src.transport.groups import Group, check_factorization, whole_group
+
+ALGORITHMS = ("auto", "xla", "ring", "hierarchical")
+LEVEL_ALGORITHMS = ("auto", "xla", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  kind: str                       # "xla" | "ring" | "hierarchical"
+  groups: tuple[Group, ...] = ()  # fast -> slow
+  codecs: tuple[Codec, ...] = ()
+  algos: tuple[str, ...] = ()     # per level: "xla" | "ring"
+  strides: tuple[int, ...] = ()   # each level's weight in the member's linear index
+
+  @property
+  def align(self) -> int:
+    return math.lcm(*(c.align for c in self.codecs)) if self.codecs else 1
+
+  @property
+  def size(self) -> int:
+    return math.prod(g.size for g in self.groups)
+
+
+def validate_algorithm(algorithm) -> None:
+  if isinstance(algorithm, dict):
+    bad = {k: v for k, v in algorithm.items() if v not in LEVEL_ALGORITHMS}
+    if bad:
+      raise ValueError(f"per-level algorithm must be one of {LEVEL_ALGORITHMS}, got {bad}")
+    return
+  if algorithm not in ALGORITHMS:
+    raise ValueError(f"algorithm must be one of {ALGORITHMS} or a dict level->algorithm, "
+                     f"got {algorithm!r}")
+
+
+def _level_params(names: tuple[str, ...], sizes: tuple[int, ...]) -> list[topo_mod.Level]:
+  topo = topo_mod.default_topology()
+  known = {lv.name: lv for lv in topo.levels}
+  out = []
+  for i, (name, size) in enumerate(zip(names, sizes)):
+    if name in known:
+      out.append(dataclasses.replace(known[name], size=size))
+    elif jax.process_count() > 1 and i > 0:
+      out.append(topo_mod.Level(name, size, topo_mod.NETWORK_BANDWIDTH, topo_mod.NETWORK_LATENCY))
+    else:
+      out.append(topo_mod.Level(name, size))
+  return out
+
+
+def levels_for(axes: tuple, sizes: tuple[int, ...], order: tuple | None = None):
+  """Groups and per-level parameters of the hierarchy the axes span, fast -> slow.
+
+  Several axes: one level per axis, in ``order`` if given (a per-level dict's key order), else the
+  default topology's order when it names the axes, else the order given (fast -> slow).
+  One axis: factorized by the default topology when its size matches and it has several levels.
+  """
+  if len(axes) > 1:
+    names = tuple(axes)
+    topo_names = topo_mod.default_topology().names
+    if order is not None:
+      names = tuple(order)
+    elif set(names) <= set(topo_names):
+      names = tuple(n for n in topo_names if n in names)
+    size_of = dict(zip(axes, sizes))
+    # linear index over `axes` as given: row-major, the first axis most significant
+    weight = {a: math.prod(sizes[i + 1:]) for i, a in enumerate(axes)}
+    groups = [whole_group((n,), size_of[n], n) for n in names]
+    return groups, _level_params(names, tuple(size_of[n] for n in names)), [weight[n] for n in names]
+  total = sizes[0]
+  topo = topo_mod.default_topology().without_trivial_levels()
+  if len(topo.levels) > 1 and topo.size == total:
+    check_factorization([lv.size for lv in topo.levels], total)
+    groups = [Group(tuple(axes), lv.size, st, total, lv.name)
+              for lv, st in zip(topo.levels, topo.strides())]
+    return groups, list(topo.levels), list(topo.strides())
+  g = whole_group(tuple(axes), total, str(axes[0]))
+  return [g], _level_params((str(axes[0]),), (total,)), [1]
+
+
+def _codec_for(compression, level_name: str, dtype) -> Codec:
+  if isinstance(compression, dict):
+    return for_dtype(compression.get(level_name), dtype)
+  return for_dtype(compression, dtype)
+
+
+def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm, compression,
+              *, multi_process: bool | None = None) -> Plan:
+  """The plan for reducing ``nbytes`` of ``dtype`` over ``axes`` (already validated, all bound)."""
+  if multi_process is None:
+    multi_process = jax.process_count() > 1
+  order = tuple(algorithm) if isinstance(algorithm, dict) else None
+  if order is not None and len(axes) > 1 and set(order) != set(axes):
+    raise ValueError(f"per-level algorithm keys {order} must name exactly the axes {axes}")
+  groups, levels, strides = levels_for(axes, sizes, order)
+  if isinstance(compression, dict):
+    unknown = set(compression) - {g.name for g in groups}
+    if unknown:
+      raise ValueError(f"compression names levels {sorted(unknown)} that are not among the levels "
+                       f"{[g.name for g in groups]} of axes {axes}")
+  codecs = [_codec_for(compression, g.name, dtype) for g in groups]
+  lossy = any(c.lossy for c in codecs)
+  kind = algorithm if isinstance(algorithm, str) else "hierarchical"
+  if kind == "xla":
+    if lossy:
+      raise ValueError("algorithm='xla' is the native collective and cannot compress; use "
+                       "algorithm='ring', 'hierarchical' or 'auto' with compression")
+    return Plan("xla")
+  if kind == "auto":
+    kind = _auto(nbytes, levels, codecs, lossy)
+  if kind == "xla":
+    return Plan("xla")
+  if kind == "ring" or len(groups) == 1:
+    # one ring over every member: the codec of the slowest level travels on it
+    g = whole_group(tuple(axes), math.prod(sizes), groups[-1].name) if len(groups) > 1 else groups[0]
+    return Plan("ring", (g,), (codecs[-1],), ("ring",), (1,))
+  algos = []
+  for i, (g, c) in enumerate(zip(groups, codecs)):
+    a = algorithm.get(g.name, "auto") if isinstance(algorithm, dict) else "auto"
+    if a == "auto":
+      # native per level only where it is exact and proven: lossless, a whole axis, and inside one
+      # process (lax.psum_scatter across processes over gloo returned corrupt results, see
+      # docs/design-notes.md); the slowest level's all-reduce may always be native when lossless.
+      last = i == len(groups) - 1
+      a = "xla" if (not c.lossy and g.whole and (last or not multi_process)) else "ring"
+    if a == "xla" and (c.lossy or not g.whole):
+      why = "it cannot compress" if c.lossy else "the level is part of one axis (a Topology split)"
+      raise ValueError(f"level {g.name!r} cannot use algorithm 'xla': {why}")
+    algos.append(a)
+  return Plan("hierarchical", tuple(groups), tuple(codecs), tuple(algos), tuple(strides))
+
+
+def _auto(nbytes: int, levels, codecs, lossy: bool) -> str:
+  if lossy:
+    return "hierarchical" if len(levels) > 1 else "ring"
+  native = cost_model.native_all_reduce(nbytes, levels)
+  if len(levels) > 1:
+    ratios = [c.compression_ratio() for c in codecs]
+    if cost_model.hierarchical_all_reduce(nbytes, levels, ratios) < native:
+      return "hierarchical"
+  return "xla"

@@ -1,0 +1,79 @@
+"""What a codec is: how a partial sum is put on the wire and read back.
+
+Wire dtype and accumulation dtype are separate: partial sums are accumulated in ``accum_dtype``
+(f32 for 16-bit floats, the input dtype otherwise); only what crosses a link is narrow.
+A payload is a tuple of flat arrays (e.g. int8 values and f32 block scales).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+_NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def accum_dtype(dtype) -> jnp.dtype:
+  """Partial sums of 16-bit floats are carried in f32; every other dtype in itself."""
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if dtype in _NARROW_FLOATS else dtype
+
+
+def is_float(dtype) -> bool:
+  return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """Base class: the identity on the wire (values travel in the input dtype).
+
+  Subclasses override :meth:`encode`, :meth:`decode`, :meth:`wire_bytes` and, where one pass is
+  faster, :meth:`hop`. ``align`` is the element granularity chunks must respect (a block size).
+  """
+
+  name = "none"
+  lossy = False
+  align = 1
+
+  def applies_to(self, dtype) -> bool:
+    """Whether this codec compresses ``dtype``; other dtypes travel uncompressed."""
+    return True
+
+  def wire_bytes(self, n: int, dtype=jnp.float32) -> int:
+    """Bytes on the wire for ``n`` elements of ``dtype`` (the one place this arithmetic lives)."""
+    return int(n) * jnp.dtype(dtype).itemsize
+
+  def encode(self, x, dtype) -> tuple:
+    """Puts the accumulator-dtype array ``x`` on the wire for values of ``dtype``."""
+    return (x.astype(dtype),)
+
+  def decode(self, payload: tuple, dtype):
+    """Reads a payload back into the accumulator dtype of ``dtype``."""
+    return payload[0].astype(accum_dtype(dtype))
+
+  def hop(self, payload: tuple, local, dtype) -> tuple:
+    """One ring hop: decode what arrived, add the local partial, encode for the next hop."""
+    partial = self.decode(payload, dtype) + local
+    return partial, self.encode(partial, dtype)
+
+  def compression_ratio(self, dtype=jnp.float32, n: int = 1 << 20) -> float:
+    """Wire bytes relative to sending ``n`` values of ``dtype`` uncompressed."""
+    return self.wire_bytes(n, dtype) / (n * np.dtype(dtype).itemsize)
+
+
+def none() -> Codec:
+  """No compression: values travel in their own dtype, partial sums accumulate in f32 or wider.
+
+  Example:
+    >>> jaxring.codecs.none().wire_bytes(1024, jnp.float32)
+    4096
+  """
+  return Codec()
+
+
+def for_dtype(codec: Codec | None, dtype) -> Codec:
+  """The codec that applies to leaves of ``dtype`` (lossy codecs skip non-float leaves)."""
+  if codec is None or not codec.applies_to(dtype):
+    return Codec()
+  return codec

@@ -1,0 +1,293 @@
+"""psum / pmean / psum_scatter / all_gather: jax.lax's contract, jaxring's algorithms.
+
+Argument handling mirrors ``jax.lax`` (pytrees, Python constants, bool -> int32, tuple axis names,
+``NameError`` for an unbound axis, lax's shape errors); then each dtype's leaves are fused into one
+flat buffer and reduced by the planned algorithm: ``xla`` (the native collective), ``ring`` or
+``hierarchical`` (jaxring._src.algorithms), with ``compression`` deciding what travels.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxring._src.algorithms import hierarchical, ring
+from jaxring._src.algorithms.planner import Plan, make_plan, validate_algorithm
+from jaxring._src.codecs.base import Codec, accum_dtype
+from jaxring._src.transport.xla import XLA
+
+AxisName = Any
+
+
+def _axes(axis_name) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _sizes(axes: tuple) -> tuple[int, ...]:
+  # lax.axis_size raises NameError("unbound axis name: ...") for an unbound axis, as lax.psum does.
+  return tuple(int(lax.axis_size(a)) for a in axes)
+
+
+def _validate_compression(compression) -> None:
+  if compression is None or isinstance(compression, Codec):
+    return
+  if isinstance(compression, dict) and all(isinstance(c, (Codec, type(None)))
+                                           for c in compression.values()):
+    return
+  raise TypeError("compression must be None, a jaxring.codecs codec, or a dict level name -> codec;"
+                  f" got {compression!r}")
+
+
+def _lossy(compression) -> bool:
+  if isinstance(compression, dict):
+    return any(c is not None and c.lossy for c in compression.values())
+  return compression is not None and compression.lossy
+
+
+def _check_groups(algorithm, compression, op: str) -> None:
+  if algorithm not in ("auto", "xla") or _lossy(compression):
+    raise NotImplementedError(
+        f"jaxring.{op}: axis_index_groups is supported only by algorithm='xla' (and 'auto', which "
+        f"then uses it) without lossy compression; got algorithm={algorithm!r}, "
+        f"compression={compression!r}")
+
+
+def _prep(x):
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  leaves = [lax.convert_element_type(l, np.int32) if jnp.result_type(l) == np.bool_ else l
+            for l in leaves]
+  return leaves, treedef
+
+
+def _is_traced(leaf) -> bool:
+  return isinstance(leaf, jax.core.Tracer)
+
+
+def _pad_to(flat, multiple: int):
+  n = flat.shape[0]
+  m = -(-max(n, 1) // multiple) * multiple
+  return jnp.pad(flat, (0, m - n)) if m != n else flat
+
+
+def all_reduce_flat(flat, dtype, axes: tuple, plan: Plan, *, want_error: bool = False):
+  """Reduces a flat accumulator-dtype buffer by a non-``xla`` plan; returns (sum, error or None)."""
+  n = flat.shape[0]
+  buf = _pad_to(flat, plan.size * plan.align)
+  if plan.kind == "ring":
+    out, err = ring.all_reduce(buf, plan.groups[0], plan.codecs[0], dtype, XLA,
+                               want_error=want_error)
+  else:
+    out, err = hierarchical.all_reduce(buf, list(plan.groups), list(plan.codecs), list(plan.algos),
+                                       dtype, XLA, want_error=want_error)
+  return out[:n], (None if err is None else err[:n])
+
+
+def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", compression=None):
+  """All-reduce sum over ``axis_name``: ``jax.lax.psum``'s contract, jaxring's algorithms.
+
+  Args:
+    x: array, scalar or pytree of them (bools are summed as int32).
+    axis_name: a mapped axis name or a tuple of them.
+    axis_index_groups: as in ``lax.psum``; only ``algorithm="xla"``/``"auto"`` honour it.
+    algorithm: ``"auto"`` (planner), ``"xla"`` (native), ``"ring"``, ``"hierarchical"``
+      (BlueConnect, levels fast -> slow), or a dict level -> ``"xla"|"ring"|"auto"`` (hierarchical
+      with that algorithm per level, levels in the dict's order, fastest first).
+    compression: None, a codec from ``jaxring.codecs`` (applied to floating leaves), or a dict
+      level name -> codec for ``hierarchical``.
+
+  Returns:
+    The sum, same structure, shapes and dtypes as ``x`` (bools as int32), identical on every member.
+
+  Example:
+    >>> mesh = jax.make_mesh((8,), ("i",))
+    >>> f = jax.shard_map(lambda v: jaxring.psum(v, "i", algorithm="ring"), mesh=mesh,
+    ...                   in_specs=P("i"), out_specs=P())
+    >>> f(jnp.arange(8.0))
+    Array([28.], dtype=float32)
+  """
+  validate_algorithm(algorithm)
+  _validate_compression(compression)
+  axes = _axes(axis_name)
+  if not axes:
+    return x
+  if axis_index_groups is not None:
+    _check_groups(algorithm, compression, "psum")
+    return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
+  leaves, treedef = _prep(x)
+  sizes = _sizes(axes)
+  out = list(leaves)
+  by_dtype: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    if not _is_traced(leaf) or np.size(leaf) == 0 or math.prod(sizes) == 1:
+      out[i] = lax.psum(leaf, axis_name)  # constants: size * x, as lax folds them
+    else:
+      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+  for dtype, idxs in by_dtype.items():
+    nbytes = sum(np.size(leaves[i]) for i in idxs) * dtype.itemsize
+    plan = make_plan(axes, sizes, nbytes, dtype, algorithm, compression)
+    if plan.kind == "xla":
+      for i in idxs:
+        out[i] = lax.psum(leaves[i], axis_name)
+      continue
+    acc = accum_dtype(dtype)
+    flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in idxs])
+    total, _ = all_reduce_flat(flat, dtype, axes, plan)
+    offset = 0
+    for i in idxs:
+      size = np.size(leaves[i])
+      out[i] = total[offset:offset + size].reshape(np.shape(leaves[i])).astype(dtype)
+      offset += size
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _group_size(axes, axis_index_groups) -> int:
+  if axis_index_groups is not None:
+    return len(axis_index_groups[0])
+  return math.prod(_sizes(axes))
+
+
+def pmean(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", compression=None):
+  """All-reduce mean over ``axis_name`` (``jax.lax.pmean``'s contract); arguments as :func:`psum`.
+
+  Example:
+    >>> f = jax.shard_map(lambda v: jaxring.pmean(v, "i"), mesh=jax.make_mesh((8,), ("i",)),
+    ...                   in_specs=P("i"), out_specs=P())
+    >>> f(jnp.arange(8.0))
+    Array([3.5], dtype=float32)
+  """
+  s = psum(x, axis_name, axis_index_groups=axis_index_groups, algorithm=algorithm,
+           compression=compression)
+  n = _group_size(_axes(axis_name), axis_index_groups)
+  return jax.tree_util.tree_map(lambda v: v / n, s)
+
+
+def _canon_dim(d: int, ndim: int, what: str) -> int:
+  if not -ndim <= d < ndim:
+    raise ValueError(f"{what}={d} is out of bounds for an array of rank {ndim}")
+  return d % ndim
+
+
+def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_index_groups=None,
+                 tiled: bool = False, algorithm="auto", compression=None):
+  """Reduce-scatter (``jax.lax.psum_scatter``'s contract): member ``i`` gets block ``i`` of the sum.
+
+  Example:
+    >>> f = jax.shard_map(lambda v: jaxring.psum_scatter(v, "i", tiled=True, algorithm="ring"),
+    ...                   mesh=jax.make_mesh((8,), ("i",)), in_specs=P(), out_specs=P("i"))
+    >>> f(jnp.ones(16))  # each member holds 2 elements of the sum
+    Array([8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32)
+  """
+  validate_algorithm(algorithm)
+  _validate_compression(compression)
+  axes = _axes(axis_name)
+  if axis_index_groups is not None:
+    _check_groups(algorithm, compression, "psum_scatter")
+  if axis_index_groups is not None or algorithm == "xla" or not axes:
+    return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                            axis_index_groups=axis_index_groups, tiled=tiled)
+  sizes = _sizes(axes)
+  p = math.prod(sizes)
+  leaves, treedef = _prep(x)
+  out = []
+  for leaf in leaves:
+    shape = np.shape(leaf)
+    d = _canon_dim(scatter_dimension, len(shape), "scatter_dimension")
+    if tiled and shape[d] % p:
+      raise ValueError(f"psum_scatter (tiled): dimension {d} of size {shape[d]} is not divisible "
+                       f"by the size {p} of axis {axis_name!r}")
+    if not tiled and shape[d] != p:
+      raise ValueError(f"psum_scatter: dimension {d} of size {shape[d]} must equal the size {p} of "
+                       f"axis {axis_name!r} when tiled=False")
+    dtype = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+    plan = make_plan(axes, sizes, np.size(leaf) * dtype.itemsize, dtype, algorithm, compression)
+    if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
+      out.append(lax.psum_scatter(leaf, axis_name, scatter_dimension=d, tiled=tiled))
+      continue
+    out.append(_reduce_scatter_leaf(jnp.asarray(leaf), d, tiled, p, dtype, plan))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
+  moved = jnp.moveaxis(leaf, d, 0)
+  rest = moved.shape[1:]
+  rows = moved.reshape(p, -1).astype(accum_dtype(dtype))
+  m = rows.shape[1]
+  m_pad = -(-max(m, 1) // plan.align) * plan.align
+  rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
+  if plan.kind == "ring":
+    shard, _ = ring.reduce_scatter(rows.reshape(-1), plan.groups[0], plan.codecs[0], dtype, XLA)
+  else:
+    rows = rows[np.asarray(hierarchical.chunk_permutation(list(plan.groups), list(plan.strides)))]
+    shard = hierarchical.reduce_scatter(rows.reshape(-1), list(plan.groups), list(plan.codecs),
+                                        list(plan.algos), dtype, XLA)
+  block = shard[:m].astype(dtype)
+  if tiled:
+    return jnp.moveaxis(block.reshape((moved.shape[0] // p,) + tuple(rest)), 0, d)
+  return block.reshape(rest)
+
+
+def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
+               tiled: bool = False, algorithm="auto", compression=None):
+  """All-gather (``jax.lax.all_gather``'s contract), optionally compressed on the wire.
+
+  Example:
+    >>> f = jax.shard_map(lambda v: jaxring.all_gather(v, "i", tiled=True, algorithm="ring"),
+    ...                   mesh=jax.make_mesh((8,), ("i",)), in_specs=P("i"), out_specs=P("i"))
+    >>> f(jnp.arange(8.0)).shape
+    (64,)
+  """
+  validate_algorithm(algorithm)
+  _validate_compression(compression)
+  axes = _axes(axis_name)
+  if axis_index_groups is not None:
+    _check_groups(algorithm, compression, "all_gather")
+  if axis_index_groups is not None or algorithm == "xla" or not axes:
+    return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled)
+  sizes = _sizes(axes)
+  p = math.prod(sizes)
+  leaves, treedef = _prep(x)
+  out = []
+  for leaf in leaves:
+    leaf = jnp.asarray(leaf)
+    ndim = leaf.ndim
+    ax = _canon_dim(axis, ndim if tiled else ndim + 1, "axis")
+    if tiled and ndim == 0:
+      raise ValueError("all_gather: tiled=True needs an array of rank >= 1, got a scalar")
+    dtype = jnp.dtype(leaf.dtype)
+    plan = make_plan(axes, sizes, leaf.size * dtype.itemsize * p, dtype, algorithm, compression)
+    if plan.kind == "xla" or p == 1 or leaf.size == 0:
+      out.append(lax.all_gather(leaf, axis_name, axis=ax, tiled=tiled))
+      continue
+    out.append(_all_gather_leaf(leaf, ax, tiled, p, dtype, plan))
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
+  codec = plan.codecs[-1] if plan.kind == "ring" else _slowest_lossy(plan)
+  n = leaf.size
+  flat = _pad_to(jnp.ravel(leaf).astype(accum_dtype(dtype)), plan.align)
+  payload = codec.encode(flat, dtype)
+  if plan.kind == "ring":
+    gathered = ring.ring_all_gather_payload(payload, plan.groups[0], XLA)
+    rows = codec.decode(gathered, dtype).reshape(p, -1)
+  else:
+    gathered = hierarchical.all_gather(payload, list(plan.groups), XLA)
+    rows = codec.decode(gathered, dtype).reshape(p, -1)
+    perm = hierarchical.chunk_permutation(list(plan.groups), list(plan.strides))
+    rows = rows[np.argsort(np.asarray(perm))]
+  stacked = rows[:, :n].astype(dtype).reshape((p,) + leaf.shape)
+  if not tiled:
+    return jnp.moveaxis(stacked, 0, ax)
+  moved = jnp.moveaxis(stacked, 0, ax)  # (..., p, d_ax, ...)
+  shape = list(leaf.shape)
+  shape[ax] *= p
+  return moved.reshape(shape)
+
+
+def _slowest_lossy(plan: Plan) -> Codec:
+  """All-gather sends each value once per level; one codec encodes it (the slowest level's)."""
+  return plan.codecs[-1]

@@ -1,0 +1,62 @@
+"""XLA transport: every step is an XLA collective (gloo on CPU, NCCL on GPU, memcpy in-process)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxring._src import vma
+from jaxring._src.transport.groups import Group
+
+# XLA:CPU promotes 16-bit float collectives to f32 on the wire (all-reduce promotion and float
+# normalization passes; measured, ../shared/ENVIRONMENT.md). Moving their bit patterns as uint16
+# keeps two bytes per value on the wire.
+_BITCAST = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
+
+
+def _as_wire(x):
+  t = _BITCAST.get(x.dtype)
+  return (lax.bitcast_convert_type(x, t), x.dtype) if t is not None else (x, None)
+
+
+def _from_wire(x, dtype):
+  return x if dtype is None else lax.bitcast_convert_type(x, dtype)
+
+
+def _axis_arg(axes):
+  return axes if len(axes) > 1 else axes[0]
+
+
+class XlaTransport:
+  """Moves arrays between the members of a :class:`Group` with XLA collectives."""
+
+  name = "xla"
+
+  def shift(self, payload: tuple, group: Group, offset: int = 1) -> tuple:
+    """Sends each array of ``payload`` to the member ``offset`` ahead; returns what arrived."""
+    perm = group.shift_perm(offset)
+    out = []
+    for x in payload:
+      w, dt = _as_wire(x)
+      out.append(_from_wire(lax.ppermute(w, _axis_arg(group.axes), perm), dt))
+    return tuple(out)
+
+  def all_gather(self, payload: tuple, group: Group) -> tuple | None:
+    """Native all-gather (tiled, member order) of each array, or None if the group is not whole.
+
+    Typed invariant when the input is typed varying (check_vma=True): the only way to end an
+    all-reduce invariant without a second reduction.
+    """
+    if not group.whole:
+      return None
+    out = []
+    for x in payload:
+      w, dt = _as_wire(x)
+      if vma.is_varying(w, group.axes):
+        g = vma.all_gather_invariant(w, _axis_arg(group.axes), tiled=True)
+      else:
+        g = lax.all_gather(w, _axis_arg(group.axes), tiled=True)
+      out.append(_from_wire(g, dt))
+    return tuple(out)
+
+
+XLA = XlaTransport()

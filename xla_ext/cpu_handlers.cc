@@ -1,0 +1,344 @@
+// XLA FFI handlers for the CPU: typed Impl functions that check operands (plans.h), then run
+// the plain kernels (cpu_kernels.h) over every row, splitting large buffers over XLA's intra-op
+// thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <thread>
+
+#include "cpu_kernels.h"
+#include "handlers.h"
+#include "plans.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxring {
+namespace {
+
+using ffi::AnyBuffer;
+using ffi::DataType;
+using ffi::Result;
+
+// Below this many bytes per part a second thread costs more than it saves (measured with
+// `python -m jaxring._src.bench.kernels`); JAXRING_CPU_THREADS=1 turns splitting off.
+constexpr int64_t kMinBytesPerPart = int64_t{4} << 20;
+
+int64_t MaxThreadsFromEnv() {
+  static const int64_t value = [] {
+    const char* s = std::getenv("JAXRING_CPU_THREADS");
+    return s ? std::max<int64_t>(1, std::atoll(s)) : int64_t{1} << 30;
+  }();
+  return value;
+}
+
+// Runs fn(lo, hi) over [0, items) in parts. Parts are claimed from a shared counter by the
+// calling thread and by pool tasks alike, and the caller waits only for parts already running,
+// so a busy (or absent) pool never deadlocks it: it just does the work itself.
+template <class F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t bytes, F&& fn) {
+  int64_t parts = std::min<int64_t>({pool.num_threads() + 1, MaxThreadsFromEnv(),
+                                     bytes / kMinBytesPerPart, items});
+  if (parts <= 1) {
+    if (items > 0) fn(int64_t{0}, items);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto run = [state, parts, items, &fn] {
+    for (int64_t p; (p = state->next.fetch_add(1)) < parts;) {
+      fn(items * p / parts, items * (p + 1) / parts);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t p = 1; p < parts; ++p) pool.Schedule(run);
+  run();
+  while (state->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+}
+
+uint32_t RowKey(const AnyBuffer& seed, int64_t row) {
+  return SeedKey(reinterpret_cast<const uint32_t*>(seed.untyped_data())[row]);
+}
+
+template <class C>
+void QuantizeRows(ffi::ThreadPool& pool, const BlockPlan& p, const AnyBuffer& x,
+                  const AnyBuffer& seed, int8_t* q, float* scales, bool stochastic) {
+  const auto* xs = reinterpret_cast<const typename C::T*>(x.untyped_data());
+  const int64_t n = p.layout.cols;
+  for (int64_t r = 0; r < p.layout.rows; ++r) {
+    const uint32_t key = RowKey(seed, r);
+    ParallelFor(pool, p.blocks, n * static_cast<int64_t>(sizeof(typename C::T) + 1),
+                [&](int64_t b0, int64_t b1) {
+                  cpu::QuantizeBlocks<C>(xs + r * n, n, p.block, b0, b1, stochastic, key,
+                                         q + r * n, scales + r * p.blocks);
+                });
+  }
+}
+
+ffi::Error QuantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer seed,
+                            Result<AnyBuffer> q, Result<AnyBuffer> scales, int64_t block_size,
+                            bool stochastic) {
+  BlockPlan p;
+  JR_RETURN_IF_ERROR(PlanQuantize("jaxring_quantize_int8", x, seed, *q, *scales, block_size, &p));
+  auto* qd = reinterpret_cast<int8_t*>(q->untyped_data());
+  auto* sd = reinterpret_cast<float*>(scales->untyped_data());
+  switch (x.element_type()) {
+    case DataType::F32: QuantizeRows<cpu::F32>(pool, p, x, seed, qd, sd, stochastic); break;
+    case DataType::BF16: QuantizeRows<cpu::Bf16>(pool, p, x, seed, qd, sd, stochastic); break;
+    default: QuantizeRows<cpu::F16>(pool, p, x, seed, qd, sd, stochastic); break;
+  }
+  return ffi::Error::Success();
+}
+
+template <class C>
+void DequantizeRows(ffi::ThreadPool& pool, const BlockPlan& p, const int8_t* q,
+                    const float* scales, void* out) {
+  auto* o = reinterpret_cast<typename C::T*>(out);
+  const int64_t n = p.layout.cols;
+  for (int64_t r = 0; r < p.layout.rows; ++r)
+    ParallelFor(pool, p.blocks, n * static_cast<int64_t>(sizeof(typename C::T) + 1),
+                [&](int64_t b0, int64_t b1) {
+                  cpu::DequantizeBlocks<C>(q + r * n, scales + r * p.blocks, n, p.block, b0, b1,
+                                           o + r * n);
+                });
+}
+
+ffi::Error DequantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales,
+                              Result<AnyBuffer> out, int64_t block_size) {
+  BlockPlan p;
+  JR_RETURN_IF_ERROR(PlanDequantize("jaxring_dequantize_int8", q, scales, *out, block_size, &p));
+  const auto* qd = reinterpret_cast<const int8_t*>(q.untyped_data());
+  const auto* sd = reinterpret_cast<const float*>(scales.untyped_data());
+  switch (out->element_type()) {
+    case DataType::F32: DequantizeRows<cpu::F32>(pool, p, qd, sd, out->untyped_data()); break;
+    case DataType::BF16: DequantizeRows<cpu::Bf16>(pool, p, qd, sd, out->untyped_data()); break;
+    default: DequantizeRows<cpu::F16>(pool, p, qd, sd, out->untyped_data()); break;
+  }
+  return ffi::Error::Success();
+}
+
+void RingHopInt8Rows(ffi::ThreadPool& pool, const BlockPlan& p, const AnyBuffer& q,
+                     const AnyBuffer& scales, const AnyBuffer& partial, const AnyBuffer* seed,
+                     AnyBuffer& new_partial, AnyBuffer* q_out, AnyBuffer* scales_out,
+                     bool stochastic) {
+  const int64_t n = p.layout.cols, nb = p.blocks;
+  const auto* qd = reinterpret_cast<const int8_t*>(q.untyped_data());
+  const auto* sd = reinterpret_cast<const float*>(scales.untyped_data());
+  const auto* pd = reinterpret_cast<const float*>(partial.untyped_data());
+  auto* npd = reinterpret_cast<float*>(new_partial.untyped_data());
+  auto* qo = q_out ? reinterpret_cast<int8_t*>(q_out->untyped_data()) : nullptr;
+  auto* so = scales_out ? reinterpret_cast<float*>(scales_out->untyped_data()) : nullptr;
+  for (int64_t r = 0; r < p.layout.rows; ++r) {
+    const uint32_t key = seed ? RowKey(*seed, r) : 0;
+    ParallelFor(pool, nb, n * (qo ? 10 : 9), [&](int64_t b0, int64_t b1) {
+      cpu::RingHopInt8Blocks(qd + r * n, sd + r * nb, pd + r * n, n, p.block, b0, b1, stochastic,
+                             key, npd + r * n, qo ? qo + r * n : nullptr,
+                             so ? so + r * nb : nullptr);
+    });
+  }
+}
+
+ffi::Error RingHopInt8Impl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales, AnyBuffer partial,
+                           AnyBuffer seed, Result<AnyBuffer> new_partial,
+                           Result<AnyBuffer> q_out, Result<AnyBuffer> scales_out,
+                           int64_t block_size, bool stochastic) {
+  BlockPlan p;
+  JR_RETURN_IF_ERROR(PlanRingHopInt8("jaxring_ring_hop_int8", q, scales, partial, &seed,
+                                     *new_partial, &*q_out, &*scales_out, block_size, &p));
+  RingHopInt8Rows(pool, p, q, scales, partial, &seed, *new_partial, &*q_out, &*scales_out,
+                  stochastic);
+  return ffi::Error::Success();
+}
+
+ffi::Error RingHopInt8LastImpl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales,
+                               AnyBuffer partial, Result<AnyBuffer> new_partial,
+                               int64_t block_size) {
+  BlockPlan p;
+  JR_RETURN_IF_ERROR(PlanRingHopInt8("jaxring_ring_hop_int8_last", q, scales, partial, nullptr,
+                                     *new_partial, nullptr, nullptr, block_size, &p));
+  RingHopInt8Rows(pool, p, q, scales, partial, nullptr, *new_partial, nullptr, nullptr, false);
+  return ffi::Error::Success();
+}
+
+template <class C>
+void RingHopCastAll(ffi::ThreadPool& pool, int64_t total, const AnyBuffer& recv,
+                    const AnyBuffer& partial, AnyBuffer& new_partial, AnyBuffer* out) {
+  const auto* rd = reinterpret_cast<const typename C::T*>(recv.untyped_data());
+  const auto* pd = reinterpret_cast<const float*>(partial.untyped_data());
+  auto* npd = reinterpret_cast<float*>(new_partial.untyped_data());
+  auto* od = out ? reinterpret_cast<typename C::T*>(out->untyped_data()) : nullptr;
+  const int64_t bytes = total * static_cast<int64_t>(8 + (od ? 2 : 1) * sizeof(typename C::T));
+  ParallelFor(pool, total, bytes, [&](int64_t i0, int64_t i1) {
+    cpu::RingHopCastRange<C>(rd, pd, i0, i1, npd, od);
+  });
+}
+
+ffi::Error RingHopCast(std::string_view op, ffi::ThreadPool& pool, const AnyBuffer& recv,
+                       const AnyBuffer& partial, AnyBuffer& new_partial, AnyBuffer* out) {
+  RowLayout l;
+  JR_RETURN_IF_ERROR(PlanRingHopCast(op, recv, partial, new_partial, out, &l));
+  // Rows are contiguous and the op is elementwise: treat all rows as one.
+  const int64_t total = l.rows * l.cols;
+  switch (recv.element_type()) {
+    case DataType::F32: RingHopCastAll<cpu::F32>(pool, total, recv, partial, new_partial, out); break;
+    case DataType::BF16: RingHopCastAll<cpu::Bf16>(pool, total, recv, partial, new_partial, out); break;
+    default: RingHopCastAll<cpu::F16>(pool, total, recv, partial, new_partial, out); break;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RingHopCastImpl(ffi::ThreadPool pool, AnyBuffer recv, AnyBuffer partial,
+                           Result<AnyBuffer> new_partial, Result<AnyBuffer> out) {
+  return RingHopCast("jaxring_ring_hop_cast", pool, recv, partial, *new_partial, &*out);
+}
+
+ffi::Error RingHopCastLastImpl(ffi::ThreadPool pool, AnyBuffer recv, AnyBuffer partial,
+                               Result<AnyBuffer> new_partial) {
+  return RingHopCast("jaxring_ring_hop_cast_last", pool, recv, partial, *new_partial, nullptr);
+}
+
+ffi::Error ChunkNormsImpl(ffi::ThreadPool pool, AnyBuffer x, Result<AnyBuffer> norms,
+                          int64_t chunk_size) {
+  ChunkPlan p;
+  JR_RETURN_IF_ERROR(PlanChunkNorms("jaxring_chunk_norms", x, *norms, chunk_size, &p));
+  const auto* xd = reinterpret_cast<const float*>(x.untyped_data());
+  auto* nd = reinterpret_cast<float*>(norms->untyped_data());
+  const int64_t n = p.layout.cols;
+  for (int64_t r = 0; r < p.layout.rows; ++r)
+    ParallelFor(pool, p.chunks, n * 4, [&](int64_t c0, int64_t c1) {
+      cpu::ChunkNormsRange(xd + r * n, n, p.chunk, c0, c1, nd + r * p.chunks);
+    });
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckIndices(std::string_view op, const ChunkPlan& p, const int32_t* idx) {
+  for (int64_t i = 0; i < p.layout.rows * p.k; ++i)
+    if (idx[i] < 0 || idx[i] >= p.chunks)
+      return InvalidArgument(op, "idx[", i, "] = ", idx[i], " is out of range: x has ", p.chunks,
+                             " chunks of ", p.chunk, " elements");
+  return ffi::Error::Success();
+}
+
+ffi::Error GatherChunksImpl(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer idx,
+                            Result<AnyBuffer> out, int64_t chunk_size) {
+  constexpr std::string_view op = "jaxring_gather_chunks";
+  ChunkPlan p;
+  JR_RETURN_IF_ERROR(PlanGather(op, x, idx, *out, chunk_size, &p));
+  const auto* id = reinterpret_cast<const int32_t*>(idx.untyped_data());
+  JR_RETURN_IF_ERROR(CheckIndices(op, p, id));
+  const size_t w = ffi::ByteWidth(x.element_type());
+  const auto* xd = reinterpret_cast<const char*>(x.untyped_data());
+  auto* od = reinterpret_cast<char*>(out->untyped_data());
+  const int64_t n = p.layout.cols, packed = p.k * p.chunk;
+  for (int64_t r = 0; r < p.layout.rows; ++r)
+    ParallelFor(pool, p.k, 2 * packed * static_cast<int64_t>(w), [&](int64_t j0, int64_t j1) {
+      cpu::GatherChunksRange(xd + r * n * w, n, id + r * p.k, p.chunk, w, j0, j1,
+                             od + r * packed * w);
+    });
+  return ffi::Error::Success();
+}
+
+// The result aliases x (input_output_aliases={0: 0}), so normally no copy is made; XLA inserts
+// one itself when x is still live.
+ffi::Error ScatterAddChunksImpl(AnyBuffer x, AnyBuffer idx, AnyBuffer packed,
+                                Result<AnyBuffer> out, int64_t chunk_size) {
+  constexpr std::string_view op = "jaxring_scatter_add_chunks";
+  ChunkPlan p;
+  JR_RETURN_IF_ERROR(PlanScatterAdd(op, x, idx, packed, *out, chunk_size, &p));
+  const auto* id = reinterpret_cast<const int32_t*>(idx.untyped_data());
+  JR_RETURN_IF_ERROR(CheckIndices(op, p, id));
+  auto* od = reinterpret_cast<float*>(out->untyped_data());
+  if (out->untyped_data() != x.untyped_data())
+    std::memcpy(od, x.untyped_data(), x.size_bytes());
+  const auto* pd = reinterpret_cast<const float*>(packed.untyped_data());
+  const int64_t n = p.layout.cols, np = p.k * p.chunk;
+  for (int64_t r = 0; r < p.layout.rows; ++r)
+    cpu::ScatterAddChunks(id + r * p.k, p.k, pd + r * np, n, p.chunk, od + r * n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxring
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringQuantizeInt8Cpu, jaxring::QuantizeInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // seed
+                                  .Ret<ffi::AnyBuffer>()  // q
+                                  .Ret<ffi::AnyBuffer>()  // scales
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("stochastic"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringDequantizeInt8Cpu, jaxring::DequantizeInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Ret<ffi::AnyBuffer>()  // x
+                                  .Attr<int64_t>("block_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopInt8Cpu, jaxring::RingHopInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Arg<ffi::AnyBuffer>()  // partial
+                                  .Arg<ffi::AnyBuffer>()  // seed
+                                  .Ret<ffi::AnyBuffer>()  // new_partial
+                                  .Ret<ffi::AnyBuffer>()  // q_out
+                                  .Ret<ffi::AnyBuffer>()  // scales_out
+                                  .Attr<int64_t>("block_size")
+                                  .Attr<bool>("stochastic"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopInt8LastCpu, jaxring::RingHopInt8LastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Arg<ffi::AnyBuffer>()  // partial
+                                  .Ret<ffi::AnyBuffer>()  // new_partial
+                                  .Attr<int64_t>("block_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopCastCpu, jaxring::RingHopCastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // recv
+                                  .Arg<ffi::AnyBuffer>()   // partial
+                                  .Ret<ffi::AnyBuffer>()   // new_partial
+                                  .Ret<ffi::AnyBuffer>());  // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopCastLastCpu, jaxring::RingHopCastLastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()   // recv
+                                  .Arg<ffi::AnyBuffer>()   // partial
+                                  .Ret<ffi::AnyBuffer>());  // new_partial
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringChunkNormsCpu, jaxring::ChunkNormsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Ret<ffi::AnyBuffer>()  // norms
+                                  .Attr<int64_t>("chunk_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringGatherChunksCpu, jaxring::GatherChunksImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // idx
+                                  .Ret<ffi::AnyBuffer>()  // packed
+                                  .Attr<int64_t>("chunk_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringScatterAddChunksCpu, jaxring::ScatterAddChunksImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // idx
+                                  .Arg<ffi::AnyBuffer>()  // packed
+                                  .Ret<ffi::AnyBuffer>()  // x + scattered packed
+                                  .Attr<int64_t>("chunk_size"));

@@ -1,0 +1,30 @@
+// The FFI handler symbols, one per target and platform (defined in cpu_handlers.cc and, when
+// CUDA is built, cuda_kernels.cu). ext.cc hands them to Python.
+#ifndef JAXRING_XLA_EXT_HANDLERS_H_
+#define JAXRING_XLA_EXT_HANDLERS_H_
+
+#include "xla/ffi/api/api.h"
+
+// X(target name, symbol stem): the target is registered as "jaxring_<name>".
+#define JAXRING_FOR_EACH_TARGET(X)            \
+  X("quantize_int8", JaxringQuantizeInt8)     \
+  X("dequantize_int8", JaxringDequantizeInt8) \
+  X("ring_hop_int8", JaxringRingHopInt8)      \
+  X("ring_hop_int8_last", JaxringRingHopInt8Last) \
+  X("ring_hop_cast", JaxringRingHopCast)      \
+  X("ring_hop_cast_last", JaxringRingHopCastLast) \
+  X("chunk_norms", JaxringChunkNorms)         \
+  X("gather_chunks", JaxringGatherChunks)     \
+  X("scatter_add_chunks", JaxringScatterAddChunks)
+
+#define JAXRING_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);
+JAXRING_FOR_EACH_TARGET(JAXRING_DECLARE_CPU)
+#undef JAXRING_DECLARE_CPU
+
+#ifdef JAXRING_WITH_CUDA
+#define JAXRING_DECLARE_CUDA(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cuda);
+JAXRING_FOR_EACH_TARGET(JAXRING_DECLARE_CUDA)
+#undef JAXRING_DECLARE_CUDA
+#endif
+
+#endif  // JAXRING_XLA_EXT_HANDLERS_H_

@@ -1,0 +1,152 @@
+// Numerics shared by the CPU and CUDA kernels: the int8 block-scale rule, rounding, the
+// stochastic-rounding hash and the 16-bit float conversions. Every rule here is also written
+// once in jaxring/_src/ext/reference.py; the two must stay bit-identical.
+#ifndef JAXRING_XLA_EXT_NUMERICS_H_
+#define JAXRING_XLA_EXT_NUMERICS_H_
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define JR_HD __host__ __device__ __forceinline__
+#else
+#define JR_HD inline __attribute__((always_inline))
+#endif
+
+namespace jaxring {
+
+// Largest int8 code; codes are symmetric in [-127, 127] so that -128 is never produced.
+constexpr float kQMax = 127.0f;
+// Bits of |x| at or above this mean Inf or NaN (the f32 exponent is all ones).
+constexpr uint32_t kNonFiniteBits = 0x7f800000u;
+// Blocks whose max|x| is below 2^-100 encode as zeros: it keeps scale = amax/127 and
+// 1/scale normal f32 numbers, so results do not depend on the denormal mode (XLA:CPU runs
+// with flush-to-zero) and 127/amax cannot overflow.
+constexpr uint32_t kMinAmaxBits = 0x0d800000u;  // 2^-100
+
+JR_HD uint32_t F32Bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+JR_HD float BitsF32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// |x| as bits: for non-negative floats the integer order is the float order, and NaN bits
+// exceed Inf bits, so one integer max over a block finds max|x| and detects Inf/NaN at once
+// (and, unlike a float max, it vectorizes without -ffast-math).
+JR_HD uint32_t AbsBits(float x) { return F32Bits(x) & 0x7fffffffu; }
+
+struct BlockScale {
+  float scale;  // what goes on the wire: decode is q * scale
+  float inv;    // what encode multiplies by: 127 / amax, or 0 for zero and non-finite blocks
+};
+
+// The block-scale rule, from the bits of max|x| over the block:
+//   finite, >= 2^-100: scale = amax / 127, inv = 127 / amax   (both correctly rounded f32)
+//   below 2^-100:      scale = 0, inv = 0                      (decodes to zeros)
+//   Inf or NaN inside: scale = NaN, inv = 0                    (decodes to NaN, never hidden)
+JR_HD BlockScale ScaleFromAmaxBits(uint32_t amax_bits) {
+  if (amax_bits >= kNonFiniteBits) return {BitsF32(0x7fc00000u), 0.0f};
+  if (amax_bits < kMinAmaxBits) return {0.0f, 0.0f};
+  const float amax = BitsF32(amax_bits);
+  return {amax / kQMax, kQMax / amax};
+}
+
+// Round half to even, exact for |v| < 2^22 (codes are within +-128): adding 1.5 * 2^23 pushes
+// the fraction out of the mantissa under the default rounding mode. Vectorizes on plain SSE2.
+JR_HD float RoundEvenSmall(float v) {
+#if defined(__CUDA_ARCH__)
+  return rintf(v);
+#else
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  return (v + kMagic) - kMagic;
+#endif
+}
+
+JR_HD float FloorSmall(float v) {
+#if defined(__CUDA_ARCH__)
+  return floorf(v);
+#else
+  const float r = RoundEvenSmall(v);
+  return r > v ? r - 1.0f : r;
+#endif
+}
+
+JR_HD float ClampCode(float r) {
+  r = r < -kQMax ? -kQMax : r;
+  return r > kQMax ? kQMax : r;
+}
+
+// Stochastic rounding: a counter-based hash (lowbias32 by C. Wellons) of the element index
+// within its row, keyed by the seed. u in [0, 1) with 24 random bits.
+JR_HD uint32_t Mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+JR_HD uint32_t SeedKey(uint32_t seed) { return Mix32(seed + 0x9e3779b9u); }
+
+JR_HD float Uniform01(uint32_t key, uint32_t index) {
+  return static_cast<float>(static_cast<int32_t>(Mix32(index ^ key) >> 8)) * 5.9604644775390625e-08f;
+}
+
+// --- 16-bit floats, round to nearest even, NaN stays NaN (quiet) -------------------------
+
+JR_HD float Bf16ToF32(uint16_t h) { return BitsF32(static_cast<uint32_t>(h) << 16); }
+
+JR_HD uint16_t F32ToBf16(float f) {
+  const uint32_t u = F32Bits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > kNonFiniteBits ? nan : rounded);
+}
+
+// Branch-free IEEE binary16 conversions (after F. Giesen's half_to_float / float_to_half_rtne)
+// so that the loops over them vectorize.
+JR_HD float F16ToF32(uint16_t h) {
+  const uint32_t shifted_exp = 0x7c00u << 13;
+  uint32_t o = (static_cast<uint32_t>(h) & 0x7fffu) << 13;
+  const uint32_t exp = shifted_exp & o;
+  o += (127u - 15u) << 23;
+  const uint32_t inf_nan = o + ((128u - 16u) << 23);
+  // Subnormal halves: renormalize through one f32 subtraction (all operands are normal).
+  const float sub = BitsF32(o + (1u << 23)) - BitsF32(113u << 23);
+  o = exp == shifted_exp ? inf_nan : (exp == 0 ? F32Bits(sub) : o);
+  return BitsF32(o | ((static_cast<uint32_t>(h) & 0x8000u) << 16));
+}
+
+JR_HD uint16_t F32ToF16(float f) {
+  const uint32_t u = F32Bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  // Overflow (>= 65520 after rounding) -> Inf; NaN -> quiet NaN.
+  const uint32_t big = a > kNonFiniteBits ? 0x7e00u : 0x7c00u;
+  // Subnormal results: the f32 add aligns the mantissa and rounds to nearest even.
+  const uint32_t denorm_magic = ((127u - 15u) + (23u - 10u) + 1u) << 23;
+  const uint32_t small = F32Bits(BitsF32(a) + BitsF32(denorm_magic)) - denorm_magic;
+  const uint32_t mant_odd = (a >> 13) & 1u;
+  const uint32_t normal = (a + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + mant_odd) >> 13;
+  const uint32_t o = a >= ((127u + 16u) << 23) ? big : (a < (113u << 23) ? small : normal);
+  return static_cast<uint16_t>(o | sign);
+}
+
+}  // namespace jaxring
+
+#endif  // JAXRING_XLA_EXT_NUMERICS_H_
