@@ -8,6 +8,7 @@ from jaxring._src.collectives import all_gather as all_gather
 from jaxring._src.collectives import pmean as pmean
 from jaxring._src.collectives import psum as psum
 from jaxring._src.collectives import psum_scatter as psum_scatter
+from jaxring._src.error_feedback import reduce_gradients as reduce_gradients
 from jaxring._src.topology import Level as Level
 from jaxring._src.topology import Topology as Topology
 from jaxring._src.topology import default_topology as default_topology

@@ -1,3 +1,17 @@
-"""Codecs for ``compression=``: what crosses a link (re-exported from jaxring._src.codecs)."""
+"""Codecs for ``compression=``: what crosses a link (re-exported from jaxring._src.codecs).
+
+``none()`` (own dtype), ``bf16()`` / ``fp16()`` (16-bit floats), ``int8(block_size, stochastic)``
+(blockwise int8, re-encoded at every ring hop) and ``topk_chunks(density, chunk_size, inner)``
+(coarse-grained sparse all-reduce). Partial sums are always accumulated in f32 or wider.
+"""
+from jaxring._src.codecs import Bf16 as Bf16
+from jaxring._src.codecs import CastCodec as CastCodec
 from jaxring._src.codecs import Codec as Codec
+from jaxring._src.codecs import Fp16 as Fp16
+from jaxring._src.codecs import Int8 as Int8
+from jaxring._src.codecs import TopKChunks as TopKChunks
+from jaxring._src.codecs import bf16 as bf16
+from jaxring._src.codecs import fp16 as fp16
+from jaxring._src.codecs import int8 as int8
 from jaxring._src.codecs import none as none
+from jaxring._src.codecs import topk_chunks as topk_chunks

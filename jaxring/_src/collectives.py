@@ -7,6 +7,7 @@ flat buffer and reduced by the planned algorithm: ``xla`` (the native collective
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -27,9 +28,15 @@ def _axes(axis_name) -> tuple:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _sizes(axes: tuple) -> tuple[int, ...]:
-  # lax.axis_size raises NameError("unbound axis name: ...") for an unbound axis, as lax.psum does.
-  return tuple(int(lax.axis_size(a)) for a in axes)
+def _sizes(axes: tuple, op: str) -> tuple[int, ...]:
+  sizes = []
+  for a in axes:
+    try:
+      sizes.append(int(lax.axis_size(a)))
+    except NameError:
+      raise NameError(f"Found an unbound axis name: {a}. To fix this, please call jaxring.{op} "
+                      "under `jax.shard_map` or `jax.pmap`.") from None
+  return tuple(sizes)
 
 
 def _validate_compression(compression) -> None:
@@ -46,6 +53,14 @@ def _lossy(compression) -> bool:
   if isinstance(compression, dict):
     return any(c is not None and c.lossy for c in compression.values())
   return compression is not None and compression.lossy
+
+
+def _check_per_hop(plan: Plan, op: str) -> None:
+  bad = [c for c in plan.codecs if not c.per_hop]
+  if bad:
+    raise NotImplementedError(
+        f"jaxring.{op}: {bad[0].name} wraps a whole all-reduce and has no reduce-scatter or "
+        "all-gather form; use it with psum, pmean or reduce_gradients")
 
 
 def _check_groups(algorithm, compression, op: str) -> None:
@@ -75,6 +90,14 @@ def _pad_to(flat, multiple: int):
 
 def all_reduce_flat(flat, dtype, axes: tuple, plan: Plan, *, want_error: bool = False):
   """Reduces a flat accumulator-dtype buffer by a non-``xla`` plan; returns (sum, error or None)."""
+  wrapper = next((c for c in plan.codecs if not c.per_hop), None)
+  if wrapper is not None:  # topk_chunks: chooses what to send, then runs the plan on that
+    dense = dataclasses.replace(plan, codecs=tuple(
+        c.dense_codec(dtype) if not c.per_hop else c for c in plan.codecs))
+    return wrapper.all_reduce(
+        flat, dtype, reduce_norms=lambda v: lax.psum(v, axes if len(axes) > 1 else axes[0]),
+        reduce_dense=lambda buf, err: all_reduce_flat(buf, dtype, axes, dense, want_error=err),
+        want_error=want_error)
   n = flat.shape[0]
   buf = _pad_to(flat, plan.size * plan.align)
   if plan.kind == "ring":
@@ -118,7 +141,7 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", co
     _check_groups(algorithm, compression, "psum")
     return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
   leaves, treedef = _prep(x)
-  sizes = _sizes(axes)
+  sizes = _sizes(axes, "psum")
   out = list(leaves)
   by_dtype: dict[Any, list[int]] = {}
   for i, leaf in enumerate(leaves):
@@ -147,7 +170,7 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", co
 def _group_size(axes, axis_index_groups) -> int:
   if axis_index_groups is not None:
     return len(axis_index_groups[0])
-  return math.prod(_sizes(axes))
+  return math.prod(_sizes(axes, "pmean"))
 
 
 def pmean(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", compression=None):
@@ -189,7 +212,7 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
   if axis_index_groups is not None or algorithm == "xla" or not axes:
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                             axis_index_groups=axis_index_groups, tiled=tiled)
-  sizes = _sizes(axes)
+  sizes = _sizes(axes, "psum_scatter")
   p = math.prod(sizes)
   leaves, treedef = _prep(x)
   out = []
@@ -197,13 +220,16 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
     shape = np.shape(leaf)
     d = _canon_dim(scatter_dimension, len(shape), "scatter_dimension")
     if tiled and shape[d] % p:
-      raise ValueError(f"psum_scatter (tiled): dimension {d} of size {shape[d]} is not divisible "
-                       f"by the size {p} of axis {axis_name!r}")
+      raise ValueError(f"tiled reduce_scatter operand scatter dimension size {shape[d]} must be "
+                       f"divisible by shard_count {p} (jaxring.psum_scatter over {axis_name!r}, "
+                       f"scatter_dimension={d})")
     if not tiled and shape[d] != p:
-      raise ValueError(f"psum_scatter: dimension {d} of size {shape[d]} must equal the size {p} of "
-                       f"axis {axis_name!r} when tiled=False")
+      raise ValueError(f"reduce_scatter operand scatter dimension size {shape[d]} must match shard "
+                       f"count {p} (jaxring.psum_scatter over {axis_name!r}, scatter_dimension={d},"
+                       " tiled=False)")
     dtype = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
     plan = make_plan(axes, sizes, np.size(leaf) * dtype.itemsize, dtype, algorithm, compression)
+    _check_per_hop(plan, "psum_scatter")
     if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
       out.append(lax.psum_scatter(leaf, axis_name, scatter_dimension=d, tiled=tiled))
       continue
@@ -219,6 +245,8 @@ def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
   m_pad = -(-max(m, 1) // plan.align) * plan.align
   rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
   if plan.kind == "ring":
+    if plan.member_order is not None:
+      rows = rows[np.asarray(plan.member_order)]
     shard, _ = ring.reduce_scatter(rows.reshape(-1), plan.groups[0], plan.codecs[0], dtype, XLA)
   else:
     rows = rows[np.asarray(hierarchical.chunk_permutation(list(plan.groups), list(plan.strides)))]
@@ -247,7 +275,7 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
     _check_groups(algorithm, compression, "all_gather")
   if axis_index_groups is not None or algorithm == "xla" or not axes:
     return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled)
-  sizes = _sizes(axes)
+  sizes = _sizes(axes, "all_gather")
   p = math.prod(sizes)
   leaves, treedef = _prep(x)
   out = []
@@ -259,6 +287,7 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
       raise ValueError("all_gather: tiled=True needs an array of rank >= 1, got a scalar")
     dtype = jnp.dtype(leaf.dtype)
     plan = make_plan(axes, sizes, leaf.size * dtype.itemsize * p, dtype, algorithm, compression)
+    _check_per_hop(plan, "all_gather")
     if plan.kind == "xla" or p == 1 or leaf.size == 0:
       out.append(lax.all_gather(leaf, axis_name, axis=ax, tiled=tiled))
       continue
@@ -274,6 +303,8 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   if plan.kind == "ring":
     gathered = ring.ring_all_gather_payload(payload, plan.groups[0], XLA)
     rows = codec.decode(gathered, dtype).reshape(p, -1)
+    if plan.member_order is not None:
+      rows = rows[np.argsort(np.asarray(plan.member_order))]
   else:
     gathered = hierarchical.all_gather(payload, list(plan.groups), XLA)
     rows = codec.decode(gathered, dtype).reshape(p, -1)

@@ -27,6 +27,10 @@ class Plan:
   codecs: tuple[Codec, ...] = ()
   algos: tuple[str, ...] = ()     # per level: "xla" | "ring"
   strides: tuple[int, ...] = ()   # each level's weight in the member's linear index
+  # ring over several axes: the ring runs in mesh axis order (ppermute over axes named out of mesh
+  # order transposes wrongly in jax 0.10); member_order[k] is the lax-numbered index (axes as the
+  # caller named them) of the member at ring position k. None when the orders agree.
+  member_order: tuple[int, ...] | None = None
 
   @property
   def align(self) -> int:
@@ -126,8 +130,11 @@ def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm
     return Plan("xla")
   if kind == "ring" or len(groups) == 1:
     # one ring over every member: the codec of the slowest level travels on it
-    g = whole_group(tuple(axes), math.prod(sizes), groups[-1].name) if len(groups) > 1 else groups[0]
-    return Plan("ring", (g,), (codecs[-1],), ("ring",), (1,))
+    if len(axes) == 1:
+      return Plan("ring", (groups[0],), (codecs[-1],), ("ring",), (1,))
+    ring_axes, order = _mesh_order(tuple(axes), tuple(sizes))
+    g = whole_group(ring_axes, math.prod(sizes), groups[-1].name)
+    return Plan("ring", (g,), (codecs[-1],), ("ring",), (1,), order)
   algos = []
   for i, (g, c) in enumerate(zip(groups, codecs)):
     a = algorithm.get(g.name, "auto") if isinstance(algorithm, dict) else "auto"
@@ -142,6 +149,28 @@ def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm
       raise ValueError(f"level {g.name!r} cannot use algorithm 'xla': {why}")
     algos.append(a)
   return Plan("hierarchical", tuple(groups), tuple(codecs), tuple(algos), tuple(strides))
+
+
+def _mesh_order(axes: tuple, sizes: tuple) -> tuple[tuple, tuple[int, ...] | None]:
+  try:
+    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no mesh in context (pmap): keep the caller's order
+    mesh_names = ()
+  if not set(axes) <= set(mesh_names):
+    return axes, None
+  ordered = tuple(a for a in mesh_names if a in axes)
+  if ordered == axes:
+    return axes, None
+  size_of = dict(zip(axes, sizes))
+  weight = {a: math.prod(sizes[i + 1:]) for i, a in enumerate(axes)}  # lax numbering
+  order = []
+  for k in range(math.prod(sizes)):
+    rem, idx = k, 0
+    for a in reversed(ordered):
+      idx += (rem % size_of[a]) * weight[a]
+      rem //= size_of[a]
+    order.append(idx)
+  return ordered, tuple(order)
 
 
 def _auto(nbytes: int, levels, codecs, lossy: bool) -> str:
