@@ -106,7 +106,12 @@ def all_reduce_flat(flat, dtype, axes: tuple, plan: Plan, *, want_error: bool = 
   else:
     out, err = hierarchical.all_reduce(buf, list(plan.groups), list(plan.codecs), list(plan.algos),
                                        dtype, XLA, want_error=want_error)
-  return out[:n], (None if err is None else err[:n])
+  covered = {a for g in plan.groups for a in g.axes}
+  trivial = tuple(a for a in axes if a not in covered)
+  out = out[:n]
+  if trivial:  # size-1 axes: a no-op all-reduce, but it types the result invariant over them
+    out = lax.psum(out, trivial)
+  return out, (None if err is None else err[:n])
 
 
 def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", compression=None):

@@ -83,6 +83,8 @@ def levels_for(axes: tuple, sizes: tuple[int, ...], order: tuple | None = None):
     size_of = dict(zip(axes, sizes))
     # linear index over `axes` as given: row-major, the first axis most significant
     weight = {a: math.prod(sizes[i + 1:]) for i, a in enumerate(axes)}
+    # a size-1 axis is no level (all_reduce_flat still types the result invariant over it)
+    names = tuple(n for n in names if size_of[n] > 1) or names[:1]
     groups = [whole_group((n,), size_of[n], n) for n in names]
     return groups, _level_params(names, tuple(size_of[n] for n in names)), [weight[n] for n in names]
   total = sizes[0]

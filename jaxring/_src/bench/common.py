@@ -1,0 +1,96 @@
+"""What every benchmark shares: emulated devices, allocator, timing, tables and JSON results."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "results")
+_TCMALLOC_GLOBS = ("/usr/lib/*/libtcmalloc_minimal.so*", "/usr/lib/*/libtcmalloc.so*",
+                   "/usr/lib/libtcmalloc*.so*")
+
+
+def set_cpu_devices(n: int) -> None:
+  """Asks XLA for ``n`` CPU devices; must run before jax initializes its backends."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+  import jax
+  jax.config.update("jax_num_cpu_devices", n)
+
+
+def allocator() -> str:
+  pre = os.environ.get("LD_PRELOAD", "")
+  return f"tcmalloc ({pre})" if "tcmalloc" in pre else "glibc malloc"
+
+
+def maybe_reexec_with_tcmalloc(argv: Sequence[str]) -> None:
+  """Re-executes this process with tcmalloc preloaded when it is installed and not yet loaded.
+
+  XLA:CPU collectives are dominated by allocating fresh output buffers; glibc malloc makes every
+  contender 4-5x slower and noisier (../shared/ENVIRONMENT.md). Set JAXRING_NO_TCMALLOC=1 to opt out.
+  """
+  if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or os.environ.get("JAXRING_NO_TCMALLOC"):
+    return
+  libs = sorted(p for g in _TCMALLOC_GLOBS for p in glob.glob(g))
+  if not libs:
+    return
+  env = dict(os.environ, LD_PRELOAD=libs[0])
+  os.execve(sys.executable, [sys.executable, "-m", "jaxring", *argv], env)
+
+
+def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> tuple[float, list[float]]:
+  for _ in range(warmup):
+    _block(fn())
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    _block(fn())
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), times
+
+
+def _block(out):
+  import jax
+  jax.block_until_ready(out)
+
+
+def fmt_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f}{unit}" if unit == "B" or n == int(n) else f"{n:.1f}{unit}"
+    n /= 1024
+  return str(n)
+
+
+def print_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> None:
+  """Prints ``rows`` as an aligned table; columns are (key, header, format spec)."""
+  cells = [[h for _, h, _ in columns]]
+  for r in rows:
+    cells.append([("" if r.get(k) is None else format(r[k], f)) for k, _, f in columns])
+  widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+  for i, c in enumerate(cells):
+    print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+    if i == 0:
+      print("  ".join("-" * w for w in widths))
+
+
+def machine() -> dict:
+  import jax
+  return {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+          "jax": jax.__version__, "devices": [str(d) for d in jax.devices()][:4],
+          "device_count": jax.device_count(), "allocator": allocator()}
+
+
+def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
+  out_dir = os.path.abspath(out_dir or RESULTS_DIR)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=1, default=str)
+  return path

@@ -1,0 +1,186 @@
+"""``jaxring cluster``: namespaces, shaped links, jobs run inside them, clean tear-down (root).
+
+One 2-node cluster with 100 Mbit/s links is shared by the tests of this module and always torn
+down at the end, even when a test fails.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+import multiproc as mp
+
+pytestmark = pytest.mark.netns
+
+RATE = "100mbit"
+RATE_BYTES = 100e6 / 8
+NAME = f"jrt{os.getpid() % 100000}"
+CLI = [sys.executable, "-m", "jaxring._src.cluster"]
+
+
+def _skip_reason() -> str | None:
+  if sys.platform != "linux":
+    return "network namespaces are Linux-only"
+  if os.geteuid() != 0:
+    return "creating network namespaces needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN)"
+  if shutil.which("ip") is None or shutil.which("tc") is None:
+    return "iproute2 (ip, tc) is not installed"
+  if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+    return "`ip netns` is not available here"
+  return None
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+  return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                        env=mp.clean_env())
+
+
+def namespaces() -> set[str]:
+  out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+  return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  if reason := _skip_reason():
+    pytest.skip(reason)
+  from jaxring._src.cluster import netns
+  try:
+    up = cli("up", "--name", NAME, "--nodes", "2", "--link", RATE)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield netns.load_state(NAME)
+  finally:
+    cli("down", "--name", NAME)
+
+
+@pytest.mark.timeout(60)
+def test_up_creates_namespaces_links_and_qdiscs(cluster):
+  assert {f"{NAME}-br", f"{NAME}-n0", f"{NAME}-n1"} <= namespaces()
+  for node in range(2):
+    ns = f"{NAME}-n{node}"
+    addr = subprocess.run(["ip", "-n", ns, "-brief", "addr", "show", "dev", "jreth0"],
+                          capture_output=True, text=True).stdout
+    assert cluster.address(node) in addr and "UP" in addr, addr
+    lo = subprocess.run(["ip", "-n", ns, "-brief", "link", "show", "dev", "lo"],
+                        capture_output=True, text=True).stdout
+    assert "UNKNOWN" in lo or "UP" in lo, lo
+    qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "jreth0"],
+                           capture_output=True, text=True).stdout
+    assert re.search(r"tbf .*rate 100Mbit", qdisc), qdisc
+  bridge_side = subprocess.run(["tc", "-n", f"{NAME}-br", "qdisc", "show"], capture_output=True,
+                               text=True).stdout
+  assert len(re.findall(r"tbf .*rate 100Mbit", bridge_side)) == 2, bridge_side
+  status = cli("status", "--name", NAME)
+  assert status.returncode == 0 and "MISSING" not in status.stdout, status.stdout
+
+
+@pytest.mark.timeout(60)
+def test_link_between_namespaces_is_shaped(cluster):
+  from jaxring._src.cluster import netns
+  nbytes, port = 8 << 20, 23456
+  before = netns.interface_counters(f"{NAME}-n0")
+  recv = subprocess.Popen(["ip", "netns", "exec", f"{NAME}-n1", *mp.python_worker(
+      "tcp_rate.py", "recv", str(port), str(nbytes))], stdout=subprocess.PIPE, text=True)
+  try:
+    assert recv.stdout.readline().strip() == "listening"
+    subprocess.run(["ip", "netns", "exec", f"{NAME}-n0", *mp.python_worker(
+        "tcp_rate.py", "send", cluster.address(1), str(port), str(nbytes))], check=True,
+                   timeout=30)
+    out = recv.communicate(timeout=30)[0]
+  finally:
+    if recv.poll() is None:
+      recv.kill()
+      recv.wait(timeout=10)
+  got, seconds = re.search(r"received (\d+) bytes in ([\d.]+) s", out).groups()
+  assert int(got) == nbytes
+  rate = nbytes / float(seconds)
+  # Above the limit only by what the 256 kB burst lets through at once; far above means unshaped.
+  assert rate < 1.2 * RATE_BYTES, f"{rate / 1e6:.1f} MB/s through a {RATE} link"
+  assert rate > 0.5 * RATE_BYTES, f"{rate / 1e6:.1f} MB/s through a {RATE} link"
+  sent = netns.interface_counters(f"{NAME}-n0")["tx_bytes"] - before["tx_bytes"]
+  assert nbytes <= sent < 1.1 * nbytes, sent
+
+
+@pytest.mark.timeout(120)
+def test_run_jax_psum_across_two_nodes(cluster):
+  t0 = time.monotonic()
+  run = cli("run", "--name", NAME, "--procs-per-node", "1", "--devices-per-proc", "2",
+            "--timeout", "90", "--", *mp.python_worker("dist_allreduce.py", "--calls", "50"),
+            timeout=110)
+  out = run.stdout + run.stderr
+  assert run.returncode == 0, out
+  for rank in range(2):
+    assert f"[r{rank}] process {rank}/2: 2 devices, topology ('local', 'node') [2, 2]" in out, out
+    assert f"[r{rank}] process {rank}: OK lax calls=50" in out, out
+  assert time.monotonic() - t0 < 110
+
+
+@pytest.mark.timeout(60)
+def test_run_timeout_kills_and_names_the_unfinished_rank(cluster):
+  code = ("import os, time; r = int(os.environ['JAXRING_PROCESS_ID']); "
+          "print('started', r, flush=True); time.sleep(60 if r == 1 else 0)")
+  t0 = time.monotonic()
+  run = cli("run", "--name", NAME, "--timeout", "3", "--", sys.executable, "-c", code)
+  assert run.returncode == 124, run.stdout + run.stderr
+  assert "rank(s) 1 (node 1) did not finish within --timeout 3 s" in run.stderr, run.stderr
+  assert time.monotonic() - t0 < 30
+  leftover = subprocess.run(["ip", "netns", "pids", f"{NAME}-n1"], capture_output=True,
+                            text=True).stdout.split()
+  assert not leftover, f"processes left in {NAME}-n1: {leftover}"
+
+
+@pytest.mark.timeout(60)
+def test_run_propagates_exit_status(cluster):
+  code = "import os, sys; sys.exit(7 if os.environ['JAXRING_PROCESS_ID'] == '1' else 0)"
+  run = cli("run", "--name", NAME, "--timeout", "30", "--", sys.executable, "-c", code)
+  assert run.returncode == 7, run.stdout + run.stderr
+  assert "rank 1 (node 1) ended with exit status 7" in run.stderr, run.stderr
+
+
+@pytest.mark.timeout(90)
+def test_run_mpi_allreduce_in_namespaces(cluster):
+  mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+  if not os.path.exists(mpirun):
+    pytest.skip("MPICH's mpirun is not installed next to this Python")
+  code = ("from mpi4py import MPI; import numpy as np; c = MPI.COMM_WORLD; "
+          "x = np.full(1 << 18, c.rank + 1.0); y = np.empty_like(x); c.Allreduce(x, y); "
+          "import sys; sys.stdout.write(f'SUM {c.rank} {c.size} {y.min()} {y.max()}\\n')")
+  from jaxring._src.cluster import netns
+  before = [c["tx_bytes"] for c in netns.link_counters(NAME)]
+  run = cli("run", "--name", NAME, "--transport", "mpi", "--procs-per-node", "2", "--timeout",
+            "60", "--", sys.executable, "-c", code, timeout=80)
+  out = run.stdout + run.stderr
+  assert run.returncode == 0, out
+  assert len(re.findall(r"SUM \d 4 10.0 10.0", out)) == 4, out
+  sent = [c["tx_bytes"] - b for c, b in zip(netns.link_counters(NAME), before)]
+  # 2 MiB per rank crossed between the nodes: the ranks used the links, not shared memory.
+  assert all(s > 1 << 20 for s in sent), sent
+
+
+@pytest.mark.timeout(60)
+def test_down_deletes_everything_and_is_idempotent(cluster):
+  down = cli("down", "--name", NAME)
+  assert down.returncode == 0, down.stderr
+  assert not {f"{NAME}-br", f"{NAME}-n0", f"{NAME}-n1"} & namespaces()
+  assert "not up" in cli("status", "--name", NAME).stdout
+  again = cli("down", "--name", NAME)
+  assert again.returncode == 0 and "nothing to delete" in again.stdout, again.stdout
+
+
+@pytest.mark.timeout(60)
+def test_without_root_the_error_names_the_missing_capability():
+  if shutil.which("setpriv") is None or os.geteuid() != 0:
+    pytest.skip("needs root and setpriv to run a command as an unprivileged user")
+  env = mp.clean_env(XDG_RUNTIME_DIR="/nonexistent")
+  proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                         "--inh-caps=-all", *CLI, "up", "--name", "jrnoroot", "--nodes", "2"],
+                        capture_output=True, text=True, timeout=60, env=env)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert "needs root" in proc.stderr and "CAP_NET_ADMIN" in proc.stderr, proc.stderr
+  assert "jrnoroot-n0" not in namespaces()

@@ -1,0 +1,139 @@
+"""jaxring.distributed with real processes on 127.0.0.1: results, failures, barriers.
+
+Each test spawns worker processes (tests/workers/) that call ``jaxring.distributed.initialize()``
+with their settings in ``JAXRING_*`` variables, exactly as ``jaxring cluster run`` starts them.
+"""
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+
+import multiproc as mp
+
+pytestmark = pytest.mark.multiprocess
+
+# Seconds a peer may be silent before the others give up on it; low so the tests are quick.
+FAILURE_TIMEOUT = 3.0
+# Slack for a loaded 2-core machine between "declared dead" and "process has exited".
+SLACK = 8.0
+
+
+def _env(n: int, port: int, devices: int, failure_timeout: float | None = None):
+  def env(i: int) -> dict[str, str]:
+    extra = dict(JAXRING_COORDINATOR=f"127.0.0.1:{port}", JAXRING_NUM_PROCESSES=n,
+                 JAXRING_PROCESS_ID=i, JAXRING_LOCAL_DEVICE_COUNT=devices)
+    if failure_timeout is not None:
+      extra["JAXRING_FAILURE_TIMEOUT"] = failure_timeout
+    return mp.clean_env(**extra)
+  return env
+
+
+def _algorithms() -> list[str]:
+  """``lax`` always; jaxring's own algorithms once ``jaxring.psum`` exists."""
+  try:
+    import jaxring
+  except ImportError:
+    return ["lax"]
+  return ["lax", "xla", "ring", "hierarchical"] if hasattr(jaxring, "psum") else ["lax"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc,devices", [(2, 2), (4, 1)])
+def test_psum_across_processes_matches_float64_numpy(nproc, devices):
+  algorithms = _algorithms()
+  port = mp.free_port()
+  results = mp.spawn(nproc, lambda i: mp.python_worker(
+      "dist_allreduce.py", "--calls", "50", "--algorithms", ",".join(algorithms)),
+                     _env(nproc, port, devices), timeout=200)
+  mp.assert_all_ok(results)
+  for r in results:
+    assert f"process {r.rank}/{nproc}: {devices} devices" in r.stdout, mp.report(results)
+    for algorithm in algorithms:
+      assert f"process {r.rank}: OK {algorithm} calls=50" in r.stdout, mp.report(results)
+
+
+def _die_time(results, rank: int) -> float:
+  m = re.search(r"dying \(\w+\) at call \d+ at=([\d.]+)", results[rank].stdout)
+  assert m, f"rank {rank} never reached the point where it dies\n" + mp.report(results)
+  return float(m.group(1))
+
+
+def _assert_survivors_named(results, dead: int, pattern: str) -> None:
+  died_at = _die_time(results, dead)
+  for r in results:
+    if r.rank == dead:
+      continue
+    assert r.returncode not in (0, None), f"rank {r.rank} should have failed\n" + mp.report(results)
+    assert re.search(pattern, r.stderr), (f"rank {r.rank} does not name process {dead}\n"
+                                          + mp.report(results))
+    waited = r.ended_at - died_at
+    assert waited < FAILURE_TIMEOUT + SLACK, (f"rank {r.rank} took {waited:.1f} s to give up\n"
+                                              + mp.report(results))
+
+
+@pytest.mark.timeout(120)
+def test_killed_process_is_named_by_the_others():
+  n, dead = 3, 1
+  port = mp.free_port()
+  results = mp.spawn(n, lambda i: mp.python_worker(
+      "dist_allreduce.py", "--calls", "1000", "--die-rank", str(dead), "--die-at", "5"),
+                     _env(n, port, 1, FAILURE_TIMEOUT), timeout=90)
+  assert results[dead].returncode == -9, mp.report(results)
+  _assert_survivors_named(results, dead, rf"process {dead} of {n} died or hangs")
+
+
+@pytest.mark.timeout(120)
+def test_hung_process_is_named_instead_of_hanging():
+  # SIGSTOP keeps the frozen process's sockets open: its peers block in gloo for good, and only
+  # the heartbeat watchdog can end the wait.
+  n, dead = 2, 1
+
+  def survivors_done(procs):
+    return all(p.poll() is not None for i, p in enumerate(procs) if i != dead)
+
+  port = mp.free_port()
+  results = mp.spawn(n, lambda i: mp.python_worker(
+      "dist_allreduce.py", "--calls", "1000", "--die-rank", str(dead), "--die-at", "5",
+      "--die-how", "stop"), _env(n, port, 2, FAILURE_TIMEOUT), timeout=90,
+                     stop_early=survivors_done)
+  assert results[dead].returncode is None, mp.report(results)   # frozen until we killed it
+  _assert_survivors_named(results, dead, rf"process {dead} of {n} died or hangs")
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_death_ends_the_others():
+  # Process 0 hosts the coordination service; when it dies jax's client in every other process
+  # aborts at once, with its own message naming "the leader (usually slice 0 task 0)".
+  n, dead = 3, 0
+  port = mp.free_port()
+  results = mp.spawn(n, lambda i: mp.python_worker(
+      "dist_allreduce.py", "--calls", "1000", "--die-rank", str(dead), "--die-at", "5"),
+                     _env(n, port, 1, FAILURE_TIMEOUT), timeout=90)
+  _assert_survivors_named(results, dead, r"leader|process 0\b|coordination service")
+
+
+@pytest.mark.timeout(120)
+def test_barrier_timeout_names_the_missing_process():
+  n, skip = 3, 2
+  port = mp.free_port()
+  results = mp.spawn(n, lambda i: mp.python_worker("dist_barrier.py", "--skip", str(skip),
+                                                   "--timeout", "2"),
+                     _env(n, port, 1), timeout=90)
+  mp.assert_all_ok(results)
+  for r in results:
+    if r.rank != skip:
+      assert f"MISSING [{skip}]" in r.stdout, mp.report(results)
+      assert f"process(es) [{skip}] of {n} did not arrive" in r.stdout, mp.report(results)
+
+
+@pytest.mark.timeout(60)
+def test_single_process_without_launcher_only_sets_devices_and_topology():
+  code = ("import jaxring, jaxring.distributed as d; t = d.initialize(local_device_count=3); "
+          "import jax; print(t.names, t.size, jax.device_count(), d.is_initialized(), "
+          "jaxring.default_topology() == t)")
+  results = mp.spawn(1, lambda i: [sys.executable, "-c", code], lambda i: mp.clean_env(),
+                     timeout=50)
+  mp.assert_all_ok(results)
+  assert results[0].stdout.strip() == "('local',) 3 3 False True", mp.report(results)

@@ -1,0 +1,93 @@
+"""Worker for tests/test_distributed.py and tests/test_cluster.py: repeated cross-process psums.
+
+Every process builds the same global mesh ``("node", "local")`` = (processes, devices per
+process), feeds each device a row drawn from ``default_rng((seed, call, global_device))`` and checks
+every call's all-reduce against a float64 NumPy sum of all those rows. Prints one ``OK`` line per
+algorithm, or exits non-zero with the first mismatch.
+
+With ``--die-at CALL --die-rank R`` process R kills itself (``--die-how kill``: SIGKILL) or freezes
+(``stop``: SIGSTOP) at that call, so the test can check that the others name it and exit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+
+def rows(seed: int, call: int, devices: range, size: int) -> np.ndarray:
+  return np.stack([np.random.default_rng((seed, call, g)).standard_normal(size) for g in devices])
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--calls", type=int, default=50)
+  ap.add_argument("--size", type=int, default=1003)
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--algorithms", default="lax", help="comma list: lax, xla, ring, hierarchical")
+  ap.add_argument("--die-rank", type=int, default=-1)
+  ap.add_argument("--die-at", type=int, default=-1)
+  ap.add_argument("--die-how", choices=("kill", "stop"), default="kill")
+  args = ap.parse_args()
+
+  import jaxring.distributed
+  topo = jaxring.distributed.initialize()   # everything from JAXRING_* variables
+
+  import jax
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+  me, nproc = jax.process_index(), jax.process_count()
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  per_proc = len(devices) // nproc
+  mesh = Mesh(np.array(devices).reshape(nproc, per_proc), ("node", "local"),
+              axis_types=(AxisType.Explicit,) * 2)
+  axes = ("node", "local")
+  sharding = NamedSharding(mesh, P(axes))
+  print(f"process {me}/{nproc}: {per_proc} devices, topology {topo.names} "
+        f"{[lv.size for lv in topo.levels]}", flush=True)
+
+  def reducer(algorithm):
+    if algorithm == "lax":
+      body = lambda v: jax.lax.psum(v, axes)
+    else:
+      import jaxring
+      body = lambda v: jaxring.psum(v, axes, algorithm=algorithm)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P()))
+
+  mine = range(me * per_proc, (me + 1) * per_proc)
+  everyone = range(nproc * per_proc)
+  for algorithm in args.algorithms.split(","):
+    f = reducer(algorithm)
+    worst, t0 = 0.0, time.perf_counter()
+    for call in range(args.calls):
+      if me == args.die_rank and call == args.die_at:
+        print(f"process {me}: dying ({args.die_how}) at call {call} at={time.time():.3f}",
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL if args.die_how == "kill" else signal.SIGSTOP)
+      local = rows(args.seed, call, mine, args.size).astype(np.float32)
+      x = jax.make_array_from_process_local_data(sharding, local)
+      y = np.asarray(f(x).addressable_data(0), np.float64).reshape(-1)
+      want = rows(args.seed, call, everyone, args.size).astype(np.float32).astype(np.float64)
+      want = want.sum(axis=0)
+      err = float(np.max(np.abs(y - want)))
+      tol = 1e-5 * (1 + float(np.max(np.abs(want))))
+      if not err <= tol:
+        bad = int(np.argmax(np.abs(y - want)))
+        print(f"process {me}: MISMATCH algorithm={algorithm} call={call}: max |err| {err:.3g} > "
+              f"{tol:.3g} at {bad}: got {y[bad]!r}, want {want[bad]!r}", file=sys.stderr,
+              flush=True)
+        return 3
+      worst = max(worst, err)
+    dt = (time.perf_counter() - t0) / args.calls
+    print(f"process {me}: OK {algorithm} calls={args.calls} max_err={worst:.3g} "
+          f"ms_per_call={dt * 1e3:.2f}", flush=True)
+  jaxring.distributed.barrier("done", timeout_s=60)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
