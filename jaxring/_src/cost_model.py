@@ -51,8 +51,9 @@ def hierarchical_all_reduce(n: float, levels: Sequence[Level],
 def native_all_reduce(n: float, levels: Sequence[Level]) -> float:
   """The framework's own all-reduce (gloo / NCCL / in-process), topology-oblivious.
 
-  Within one in-process level it is one fused operation (one alpha) moving what a ring moves;
-  across levels it is a flat ring whose every step waits for the slowest link.
+  Over levels that are all alike (one host: every level in-process) it is one fused operation (one
+  alpha) moving what a ring moves; across unlike levels it is a flat ring whose every step waits
+  for the slowest link.
   """
   levels = [lv for lv in levels if lv.size > 1]
   if not levels:
@@ -61,7 +62,7 @@ def native_all_reduce(n: float, levels: Sequence[Level]) -> float:
   for lv in levels:
     p *= lv.size
   slow = min(levels, key=lambda lv: lv.bandwidth)
-  if len(levels) == 1:
+  if len({(lv.bandwidth, lv.latency) for lv in levels}) == 1:  # no hierarchy to exploit
     return slow.latency + 2 * (p - 1) / p * n / slow.bandwidth
   return ring_all_reduce(n, p, slow.latency, slow.bandwidth)
 
