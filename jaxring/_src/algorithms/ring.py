@@ -57,7 +57,7 @@ def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_e
       if want_error:
         errors[k] = partial - codec.decode(payload, dtype)
     else:
-      shard = codec.decode(recv, dtype) + rot[0]
+      shard = codec.last_hop(recv, rot[0], dtype)
   if not want_error:
     return shard, None
   errors[0] = jnp.zeros_like(shard)

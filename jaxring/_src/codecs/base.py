@@ -29,12 +29,18 @@ class Codec:
   """Base class: the identity on the wire (values travel in the input dtype).
 
   Subclasses override :meth:`encode`, :meth:`decode`, :meth:`wire_bytes` and, where one pass is
-  faster, :meth:`hop`. ``align`` is the element granularity chunks must respect (a block size).
+  faster, :meth:`hop` and :meth:`last_hop`. ``align`` is the element granularity chunks must
+  respect (a block size).
+
+  A codec with ``per_hop = False`` (``topk_chunks``) is not run hop by hop: it wraps the whole
+  all-reduce instead, through ``all_reduce(flat, dtype, *, reduce_norms, reduce_dense,
+  want_error)``, and names the per-hop codec of what it does send in ``inner``.
   """
 
   name = "none"
   lossy = False
   align = 1
+  per_hop = True
 
   def applies_to(self, dtype) -> bool:
     """Whether this codec compresses ``dtype``; other dtypes travel uncompressed."""
@@ -56,6 +62,10 @@ class Codec:
     """One ring hop: decode what arrived, add the local partial, encode for the next hop."""
     partial = self.decode(payload, dtype) + local
     return partial, self.encode(partial, dtype)
+
+  def last_hop(self, payload: tuple, local, dtype):
+    """The last hop of a reduce-scatter: decode what arrived and add the local partial."""
+    return self.decode(payload, dtype) + local
 
   def compression_ratio(self, dtype=jnp.float32, n: int = 1 << 20) -> float:
     """Wire bytes relative to sending ``n`` values of ``dtype`` uncompressed."""

@@ -1,0 +1,82 @@
+"""The kernels the codecs run: jaxring._src.ext's FFI kernels, resolved lazily.
+
+The codecs call the C++ (CPU) / CUDA kernels behind ``jax.ffi`` for every encode, decode, fused
+ring hop and top-k chunk operation. The extension is imported on first use, not when
+``jaxring.codecs`` is imported, so that building a codec (a frozen dataclass) never needs it.
+
+Where the extension cannot be loaded (not built in this checkout), the codecs run the pure-jnp
+references of jaxring._src.ext.reference, which define the same numerics bit for bit, and say so
+once with a warning; ``JAXRING_KERNELS=reference`` asks for them explicitly.
+:func:`backend` tells which one is in use.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import types
+import warnings
+
+import jax
+
+from jaxring._src import vma
+
+_NAMES = ("quantize_int8", "dequantize_int8", "ring_hop_int8", "ring_hop_int8_last",
+          "ring_hop_cast", "ring_hop_cast_last", "chunk_norms", "gather_chunks",
+          "scatter_add_chunks")
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve() -> tuple[types.SimpleNamespace, str]:
+  from jaxring._src.ext import reference
+  if os.environ.get("JAXRING_KERNELS", "") == "reference":
+    return _namespace(reference), "reference (JAXRING_KERNELS=reference)"
+  try:
+    from jaxring._src import ext
+    missing = [n for n in _NAMES if not hasattr(ext, n)]
+    if missing:
+      raise ImportError(f"jaxring._src.ext lacks {missing}")
+  except ImportError as e:
+    warnings.warn(f"jaxring codecs: the FFI kernels could not be loaded ({e}); running the "
+                  "pure-jnp references instead (same numerics, slower)", RuntimeWarning,
+                  stacklevel=3)
+    return _namespace(reference), f"reference ({e})"
+  return _namespace(ext), "ffi"
+
+
+def _namespace(module) -> types.SimpleNamespace:
+  return types.SimpleNamespace(**{n: _keep_vma(getattr(module, n)) for n in _NAMES})
+
+
+def _keep_vma(fn):
+  """Types the outputs varying over every manual axis an input varies over.
+
+  ``jax.ffi.ffi_call`` (jax 0.10) types its results from the ShapeDtypeStructs it is given, which
+  carry no varying axes: inside ``shard_map(check_vma=True)`` a per-member result would be typed
+  invariant, and a later collective would treat it as replicated. The cast is type-only.
+  """
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    arrays = [a for a in args if isinstance(a, jax.Array)]
+    axes = tuple(sorted(set().union(*(vma.varying_axes(a) for a in arrays)), key=str))
+    if axes:
+      args = tuple(vma.pvary(a, axes) if isinstance(a, jax.Array) else a for a in args)
+    out = fn(*args, **kwargs)
+    if not axes:
+      return out
+    return jax.tree_util.tree_map(lambda o: vma.pvary(o, axes), out)
+  return call
+
+
+def ops() -> types.SimpleNamespace:
+  """The kernel functions (``quantize_int8``, ``ring_hop_int8``, ``gather_chunks``, ...)."""
+  return _resolve()[0]
+
+
+def backend() -> str:
+  """``"ffi"`` when the codecs run the extension's kernels, else why they run the references.
+
+  Example:
+    >>> jaxring._src.codecs.kernels.backend()
+    'ffi'
+  """
+  return _resolve()[1]
