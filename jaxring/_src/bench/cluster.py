@@ -1,0 +1,211 @@
+"""``jaxring bench cluster``: the all-reduce of issue 5 on the emulated multi-node cluster (root).
+
+All contenders run in one invocation, on the same shaped links, one after the other:
+
+* ``gloo lax.psum``: ``jax.lax.psum`` over the global (node, local) mesh; one process per node with
+  ``--devices-per-node`` CPU devices, cross-process traffic through gloo;
+* ``MPICH MPI_Allreduce``: mpi4py on numpy buffers, one MPI rank per device (``--transport mpi``);
+* ``jaxring hierarchical <codec>``: ``jaxring.psum(..., algorithm="hierarchical",
+  compression={"node": codec})`` over the same mesh as gloo, codec none / bf16 / int8 /
+  topk_chunks(1%).
+
+Per contender: median of ``--reps`` timed calls after warm-up, algbw (bytes per device / time),
+bytes each node put on its link per call (delta of the interface's tx counter over the timed calls,
+divided by the calls), the link-rate bound T_min = 2(p-1)/p * bytes * wire ratio / link rate with
+p = nodes, the ratio to the faster of gloo and MPICH, and the relative L2 error of the result against
+gloo's (the MPI job uses other data: no error shown).
+
+Example:
+  sudo jaxring bench cluster --nodes 2 --reps 3
+  sudo jaxring bench cluster                      # 4 nodes, 1gbit, 2 devices per node, 32 MiB
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from jaxring._src.bench import common
+
+WORKER = "jaxring._src.bench.cluster_worker"
+MARK = "JRB "
+
+
+def _parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="jaxring bench cluster", description=__doc__.splitlines()[0])
+  ap.add_argument("--nodes", type=int, default=4)
+  ap.add_argument("--link", default="1gbit", help="tc rate of every node link (default 1gbit)")
+  ap.add_argument("--devices-per-node", type=int, default=2)
+  ap.add_argument("--mib", type=int, default=32, help="MiB of f32 per device (default 32)")
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--codecs", default="none,bf16,int8,topk",
+                  help="node-level codecs of the hierarchical contender (none,bf16,int8,topk)")
+  ap.add_argument("--skip", default="", help="comma list of jobs to skip: jax, mpi")
+  ap.add_argument("--name", default=None,
+                  help="use this existing cluster (not brought up or down); default: bring up "
+                  "'jrb' and delete it afterwards")
+  ap.add_argument("--timeout", type=float, default=900, help="seconds per job (default 900)")
+  ap.add_argument("--out-dir", default=None)
+  return ap
+
+
+def _run_job(name: str, nodes: int, procs: int, devices: int | None, transport: str,
+             worker_args: list[str], timeout: float) -> tuple[int, list[dict], str]:
+  cmd = [sys.executable, "-m", "jaxring", "cluster", "run", "--name", name, "--nodes", str(nodes),
+         "--procs-per-node", str(procs), "--transport", transport, "--timeout", str(timeout),
+         "--grace", "20"]
+  if devices is not None:
+    cmd += ["--devices-per-proc", str(devices)]
+  cmd += ["--", sys.executable, "-m", WORKER, *worker_args]
+  print(f"$ {' '.join(cmd[2:])}", flush=True)
+  p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     timeout=timeout + 120)
+  return p.returncode, parse_records(p.stdout), p.stdout
+
+
+def parse_records(text: str) -> list[dict]:
+  """Every ``JRB {json}`` in a job's output, also where ranks' writes were interleaved.
+
+  Example:
+    >>> parse_records('[2] JRB {"a": 1}[4] JRB {"a": 2}\\n[0] \\n')
+    [{'a': 1}, {'a': 2}]
+  """
+  dec, recs, i = json.JSONDecoder(), [], text.find(MARK)
+  while i >= 0:
+    try:
+      rec, end = dec.raw_decode(text, i + len(MARK))
+      recs.append(rec)
+    except json.JSONDecodeError:
+      end = i + len(MARK)
+    i = text.find(MARK, end)
+  return recs
+
+
+def _wire_ratio(codec_name: str) -> float:
+  from jaxring._src.bench import cluster_worker
+  import jax.numpy as jnp
+  codec = cluster_worker.codec_for(codec_name)
+  if codec is None:
+    return 1.0
+  try:
+    return float(codec.compression_ratio(jnp.float32, 1 << 23))
+  except Exception:  # noqa: BLE001 - a codec still being finished
+    return {"bf16": 0.5, "int8": 0.2578125, "topk": 0.01}.get(codec_name, 1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  if os.geteuid() != 0:
+    print("jaxring bench cluster: skipped: needs root (network namespaces and tc)", file=sys.stderr)
+    return 2
+  from jaxring._src.cluster import netns
+  from jaxring._src import cost_model
+
+  name = args.name or "jrb"
+  own = args.name is None
+  skip = set(filter(None, args.skip.split(",")))
+  worker_common = ["--mib", str(args.mib), "--reps", str(args.reps), "--warmup", str(args.warmup)]
+  logs: dict[str, str] = {}
+  recs: list[dict] = []
+  rcs: dict[str, int] = {}
+  try:
+    if own:
+      if netns.load_state(name) is not None:
+        netns.down(name)
+      state = netns.up(name, args.nodes, rate=args.link)
+    else:
+      state = netns.load_state(name)
+      if state is None:
+        print(f"jaxring bench cluster: cluster {name!r} is not up", file=sys.stderr)
+        return 2
+    nodes = min(args.nodes, state.nodes)
+    if "mpi" not in skip:
+      rc, r, log = _run_job(name, nodes, args.devices_per_node, None, "mpi",
+                            ["--mode", "mpi", "--procs-per-node", str(args.devices_per_node),
+                             *worker_common], args.timeout)
+      rcs["mpi"], logs["mpi"] = rc, log
+      recs += [dict(x, job="mpi") for x in r]
+    if "jax" not in skip:
+      rc, r, log = _run_job(name, nodes, 1, args.devices_per_node, "jax",
+                            ["--mode", "jax", "--codecs", args.codecs, *worker_common],
+                            args.timeout)
+      rcs["jax"], logs["jax"] = rc, log
+      recs += [dict(x, job="jax") for x in r]
+    bandwidth = state.bandwidth
+    link_rate = state.rate
+  finally:
+    if own:
+      deleted = netns.down(name)
+      print(f"cluster {name!r}: deleted {len(deleted)} objects", flush=True)
+
+  for job, rc in rcs.items():
+    if not any(r.get("job") == job for r in recs):
+      print(f"--- job {job} (exit {rc}) reported no results; its output:\n" + logs[job][-4000:],
+            file=sys.stderr)
+      rcs[job] = rc or 1
+    elif rc != 0:
+      print(f"--- job {job} exited {rc}; last output:\n" + "\n".join(logs[job].splitlines()[-30:]),
+            file=sys.stderr)
+
+  nbytes = args.mib * (1 << 20)
+  order: list[str] = []
+  by: dict[str, list[dict]] = {}
+  for r in recs:
+    if r["contender"] not in by:
+      order.append(r["contender"])
+    by.setdefault(r["contender"], []).append(r)
+  rows = []
+  for label in order:
+    rs = sorted(by[label], key=lambda r: r["node"])
+    err = next((r["error"] for r in rs if "error" in r), None)
+    if err:
+      rows.append({"contender": label, "error": err})
+      continue
+    r0 = rs[0]
+    codec = label.rsplit(" ", 1)[1] if label.startswith("jaxring") else "none"
+    ratio = _wire_ratio(codec)
+    tx = [r["tx_per_call"] for r in rs]
+    rows.append({
+        "contender": label, "ms": r0["median"] * 1e3,
+        "ms_max_node": max(r["median"] for r in rs) * 1e3,
+        "algbw": nbytes / r0["median"] / 1e9,
+        "tx_mib": sum(tx) / len(tx) / (1 << 20), "tx_mib_max": max(tx) / (1 << 20),
+        "wire_ratio": ratio,
+        "t_min_ms": cost_model.link_bound(nbytes, nodes, bandwidth, ratio) * 1e3,
+        "rel_err": r0.get("rel_err"), "times_ms": [t * 1e3 for t in r0["times"]], "nodes_reported": len(rs)})
+  base = [r["ms"] for r in rows if "ms" in r and not r["contender"].startswith("jaxring")]
+  for r in rows:
+    if "ms" in r:
+      r["vs_best_baseline"] = r["ms"] / min(base) if base else None
+      r["vs_t_min"] = r["ms"] / r["t_min_ms"] if r["t_min_ms"] else None
+
+  print(f"\nall-reduce of {args.mib} MiB f32 per device, {nodes} nodes x {args.devices_per_node} "
+        f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s), median of {args.reps} "
+        f"after {args.warmup} warm-up, allocator {common.allocator()}")
+  common.print_table([r for r in rows if "ms" in r], [
+      ("contender", "contender", ""), ("ms", "median ms", ".1f"), ("algbw", "algbw GB/s", ".3f"),
+      ("tx_mib", "MiB/node link/call", ".2f"), ("wire_ratio", "wire", ".3f"),
+      ("t_min_ms", "T_min ms", ".1f"), ("vs_t_min", "T/T_min", ".2f"),
+      ("vs_best_baseline", "vs best(gloo,MPI)", ".3f"), ("rel_err", "rel err vs gloo", ".1e")])
+  for r in rows:
+    if "error" in r:
+      print(f"{r['contender']}: ERROR {r['error']}")
+  import jax
+  payload = {"bench": "cluster", "args": vars(args), "nodes": nodes, "link": link_rate,
+             "bandwidth_bytes_per_s": bandwidth, "bytes_per_device": nbytes,
+             "allocator": common.allocator(), "jax": jax.__version__, "cpu_count": os.cpu_count(),
+             "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job_exit": rcs, "rows": rows,
+             "raw": recs,
+             "log_tails": {k: v[-4000:] for k, v in logs.items()}}
+  path = common.write_json("cluster", payload, args.out_dir)
+  print(f"wrote {path}")
+  ok = rows and all("ms" in r for r in rows) and all(rc == 0 for rc in rcs.values())
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

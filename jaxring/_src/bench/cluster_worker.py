@@ -1,0 +1,163 @@
+"""Worker of ``jaxring bench cluster``: runs inside every process of a job on the emulated cluster.
+
+``--mode jax``: one process per node (``jaxring cluster run --procs-per-node 1
+--devices-per-proc D``); times ``lax.psum`` (gloo) over the global (node, local) mesh and jaxring's
+``hierarchical`` all-reduce, uncompressed and with a codec on the node level.
+``--mode mpi``: one MPI rank per device (``--transport mpi``); times ``MPI_Allreduce`` (mpi4py,
+numpy buffers).
+
+Each contender: ``--warmup`` calls, then ``--reps`` individually timed calls. Around the timed calls
+the node's link counter (``/sys/class/net/<iface>/statistics/tx_bytes`` inside the node's
+namespace) is read by one process per node. Results are printed as lines ``JRB <json>``: one per
+(contender, node) with that node's tx bytes, and the times measured by that process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+MARK = "JRB "
+
+
+def tx_bytes(interface: str) -> int:
+  with open(f"/sys/class/net/{interface}/statistics/tx_bytes") as f:
+    return int(f.read())
+
+
+def emit(**rec) -> None:
+  # one write: hydra's -prepend-rank tags each write, and print() writes the newline separately
+  sys.stdout.write(MARK + json.dumps(rec) + "\n")
+  sys.stdout.flush()
+
+
+def codec_for(name: str):
+  from jaxring import codecs
+  if name == "none":
+    return None
+  if name == "bf16":
+    return codecs.bf16()
+  if name == "int8":
+    return codecs.int8()
+  if name.startswith("topk"):
+    return codecs.topk_chunks(0.01)
+  raise ValueError(name)
+
+
+def run_jax(args) -> int:
+  import jaxring.distributed
+  jaxring.distributed.initialize()
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+  import jaxring
+
+  iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
+  me, nproc = jax.process_index(), jax.process_count()
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  per_proc = len(devices) // nproc
+  mesh = Mesh(np.array(devices).reshape(nproc, per_proc), ("node", "local"),
+              axis_types=(AxisType.Explicit,) * 2)
+  axes = ("node", "local")
+  n = args.mib * (1 << 20) // 4
+  sharding = NamedSharding(mesh, P(axes))
+  rng = np.random.default_rng(me)
+  local = rng.standard_normal((per_proc, n), dtype=np.float32)
+  x = jax.make_array_from_process_local_data(sharding, local)
+  del local
+
+  def reducer(kind, codec_name):
+    if kind == "gloo":
+      body = lambda v: jax.lax.psum(v, axes)
+    else:
+      codec = codec_for(codec_name)
+      comp = None if codec is None else {"node": codec}
+      body = lambda v: jaxring.psum(v, axes, algorithm="hierarchical", compression=comp)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P()))
+
+  contenders = [("gloo lax.psum", "gloo", "none")] + [
+      (f"jaxring hierarchical {c}", "hier", c) for c in args.codecs.split(",") if c]
+  ref = None
+  for label, kind, codec_name in contenders:
+    try:
+      f = reducer(kind, codec_name)
+      t0 = time.perf_counter()
+      y = f(x)
+      jax.block_until_ready(y)
+      compile_s = time.perf_counter() - t0
+      got = np.asarray(y.addressable_data(0), np.float64).reshape(-1)
+      first = got[:4].tolist()
+      if ref is None:   # gloo lax.psum runs first: the reference of the others
+        ref = got
+      rel_err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+      del y, got
+      for _ in range(max(0, args.warmup - 1)):
+        jax.block_until_ready(f(x))
+      jaxring.distributed.barrier(f"pre-{label}", timeout_s=300)
+      b0 = tx_bytes(iface)
+      times = []
+      for _ in range(args.reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        times.append(time.perf_counter() - t)
+      b1 = tx_bytes(iface)
+      jaxring.distributed.barrier(f"post-{label}", timeout_s=300)
+      emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
+           tx_per_call=(b1 - b0) / args.reps, first_call_s=compile_s, head=first,
+           rel_err=rel_err)
+    except Exception as exc:  # noqa: BLE001 - report and go on with the next contender
+      emit(contender=label, node=me, rank=me, error=f"{type(exc).__name__}: {str(exc)[:500]}")
+      raise
+  jaxring.distributed.barrier("done", timeout_s=120)
+  return 0
+
+
+def run_mpi(args) -> int:
+  from mpi4py import MPI
+  comm = MPI.COMM_WORLD
+  rank, size = comm.Get_rank(), comm.Get_size()
+  node = int(rank // args.procs_per_node)
+  iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
+  n = args.mib * (1 << 20) // 4
+  send = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)
+  recv = np.empty_like(send)
+  label = "MPICH MPI_Allreduce"
+  for _ in range(args.warmup):
+    comm.Allreduce(send, recv, op=MPI.SUM)
+  comm.Barrier()
+  b0 = tx_bytes(iface)
+  times = []
+  for _ in range(args.reps):
+    comm.Barrier()
+    t = time.perf_counter()
+    comm.Allreduce(send, recv, op=MPI.SUM)
+    times.append(time.perf_counter() - t)
+  comm.Barrier()
+  b1 = tx_bytes(iface)
+  # the Barriers between calls add a few hundred bytes; negligible next to 32 MiB
+  if rank % args.procs_per_node == 0:
+    emit(contender=label, node=node, rank=rank, times=times, median=statistics.median(times),
+         tx_per_call=(b1 - b0) / args.reps, size=size, head=recv[:4].tolist())
+  comm.Barrier()
+  return 0
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--mode", choices=("jax", "mpi"), required=True)
+  ap.add_argument("--mib", type=int, default=32)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--codecs", default="none,bf16,int8,topk")
+  ap.add_argument("--procs-per-node", type=int, default=1)
+  args = ap.parse_args(argv)
+  return run_jax(args) if args.mode == "jax" else run_mpi(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
