@@ -33,6 +33,13 @@ inline const char* DTypeName(ffi::DataType t) {
     case ffi::DataType::S8: return "int8";
     case ffi::DataType::S32: return "int32";
     case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::PRED: return "bool";
     default: return "an unsupported dtype";
   }
 }

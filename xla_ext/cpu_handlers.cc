@@ -5,11 +5,13 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <thread>
 
 #include "cpu_kernels.h"
 #include "handlers.h"
+#include "numerics.h"
 #include "plans.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -20,16 +22,15 @@ using ffi::AnyBuffer;
 using ffi::DataType;
 using ffi::Result;
 
-// Below this many bytes per part a second thread costs more than it saves (measured with
-// `python -m jaxring._src.bench.kernels`); JAXRING_CPU_THREADS=1 turns splitting off.
+// Splitting over XLA's intra-op pool is opt-in (JAXRING_CPU_THREADS=N, N > 1): on the 2-core
+// development machine two threads measured no faster than one for any kernel at 64 MiB (the
+// kernels are memory-bound, and emulated devices already keep every core busy), while the waiting
+// costs CPU. Parts are at least this many bytes.
 constexpr int64_t kMinBytesPerPart = int64_t{4} << 20;
 
 int64_t MaxThreadsFromEnv() {
-  static const int64_t value = [] {
-    const char* s = std::getenv("JAXRING_CPU_THREADS");
-    return s ? std::max<int64_t>(1, std::atoll(s)) : int64_t{1} << 30;
-  }();
-  return value;
+  const char* s = std::getenv("JAXRING_CPU_THREADS");  // read per call: ~100 ns next to >= 4 MiB
+  return s ? std::max<int64_t>(1, std::atoll(s)) : 1;
 }
 
 // Runs fn(lo, hi) over [0, items) in parts. Parts are claimed from a shared counter by the
@@ -54,7 +55,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t items, int64_t bytes, F&& fn) {
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  for (int64_t p = 1; p < parts; ++p) pool.Schedule(run);
+  for (int64_t p = 1; p < parts; ++p) pool.Schedule(decltype(run)(run));
   run();
   while (state->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
@@ -63,19 +64,14 @@ uint32_t RowKey(const AnyBuffer& seed, int64_t row) {
   return SeedKey(reinterpret_cast<const uint32_t*>(seed.untyped_data())[row]);
 }
 
-template <class C>
-void QuantizeRows(ffi::ThreadPool& pool, const BlockPlan& p, const AnyBuffer& x,
-                  const AnyBuffer& seed, int8_t* q, float* scales, bool stochastic) {
-  const auto* xs = reinterpret_cast<const typename C::T*>(x.untyped_data());
-  const int64_t n = p.layout.cols;
-  for (int64_t r = 0; r < p.layout.rows; ++r) {
-    const uint32_t key = RowKey(seed, r);
-    ParallelFor(pool, p.blocks, n * static_cast<int64_t>(sizeof(typename C::T) + 1),
-                [&](int64_t b0, int64_t b1) {
-                  cpu::QuantizeBlocks<C>(xs + r * n, n, p.block, b0, b1, stochastic, key,
-                                         q + r * n, scales + r * p.blocks);
-                });
-  }
+cpu::Wire WireOf(DataType t) {
+  return t == DataType::BF16 ? cpu::Wire::kBf16
+                             : (t == DataType::F16 ? cpu::Wire::kF16 : cpu::Wire::kF32);
+}
+
+template <typename T>
+T* Data(const AnyBuffer& b) {
+  return reinterpret_cast<T*>(b.untyped_data());
 }
 
 ffi::Error QuantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer seed,
@@ -83,60 +79,47 @@ ffi::Error QuantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer seed,
                             bool stochastic) {
   BlockPlan p;
   JR_RETURN_IF_ERROR(PlanQuantize("jaxring_quantize_int8", x, seed, *q, *scales, block_size, &p));
-  auto* qd = reinterpret_cast<int8_t*>(q->untyped_data());
-  auto* sd = reinterpret_cast<float*>(scales->untyped_data());
-  switch (x.element_type()) {
-    case DataType::F32: QuantizeRows<cpu::F32>(pool, p, x, seed, qd, sd, stochastic); break;
-    case DataType::BF16: QuantizeRows<cpu::Bf16>(pool, p, x, seed, qd, sd, stochastic); break;
-    default: QuantizeRows<cpu::F16>(pool, p, x, seed, qd, sd, stochastic); break;
+  const cpu::Wire wire = WireOf(x.element_type());
+  const int64_t n = p.layout.cols, width = ffi::ByteWidth(x.element_type());
+  const char* xd = Data<const char>(x);
+  for (int64_t r = 0; r < p.layout.rows; ++r) {
+    const uint32_t key = RowKey(seed, r);
+    ParallelFor(pool, p.blocks, n * (width + 1), [&](int64_t b0, int64_t b1) {
+      cpu::QuantizeBlocks(wire, xd + r * n * width, n, p.block, b0, b1, stochastic, key,
+                          Data<int8_t>(*q) + r * n, Data<float>(*scales) + r * p.blocks);
+    });
   }
   return ffi::Error::Success();
-}
-
-template <class C>
-void DequantizeRows(ffi::ThreadPool& pool, const BlockPlan& p, const int8_t* q,
-                    const float* scales, void* out) {
-  auto* o = reinterpret_cast<typename C::T*>(out);
-  const int64_t n = p.layout.cols;
-  for (int64_t r = 0; r < p.layout.rows; ++r)
-    ParallelFor(pool, p.blocks, n * static_cast<int64_t>(sizeof(typename C::T) + 1),
-                [&](int64_t b0, int64_t b1) {
-                  cpu::DequantizeBlocks<C>(q + r * n, scales + r * p.blocks, n, p.block, b0, b1,
-                                           o + r * n);
-                });
 }
 
 ffi::Error DequantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales,
                               Result<AnyBuffer> out, int64_t block_size) {
   BlockPlan p;
   JR_RETURN_IF_ERROR(PlanDequantize("jaxring_dequantize_int8", q, scales, *out, block_size, &p));
-  const auto* qd = reinterpret_cast<const int8_t*>(q.untyped_data());
-  const auto* sd = reinterpret_cast<const float*>(scales.untyped_data());
-  switch (out->element_type()) {
-    case DataType::F32: DequantizeRows<cpu::F32>(pool, p, qd, sd, out->untyped_data()); break;
-    case DataType::BF16: DequantizeRows<cpu::Bf16>(pool, p, qd, sd, out->untyped_data()); break;
-    default: DequantizeRows<cpu::F16>(pool, p, qd, sd, out->untyped_data()); break;
-  }
+  const cpu::Wire wire = WireOf(out->element_type());
+  const int64_t n = p.layout.cols, width = ffi::ByteWidth(out->element_type());
+  for (int64_t r = 0; r < p.layout.rows; ++r)
+    ParallelFor(pool, p.blocks, n * (width + 1), [&](int64_t b0, int64_t b1) {
+      cpu::DequantizeBlocks(wire, Data<const int8_t>(q) + r * n,
+                            Data<const float>(scales) + r * p.blocks, n, p.block, b0, b1,
+                            Data<char>(*out) + r * n * width);
+    });
   return ffi::Error::Success();
 }
 
 void RingHopInt8Rows(ffi::ThreadPool& pool, const BlockPlan& p, const AnyBuffer& q,
                      const AnyBuffer& scales, const AnyBuffer& partial, const AnyBuffer* seed,
-                     AnyBuffer& new_partial, AnyBuffer* q_out, AnyBuffer* scales_out,
-                     bool stochastic) {
+                     const AnyBuffer& new_partial, const AnyBuffer* q_out,
+                     const AnyBuffer* scales_out, bool stochastic) {
   const int64_t n = p.layout.cols, nb = p.blocks;
-  const auto* qd = reinterpret_cast<const int8_t*>(q.untyped_data());
-  const auto* sd = reinterpret_cast<const float*>(scales.untyped_data());
-  const auto* pd = reinterpret_cast<const float*>(partial.untyped_data());
-  auto* npd = reinterpret_cast<float*>(new_partial.untyped_data());
-  auto* qo = q_out ? reinterpret_cast<int8_t*>(q_out->untyped_data()) : nullptr;
-  auto* so = scales_out ? reinterpret_cast<float*>(scales_out->untyped_data()) : nullptr;
   for (int64_t r = 0; r < p.layout.rows; ++r) {
     const uint32_t key = seed ? RowKey(*seed, r) : 0;
-    ParallelFor(pool, nb, n * (qo ? 10 : 9), [&](int64_t b0, int64_t b1) {
-      cpu::RingHopInt8Blocks(qd + r * n, sd + r * nb, pd + r * n, n, p.block, b0, b1, stochastic,
-                             key, npd + r * n, qo ? qo + r * n : nullptr,
-                             so ? so + r * nb : nullptr);
+    ParallelFor(pool, nb, n * (q_out ? 10 : 9), [&](int64_t b0, int64_t b1) {
+      cpu::RingHopInt8Blocks(Data<const int8_t>(q) + r * n, Data<const float>(scales) + r * nb,
+                             Data<const float>(partial) + r * n, n, p.block, b0, b1, stochastic,
+                             key, Data<float>(new_partial) + r * n,
+                             q_out ? Data<int8_t>(*q_out) + r * n : nullptr,
+                             scales_out ? Data<float>(*scales_out) + r * nb : nullptr);
     });
   }
 }
@@ -163,30 +146,18 @@ ffi::Error RingHopInt8LastImpl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scal
   return ffi::Error::Success();
 }
 
-template <class C>
-void RingHopCastAll(ffi::ThreadPool& pool, int64_t total, const AnyBuffer& recv,
-                    const AnyBuffer& partial, AnyBuffer& new_partial, AnyBuffer* out) {
-  const auto* rd = reinterpret_cast<const typename C::T*>(recv.untyped_data());
-  const auto* pd = reinterpret_cast<const float*>(partial.untyped_data());
-  auto* npd = reinterpret_cast<float*>(new_partial.untyped_data());
-  auto* od = out ? reinterpret_cast<typename C::T*>(out->untyped_data()) : nullptr;
-  const int64_t bytes = total * static_cast<int64_t>(8 + (od ? 2 : 1) * sizeof(typename C::T));
-  ParallelFor(pool, total, bytes, [&](int64_t i0, int64_t i1) {
-    cpu::RingHopCastRange<C>(rd, pd, i0, i1, npd, od);
-  });
-}
-
 ffi::Error RingHopCast(std::string_view op, ffi::ThreadPool& pool, const AnyBuffer& recv,
-                       const AnyBuffer& partial, AnyBuffer& new_partial, AnyBuffer* out) {
+                       const AnyBuffer& partial, const AnyBuffer& new_partial,
+                       const AnyBuffer* out) {
   RowLayout l;
   JR_RETURN_IF_ERROR(PlanRingHopCast(op, recv, partial, new_partial, out, &l));
-  // Rows are contiguous and the op is elementwise: treat all rows as one.
-  const int64_t total = l.rows * l.cols;
-  switch (recv.element_type()) {
-    case DataType::F32: RingHopCastAll<cpu::F32>(pool, total, recv, partial, new_partial, out); break;
-    case DataType::BF16: RingHopCastAll<cpu::Bf16>(pool, total, recv, partial, new_partial, out); break;
-    default: RingHopCastAll<cpu::F16>(pool, total, recv, partial, new_partial, out); break;
-  }
+  // Rows are contiguous and the op is elementwise: all rows are one range.
+  const int64_t total = l.rows * l.cols, width = ffi::ByteWidth(recv.element_type());
+  ParallelFor(pool, total, total * (8 + (out ? 2 : 1) * width), [&](int64_t i0, int64_t i1) {
+    cpu::RingHopCastRange(WireOf(recv.element_type()), recv.untyped_data(),
+                          Data<const float>(partial), i0, i1, Data<float>(new_partial),
+                          out ? out->untyped_data() : nullptr);
+  });
   return ffi::Error::Success();
 }
 

@@ -19,10 +19,13 @@ namespace jaxring {
 constexpr float kQMax = 127.0f;
 // Bits of |x| at or above this mean Inf or NaN (the f32 exponent is all ones).
 constexpr uint32_t kNonFiniteBits = 0x7f800000u;
-// Blocks whose max|x| is below 2^-100 encode as zeros: it keeps scale = amax/127 and
-// 1/scale normal f32 numbers, so results do not depend on the denormal mode (XLA:CPU runs
-// with flush-to-zero) and 127/amax cannot overflow.
-constexpr uint32_t kMinAmaxBits = 0x0d800000u;  // 2^-100
+// Blocks whose max|x| is below 2^-64 encode as zeros: it keeps every scale, code * scale and
+// the references' split of the scale (reference.py) normal f32 numbers, so results do not depend
+// on the denormal mode (XLA:CPU runs with flush-to-zero), and 127 / amax cannot overflow.
+constexpr uint32_t kMinAmaxBits = 0x1f800000u;  // 2^-64
+// scale = amax * RN(1/127): a multiplication, which every compiler (XLA included, which turns
+// x / 127 into x * RN(1/127)) evaluates the same way.
+constexpr float kInvQMax = 1.0f / 127.0f;
 
 JR_HD uint32_t F32Bits(float f) {
 #if defined(__CUDA_ARCH__)
@@ -55,14 +58,14 @@ struct BlockScale {
 };
 
 // The block-scale rule, from the bits of max|x| over the block:
-//   finite, >= 2^-100: scale = amax / 127, inv = 127 / amax   (both correctly rounded f32)
-//   below 2^-100:      scale = 0, inv = 0                      (decodes to zeros)
+//   finite, >= 2^-64: scale = amax * RN(1/127), inv = 127 / amax   (each rounded once)
+//   below 2^-64:      scale = 0, inv = 0                           (decodes to zeros)
 //   Inf or NaN inside: scale = NaN, inv = 0                    (decodes to NaN, never hidden)
 JR_HD BlockScale ScaleFromAmaxBits(uint32_t amax_bits) {
   if (amax_bits >= kNonFiniteBits) return {BitsF32(0x7fc00000u), 0.0f};
   if (amax_bits < kMinAmaxBits) return {0.0f, 0.0f};
   const float amax = BitsF32(amax_bits);
-  return {amax / kQMax, kQMax / amax};
+  return {amax * kInvQMax, kQMax / amax};
 }
 
 // Round half to even, exact for |v| < 2^22 (codes are within +-128): adding 1.5 * 2^23 pushes
@@ -81,7 +84,20 @@ JR_HD float FloorSmall(float v) {
   return floorf(v);
 #else
   const float r = RoundEvenSmall(v);
-  return r > v ? r - 1.0f : r;
+  return r - static_cast<float>(r > v);  // branch-free, so that the loop vectorizes
+#endif
+}
+
+// The int8 code of round_half_even(v) for |v| <= 127.5 (what the block-scale rule guarantees:
+// |x * 127 / amax| <= 127 (1 + 2^-23)^2). On the CPU the code is read straight from the low
+// mantissa bits of v + 1.5 * 2^23, which holds 2^22 + round(v): no float-to-int conversion and
+// no clamp, which is what makes the encode loop as fast as a copy.
+JR_HD int8_t RoundToCode(float v) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<int8_t>(__float2int_rn(v));
+#else
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  return static_cast<int8_t>(F32Bits(v + kMagic) & 0xffu);
 #endif
 }
 
@@ -91,7 +107,10 @@ JR_HD float ClampCode(float r) {
 }
 
 // Stochastic rounding: a counter-based hash (lowbias32 by C. Wellons) of the element index
-// within its row, keyed by the seed. u in [0, 1) with 24 random bits.
+// within its row, keyed by the seed, gives u = k / 2^16 in [0, 1). With v = x * inv and
+// r = floor(v), the code is r + 1 when v > r + u, else r: P(round up) = frac(v) up to 2^-16.
+// r + u is exact (|r| <= 128), and v only meets compares, so no step of the rule can be fused
+// into a multiply-add by any compiler.
 JR_HD uint32_t Mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -104,7 +123,12 @@ JR_HD uint32_t Mix32(uint32_t x) {
 JR_HD uint32_t SeedKey(uint32_t seed) { return Mix32(seed + 0x9e3779b9u); }
 
 JR_HD float Uniform01(uint32_t key, uint32_t index) {
-  return static_cast<float>(static_cast<int32_t>(Mix32(index ^ key) >> 8)) * 5.9604644775390625e-08f;
+  return static_cast<float>(static_cast<int32_t>(Mix32(index ^ key) >> 16)) * 1.52587890625e-05f;
+}
+
+JR_HD int8_t StochasticCode(float v, float u) {
+  const float r = FloorSmall(v);
+  return static_cast<int8_t>(static_cast<int32_t>(ClampCode(r + static_cast<float>(v > r + u))));
 }
 
 // --- 16-bit floats, round to nearest even, NaN stays NaN (quiet) -------------------------
@@ -116,6 +140,12 @@ JR_HD uint16_t F32ToBf16(float f) {
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const uint32_t nan = (u >> 16) | 0x40u;
   return static_cast<uint16_t>((u & 0x7fffffffu) > kNonFiniteBits ? nan : rounded);
+}
+
+// The same for a value known not to be NaN (decoding a block whose scale is not NaN).
+JR_HD uint16_t F32ToBf16NotNan(float f) {
+  const uint32_t u = F32Bits(f);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // Branch-free IEEE binary16 conversions (after F. Giesen's half_to_float / float_to_half_rtne)

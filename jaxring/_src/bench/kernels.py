@@ -1,0 +1,214 @@
+"""Benchmark of the FFI kernels: GB/s (bytes read + written) beside NumPy's memory copy.
+
+Run ``jaxring bench kernels`` (which preloads tcmalloc when it is installed) or
+``python -m jaxring._src.bench.kernels``. For each size the memory copy (``np.copyto``: n bytes read
+and n written) and each kernel are called in rotation, medians of ``--repeats`` calls after warm-up,
+so that both see the same noise on a shared machine and their ratio is meaningful. The XLA column
+times the kernel's pure-jnp reference, jitted, for comparison. XLA:CPU allocates every output buffer
+afresh, so the allocator matters: it is printed, and ``--glibc-heap`` stops glibc from mmap-ing (and
+page-faulting in) each large buffer. Results go to ``benchmarks/results/kernels-<timestamp>.json``.
+
+Example:
+    jaxring bench kernels --sizes 1 16 64 --repeats 7
+    JAXRING_NO_TCMALLOC=1 python -m jaxring._src.bench.kernels --glibc-heap
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from jaxring._src.bench import common
+
+MiB = 1 << 20
+INT8_BLOCK = 256
+CHUNK = 4096  # f32 elements per top-k chunk (16 KiB)
+TOPK_FRACTION = 0.1
+
+
+class Case(NamedTuple):
+  name: str
+  run: Callable[[], object]  # one call, blocks until done
+  reference: Callable[[], object] | None  # the jnp reference, jitted
+  bytes: int  # bytes read + written by one call
+
+
+def use_glibc_heap_for_large_buffers() -> None:
+  """Keeps glibc from mmap-ing (and page-faulting in) every large output buffer afresh."""
+  libc = ctypes.CDLL(None)
+  m_trim_threshold, m_mmap_threshold = -1, -3
+  libc.mallopt(m_mmap_threshold, 1 << 30)
+  libc.mallopt(m_trim_threshold, 1 << 31)
+
+
+def _interleaved_medians(fns: list[Callable[[], object]], warmup: int, repeats: int,
+                         inner: int) -> list[float]:
+  """Median seconds per call of each function, called in rotation so that they share the noise.
+
+  Each sample times ``inner`` back-to-back calls, so that small sizes are not dispatch jitter.
+  """
+  for fn in fns:
+    for _ in range(warmup):
+      fn()
+  times: list[list[float]] = [[] for _ in fns]
+  for _ in range(repeats):
+    for fn, ts in zip(fns, times):
+      t0 = time.perf_counter()
+      for _ in range(inner):
+        fn()
+      ts.append((time.perf_counter() - t0) / inner)
+  return [statistics.median(ts) for ts in times]
+
+
+def _cases(n: int, rng: np.random.Generator) -> list[Case]:
+  import jax
+  import jax.numpy as jnp
+
+  from jaxring._src import ext
+  from jaxring._src.ext import reference as ref
+
+  def timed(f, *args, donate=()):
+    jf = jax.jit(f, donate_argnums=donate)
+    return lambda: jax.block_until_ready(jf(*args))
+
+  x = jnp.asarray(rng.standard_normal(n, dtype=np.float32))
+  xb = x.astype(jnp.bfloat16)
+  xh = x.astype(jnp.float16)
+  partial = jnp.asarray(rng.standard_normal(n, dtype=np.float32))
+  q, s = jax.block_until_ready(ext.quantize_int8(x, INT8_BLOCK))
+  nb, sb = s.shape[0], 4 * s.shape[0]
+  nc = -(-n // CHUNK)
+  k = max(1, int(nc * TOPK_FRACTION))
+  idx = jnp.asarray(np.sort(rng.choice(nc - 1 if nc > 1 else 1, k, replace=False)).astype(np.int32))
+  packed = jnp.asarray(rng.standard_normal(k * CHUNK, dtype=np.float32))
+  del nb
+
+  def scatter_chain(f):
+    state = [jnp.array(x)]
+    jf = jax.jit(f, donate_argnums=0)
+
+    def run():
+      state[0] = jax.block_until_ready(jf(state[0], idx, packed))
+
+    return run
+
+  bs = INT8_BLOCK
+  return [
+      Case("quantize_int8 f32", timed(lambda v: ext.quantize_int8(v, bs), x),
+           timed(lambda v: ref.quantize_int8(v, bs), x), 4 * n + n + sb),
+      Case("quantize_int8 bf16", timed(lambda v: ext.quantize_int8(v, bs), xb),
+           timed(lambda v: ref.quantize_int8(v, bs), xb), 2 * n + n + sb),
+      Case("quantize_int8 f16", timed(lambda v: ext.quantize_int8(v, bs), xh),
+           timed(lambda v: ref.quantize_int8(v, bs), xh), 2 * n + n + sb),
+      Case("quantize_int8 f32 stochastic",
+           timed(lambda v: ext.quantize_int8(v, bs, stochastic=True, seed=1), x),
+           timed(lambda v: ref.quantize_int8(v, bs, stochastic=True, seed=1), x), 4 * n + n + sb),
+      Case("dequantize_int8 ->f32", timed(lambda a, b: ext.dequantize_int8(a, b, bs), q, s),
+           timed(lambda a, b: ref.dequantize_int8(a, b, bs), q, s), n + sb + 4 * n),
+      Case("dequantize_int8 ->bf16",
+           timed(lambda a, b: ext.dequantize_int8(a, b, bs, jnp.bfloat16), q, s),
+           timed(lambda a, b: ref.dequantize_int8(a, b, bs, jnp.bfloat16), q, s), n + sb + 2 * n),
+      Case("ring_hop_int8", timed(lambda a, b, c: ext.ring_hop_int8(a, b, c, bs), q, s, partial),
+           timed(lambda a, b, c: ref.ring_hop_int8(a, b, c, bs), q, s, partial),
+           (n + sb + 4 * n) + (4 * n + n + sb)),
+      Case("ring_hop_int8_last",
+           timed(lambda a, b, c: ext.ring_hop_int8_last(a, b, c, bs), q, s, partial),
+           timed(lambda a, b, c: ref.ring_hop_int8_last(a, b, c, bs), q, s, partial),
+           n + sb + 4 * n + 4 * n),
+      Case("ring_hop_cast bf16", timed(ext.ring_hop_cast, xb, partial),
+           timed(ref.ring_hop_cast, xb, partial), (2 * n + 4 * n) + (4 * n + 2 * n)),
+      Case("ring_hop_cast f16", timed(ext.ring_hop_cast, xh, partial),
+           timed(ref.ring_hop_cast, xh, partial), (2 * n + 4 * n) + (4 * n + 2 * n)),
+      Case("chunk_norms", timed(lambda v: ext.chunk_norms(v, CHUNK), x),
+           timed(lambda v: ref.chunk_norms(v, CHUNK), x), 4 * n + 4 * nc),
+      Case(f"gather_chunks {TOPK_FRACTION:.0%}",
+           timed(lambda v, i: ext.gather_chunks(v, i, CHUNK), x, idx),
+           timed(lambda v, i: ref.gather_chunks(v, i, CHUNK), x, idx), 2 * 4 * k * CHUNK + 4 * k),
+      Case(f"scatter_add_chunks {TOPK_FRACTION:.0%} (donated)",
+           scatter_chain(lambda v, i, p: ext.scatter_add_chunks(v, i, p, CHUNK)),
+           scatter_chain(lambda v, i, p: ref.scatter_add_chunks(v, i, p, CHUNK)),
+           3 * 4 * k * CHUNK + 4 * k),
+  ]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="jaxring bench kernels", description=__doc__.split("\n\n")[0])
+  p.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256],
+                 help="f32 input sizes in MiB (default: 1 4 16 64 256)")
+  p.add_argument("--repeats", type=int, default=7, help="timed calls per case (median)")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--kernels", nargs="*", default=None, help="only cases whose name contains one")
+  p.add_argument("--no-reference", action="store_true", help="skip the XLA (jnp) column")
+  p.add_argument("--cpu-threads", type=int, default=None,
+                 help="split buffers over this many threads (JAXRING_CPU_THREADS, default 1)")
+  p.add_argument("--glibc-heap", action="store_true",
+                 help="mallopt: serve large buffers from the glibc heap instead of fresh mmaps")
+  p.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results)")
+  return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """Runs the kernel benchmark, prints the table and writes the JSON; returns the exit code."""
+  args = _parse(argv)
+  if args.cpu_threads is not None:
+    os.environ["JAXRING_CPU_THREADS"] = str(args.cpu_threads)
+  alloc = common.allocator()
+  if args.glibc_heap and alloc == "glibc malloc":
+    use_glibc_heap_for_large_buffers()
+    alloc += " (mallopt: no mmap below 1 GiB, no trim)"
+
+  import jax
+
+  threads = os.environ.get("JAXRING_CPU_THREADS", "1 (default)")
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} cores "
+        f"({platform.processor() or platform.machine()}); allocator: {alloc}; "
+        f"kernel threads: {threads}")
+  rows = []
+  rng = np.random.default_rng(0)
+  header = f"{'kernel':36s} {'MiB':>6s} {'GB/s':>7s} {'memcpy':>7s} {'ratio':>6s} {'XLA GB/s':>9s}"
+  print("GB/s = (bytes read + bytes written) / median time; memcpy = np.copyto timed in rotation "
+        "with the kernel; XLA = the kernel's jnp reference, jitted")
+  print(header)
+  print("-" * len(header))
+  for mib in args.sizes:
+    n = int(mib * MiB) // 4
+    src = np.asarray(rng.standard_normal(n, dtype=np.float32))
+    dst = np.empty_like(src)
+
+    def memcpy():
+      np.copyto(dst, src)
+
+    for case in _cases(n, rng):
+      if args.kernels and not any(k in case.name for k in args.kernels):
+        continue
+      fns = [memcpy, case.run]
+      if not args.no_reference and case.reference is not None:
+        fns.append(case.reference)
+      inner = max(1, 16 * MiB // src.nbytes)
+      medians = _interleaved_medians(fns, args.warmup, args.repeats, inner)
+      copy_gbps = 2 * src.nbytes / medians[0] / 1e9
+      gbps = case.bytes / medians[1] / 1e9
+      ref_gbps = case.bytes / medians[2] / 1e9 if len(medians) > 2 else None
+      ref_text = f"{ref_gbps:9.2f}" if ref_gbps is not None else f"{'-':>9s}"
+      print(f"{case.name:36s} {mib:6g} {gbps:7.2f} {copy_gbps:7.2f} "
+            f"{gbps / copy_gbps:6.2f} {ref_text}", flush=True)
+      rows.append({"kernel": case.name, "size_mib": mib, "bytes": case.bytes,
+                   "median_s": medians[1], "gbps": gbps, "memcpy_gbps": copy_gbps,
+                   "ratio_to_memcpy": gbps / copy_gbps, "xla_reference_gbps": ref_gbps})
+  meta = {**common.machine(), "allocator": alloc, "kernel_threads": threads,
+          "repeats": args.repeats, "warmup": args.warmup,
+          "argv": list(sys.argv[1:] if argv is None else argv)}
+  print(f"wrote {common.write_json('kernels', {'meta': meta, 'results': rows}, args.out)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

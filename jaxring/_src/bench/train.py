@@ -1,0 +1,224 @@
+"""The cost of ``@jaxring.train_step``: a small ResNet step against a hand-written SPMD step.
+
+Both contenders run the same Flax ResNet-18-style network (BasicBlocks [2, 2, 2, 2], 32x32 inputs,
+BatchNorm, SGD with momentum) on the same global batch over all devices:
+
+* ``hand-written``: ``jax.jit(jax.shard_map(step))`` with ``jax.value_and_grad`` and
+  ``lax.pmean`` of the gradients, batch statistics and loss (the pmap-era idiom);
+* ``train_step``: the single-device step under ``@jaxring.train_step`` with
+  ``jaxring.value_and_grad`` (buckets reduced inside the backward pass), uncompressed;
+  optionally also with ``overlap=False`` and with int8 compression.
+
+Contenders are interleaved repetition by repetition (each repetition times ``--steps`` consecutive
+steps of every contender), so the machine's noise hits all alike; medians of ``--reps``
+repetitions after ``--warmup`` warm-up steps. On emulated CPU devices the "network" is a memory
+copy: this measures the decorator's overhead, not what overlap buys on a real network.
+
+Example:
+  $ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jaxring._src.bench.train
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import sys
+import time
+
+from jaxring._src.bench import common
+
+
+def _resnet(width: int, num_classes: int = 10):
+  import flax.linen as nn
+  import jax.numpy as jnp
+
+  class Block(nn.Module):
+    features: int
+    stride: int
+
+    @nn.compact
+    def __call__(self, x, train):
+      norm = lambda: nn.BatchNorm(use_running_average=not train, momentum=0.9)
+      y = nn.Conv(self.features, (3, 3), self.stride, use_bias=False)(x)
+      y = nn.relu(norm()(y))
+      y = norm()(nn.Conv(self.features, (3, 3), use_bias=False)(y))
+      if x.shape != y.shape:
+        x = norm()(nn.Conv(self.features, (1, 1), self.stride, use_bias=False)(x))
+      return nn.relu(x + y)
+
+  class ResNet18(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(
+          nn.Conv(width, (3, 3), use_bias=False)(x)))
+      for stage, features in enumerate((width, 2 * width, 4 * width, 8 * width)):
+        for block in range(2):
+          x = Block(features, 2 if stage > 0 and block == 0 else 1)(x, train)
+      return nn.Dense(num_classes)(jnp.mean(x, axis=(1, 2)))
+
+  return ResNet18()
+
+
+def _loss_fn(apply_fn, batch_stats, batch):
+  import optax
+
+  def loss_fn(params):
+    logits, updates = apply_fn({"params": params, "batch_stats": batch_stats}, batch["x"],
+                               mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, updates["batch_stats"]
+  return loss_fn
+
+
+def _hand_written(mesh):
+  import jax
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+
+  def step(state, batch):
+    (loss, stats), grads = jax.value_and_grad(
+        _loss_fn(state.apply_fn, state.batch_stats, batch), has_aux=True)(state.params)
+    grads = lax.pmean(grads, "data")
+    state = state.apply_gradients(grads=grads, batch_stats=lax.pmean(stats, "data"))
+    return state, {"loss": lax.pmean(loss, "data")}
+
+  spmd = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                       check_vma=False)
+  return jax.jit(spmd, donate_argnums=(0,))
+
+
+def _decorated(mesh, **kwargs):
+  import jaxring.train as jt
+
+  @jt.train_step(mesh, **kwargs)
+  def step(state, batch):
+    (loss, stats), grads = jt.value_and_grad(
+        _loss_fn(state.apply_fn, state.batch_stats, batch), has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss}
+  return step
+
+
+def run(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import AxisType, Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxring
+  import jaxring.train as jt
+
+  devices = jax.devices()
+  mesh = Mesh(np.asarray(devices), ("data",), axis_types=(AxisType.Auto,))
+  n = len(devices)
+  global_batch = args.batch_per_device * n
+  model = _resnet(args.width)
+  variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+  tx = optax.sgd(0.05, momentum=0.9)
+  n_params = sum(int(np.size(p)) for p in jax.tree.leaves(variables["params"]))
+  bucket_bytes = int(args.bucket_mib * (1 << 20))
+
+  contenders = {"hand-written jit(shard_map)+pmean": _hand_written(mesh),
+                "train_step (auto, overlap)": _decorated(mesh, bucket_bytes=bucket_bytes)}
+  if args.no_overlap:
+    contenders["train_step (auto, overlap=False)"] = _decorated(
+        mesh, bucket_bytes=bucket_bytes, overlap=False)
+  if args.int8:
+    contenders["train_step (ring, int8 + EF)"] = _decorated(
+        mesh, bucket_bytes=bucket_bytes, algorithm="ring", compression=jaxring.codecs.int8())
+
+  rng = np.random.RandomState(0)
+  replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  batch = jax.device_put({"x": rng.randn(global_batch, 32, 32, 3).astype(np.float32),
+                          "y": rng.randint(0, 10, global_batch).astype(np.int32)}, sharded)
+  states = {}
+  for name, step in contenders.items():
+    state = jt.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                 batch_stats=variables["batch_stats"])
+    if hasattr(step, "prepare"):
+      state = step.prepare(state)
+    else:  # copies: donation must not delete `variables`, shared by every contender
+      state = jax.device_put(jax.tree.map(jnp.copy, state), replicated)
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+      state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    print(f"  {name}: compiled + {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    states[name] = state
+
+  times = {name: [] for name in contenders}
+  for _ in range(args.reps):
+    for name, step in contenders.items():
+      state = states[name]
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        state, metrics = step(state, batch)
+      jax.block_until_ready((state, metrics))
+      times[name].append((time.perf_counter() - t0) / args.steps)
+      states[name] = state
+
+  base = statistics.median(times["hand-written jit(shard_map)+pmean"])
+  rows = []
+  for name, ts in times.items():
+    med = statistics.median(ts)
+    buckets = getattr(contenders[name], "buckets", None)
+    rows.append({"contender": name, "median_ms": med * 1e3, "min_ms": min(ts) * 1e3,
+                 "images_per_s": global_batch / med, "ratio": med / base,
+                 "overhead_pct": (med / base - 1) * 100,
+                 "buckets": None if buckets is None else len(buckets), "times_s": ts})
+  return {"benchmark": "train", "model": f"ResNet-18 (BasicBlock [2,2,2,2], width {args.width})",
+          "params": n_params, "image": "32x32x3", "devices": n, "global_batch": global_batch,
+          "bucket_bytes": bucket_bytes, "steps_per_rep": args.steps, "reps": args.reps,
+          "warmup": args.warmup, "machine": common.machine(), "rows": rows}
+
+
+def _maybe_tcmalloc(argv) -> None:
+  """Re-executes with tcmalloc preloaded (XLA:CPU collectives are allocator-bound; see
+  ENVIRONMENT.md); ``--no-tcmalloc`` or JAXRING_NO_TCMALLOC=1 keeps glibc malloc."""
+  if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or os.environ.get("JAXRING_NO_TCMALLOC"):
+    return
+  libs = sorted(p for g in common._TCMALLOC_GLOBS for p in glob.glob(g))
+  if libs:
+    env = dict(os.environ, LD_PRELOAD=libs[0])
+    os.execve(sys.executable, [sys.executable, "-m", "jaxring._src.bench.train", *argv], env)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m jaxring._src.bench.train", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
+  ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
+  ap.add_argument("--batch-per-device", type=int, default=8)
+  ap.add_argument("--bucket-mib", type=float, default=0.5)
+  ap.add_argument("--reps", type=int, default=7)
+  ap.add_argument("--steps", type=int, default=2, help="steps timed per repetition")
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--no-overlap", action="store_true", help="also time overlap=False")
+  ap.add_argument("--int8", action="store_true", help="also time int8 ring + error feedback")
+  ap.add_argument("--no-tcmalloc", action="store_true")
+  ap.add_argument("--out-dir", default=None)
+  args = ap.parse_args(argv)
+  if args.reps < 5:
+    ap.error("--reps must be at least 5 (medians of fewer are noise on a shared machine)")
+  if not args.no_tcmalloc:
+    _maybe_tcmalloc(sys.argv[1:] if argv is None else list(argv))
+  common.set_cpu_devices(args.devices)
+
+  result = run(args)
+  print(f"\n{result['model']}, {result['params']:,} params, global batch "
+        f"{result['global_batch']} on {result['devices']} devices, buckets of "
+        f"{common.fmt_bytes(result['bucket_bytes'])}, allocator: {result['machine']['allocator']}")
+  common.print_table(result["rows"], [
+      ("contender", "contender", ""), ("median_ms", "median ms/step", ".1f"),
+      ("min_ms", "min ms", ".1f"), ("images_per_s", "images/s", ".1f"),
+      ("ratio", "vs hand-written", ".3f"), ("buckets", "buckets", "")])
+  path = common.write_json("train", result, args.out_dir)
+  print(f"\nwrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

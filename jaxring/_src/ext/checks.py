@@ -1,0 +1,54 @@
+"""Argument checks and the ffi_call helper shared by the kernel wrappers.
+
+Everything here runs at trace time on static shapes and dtypes, so bad input raises before any
+kernel is launched, with the argument's name in the message.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+
+from jaxring._src.ext import require_extension
+
+require_extension()  # the kernels and chunks modules need the FFI targets registered
+
+__all__ = ["positive_int", "flat", "same_length", "call"]
+
+
+def positive_int(name: str, value) -> int:
+  """Returns ``value`` as a Python int, or raises if it is not a static positive integer."""
+  try:
+    v = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{name} must be a static Python int, got {value!r}") from None
+  if v <= 0:
+    raise ValueError(f"{name} must be a positive integer, got {v}")
+  return v
+
+
+def flat(name: str, x, dtypes=None) -> jax.Array:
+  """Returns ``x`` as a 1-D array whose dtype is one of ``dtypes``, or raises naming ``name``."""
+  x = jnp.asarray(x)
+  if x.ndim != 1:
+    raise ValueError(f"{name} must be a flat 1-D array, got shape {x.shape}")
+  if dtypes is not None and x.dtype not in dtypes:
+    names = " or ".join(str(d) for d in dtypes)
+    raise TypeError(f"{name} must have dtype {names}, got {x.dtype}")
+  return x
+
+
+def same_length(name: str, x: jax.Array, ref_name: str, ref: jax.Array) -> None:
+  if x.shape[0] != ref.shape[0]:
+    raise ValueError(
+        f"{name} has {x.shape[0]} elements but {ref_name} has {ref.shape[0]}; they must match"
+    )
+
+
+def call(target: str, results, *args, aliases=None, **attrs):
+  """Calls target ``jaxring_<target>``; batching runs the handler over leading rows."""
+  return jax.ffi.ffi_call(
+      f"jaxring_{target}", results, vmap_method="broadcast_all", input_output_aliases=aliases
+  )(*args, **attrs)

@@ -1,0 +1,167 @@
+"""Pure-jnp references for the kernels in xla_ext/: the definitions the FFI kernels must match.
+
+Each function has the signature of its FFI wrapper in :mod:`jaxring._src.ext.kernels` and the same
+numerics, rounding step by rounding step (the C++ twin of every rule is in ``xla_ext/numerics.h``):
+
+* int8 blocks: ``amax = max|x|`` over a block of ``block_size`` elements (the last block may be
+  partial); ``scale = amax * RN(1/127)`` and ``inv = 127 / amax``, each rounded once to f32;
+  ``q = round_half_even(x * inv)`` (always within [-127, 127]). With stochastic rounding,
+  ``v = x * inv``, ``r = floor(v)`` and ``q = clip(r + (v > r + u), -127, 127)``, where
+  ``u = k / 2^16`` is a hash of (seed, element index within the row): P(round up) = frac(v) up to
+  2^-16, so decoding is unbiased to within 2^-17 of a step. Decoding is ``q * scale`` rounded to
+  the output dtype.
+* A block whose max|x| is below 2^-64 (all zeros, in particular) gets ``scale = 0`` and ``q = 0``.
+* A block holding Inf or NaN gets ``scale = NaN`` and ``q = 0``: it decodes to NaN everywhere, so a
+  non-finite gradient is never hidden by compression.
+* Ring hops round twice, ``decode(recv)`` then ``+ partial`` (no fused multiply-add), so that CPU,
+  GPU and these references agree bit for bit whatever the host's FMA support.
+
+Every rule is written so that XLA cannot change it: XLA contracts ``a * b + c`` into an FMA on
+hosts that have one, so no product here feeds an addition unless the product is exact, and the
+decode before an addition is computed as the exact sum of two exact products (:func:`_decode_f32`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "quantize_int8",
+    "dequantize_int8",
+    "ring_hop_int8",
+    "ring_hop_int8_last",
+    "ring_hop_cast",
+    "ring_hop_cast_last",
+    "chunk_norms",
+    "gather_chunks",
+    "scatter_add_chunks",
+]
+
+QMAX = 127.0
+NONFINITE_BITS = 0x7F800000
+MIN_AMAX_BITS = 0x1F800000  # 2^-64
+INV_QMAX = np.float32(1.0) / np.float32(127.0)  # RN(1/127)
+
+
+def _blocks(x: jax.Array, size: int) -> jax.Array:
+  """Pads a flat array with zeros to whole blocks and returns it as [blocks, size]."""
+  n = x.shape[0]
+  nb = -(-n // size)
+  return jnp.pad(x, (0, nb * size - n)).reshape(nb, size)
+
+
+def _u32(v: int) -> jax.Array:
+  return jnp.uint32(v)
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+  x = x ^ (x >> 16)
+  x = x * _u32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * _u32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def uniform01(seed: jax.Array | int, n: int) -> jax.Array:
+  """The stochastic-rounding offsets u[i] = k / 2^16 in [0, 1) for elements 0..n-1 of a row."""
+  key = _mix32(jnp.asarray(seed, jnp.uint32) + _u32(0x9E3779B9))
+  h = _mix32(jnp.arange(n, dtype=jnp.uint32) ^ key)
+  return (h >> 16).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-16)
+
+
+def block_scales(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(scale, inv) per row of an f32 [blocks, size] array, by the block-scale rule."""
+  amax_bits = jnp.max(lax.bitcast_convert_type(blocks, jnp.uint32) & _u32(0x7FFFFFFF), axis=1)
+  nonfinite = amax_bits >= _u32(NONFINITE_BITS)
+  tiny = amax_bits < _u32(MIN_AMAX_BITS)
+  amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
+  scale = jnp.where(nonfinite, jnp.float32(jnp.nan), jnp.where(tiny, 0.0, amax * INV_QMAX))
+  inv = jnp.where(nonfinite | tiny, 0.0, jnp.float32(QMAX) / jnp.where(tiny, 1.0, amax))
+  return scale.astype(jnp.float32), inv.astype(jnp.float32)
+
+
+def _encode(v: jax.Array, block_size: int, stochastic: bool, seed) -> tuple[jax.Array, jax.Array]:
+  n = v.shape[0]
+  blocks = _blocks(v.astype(jnp.float32), block_size)
+  scale, inv = block_scales(blocks)
+  v = blocks * inv[:, None]
+  if stochastic:
+    u = uniform01(seed, blocks.size).reshape(blocks.shape)
+    r = jnp.floor(v)
+    r = jnp.clip(r + (v > r + u).astype(jnp.float32), -QMAX, QMAX)
+  else:
+    r = jnp.round(v)  # half to even
+  r = jnp.where(inv[:, None] == 0, 0.0, r)
+  return r.astype(jnp.int8).reshape(-1)[:n], scale
+
+
+def _decode_f32(q: jax.Array, scales: jax.Array, block_size: int) -> jax.Array:
+  """RN(q * scale), computed so that XLA cannot fuse it into a following addition.
+
+  The scale is split into its top 16 significant bits and the rest; both products with a 7-bit
+  code are exact, so their sum, rounded once, is RN(q * scale) whether or not XLA contracts it.
+  """
+  n = q.shape[0]
+  hi = lax.bitcast_convert_type(
+      lax.bitcast_convert_type(scales, jnp.uint32) & _u32(0xFFFFFF00), jnp.float32
+  )
+  lo = scales - hi
+  codes = _blocks(q, block_size).astype(jnp.float32)
+  return (codes * hi[:, None] + codes * lo[:, None]).reshape(-1)[:n]
+
+
+def quantize_int8(x, block_size: int = 256, stochastic: bool = False, seed=0):
+  """Reference for :func:`jaxring._src.ext.kernels.quantize_int8`."""
+  return _encode(jnp.asarray(x), block_size, stochastic, seed)
+
+
+def dequantize_int8(q, scales, block_size: int = 256, dtype=jnp.float32):
+  """Reference for :func:`jaxring._src.ext.kernels.dequantize_int8`."""
+  decoded = _blocks(jnp.asarray(q), block_size).astype(jnp.float32) * jnp.asarray(scales)[:, None]
+  return decoded.reshape(-1)[: jnp.shape(q)[0]].astype(dtype)
+
+
+def ring_hop_int8_last(q, scales, partial, block_size: int = 256):
+  """Reference for :func:`jaxring._src.ext.kernels.ring_hop_int8_last`."""
+  return _decode_f32(jnp.asarray(q), jnp.asarray(scales), block_size) + partial
+
+
+def ring_hop_int8(q, scales, partial, block_size: int = 256, stochastic: bool = False, seed=0):
+  """Reference for :func:`jaxring._src.ext.kernels.ring_hop_int8`."""
+  new_partial = ring_hop_int8_last(q, scales, partial, block_size)
+  q_out, scales_out = _encode(new_partial, block_size, stochastic, seed)
+  return new_partial, q_out, scales_out
+
+
+def ring_hop_cast_last(recv, partial):
+  """Reference for :func:`jaxring._src.ext.kernels.ring_hop_cast_last`."""
+  return jnp.asarray(recv).astype(jnp.float32) + partial
+
+
+def ring_hop_cast(recv, partial):
+  """Reference for :func:`jaxring._src.ext.kernels.ring_hop_cast`."""
+  recv = jnp.asarray(recv)
+  new_partial = ring_hop_cast_last(recv, partial)
+  return new_partial, new_partial.astype(recv.dtype)
+
+
+def chunk_norms(x, chunk_size: int):
+  """Reference for :func:`jaxring._src.ext.kernels.chunk_norms` (f32 sums: within a few ulps)."""
+  blocks = _blocks(jnp.asarray(x, jnp.float32), chunk_size)
+  return jnp.sqrt(jnp.sum(blocks * blocks, axis=1))
+
+
+def gather_chunks(x, idx, chunk_size: int):
+  """Reference for :func:`jaxring._src.ext.kernels.gather_chunks` (indices must be in range)."""
+  return _blocks(jnp.asarray(x), chunk_size)[jnp.asarray(idx)].reshape(-1)
+
+
+def scatter_add_chunks(x, idx, packed, chunk_size: int):
+  """Reference for :func:`jaxring._src.ext.kernels.scatter_add_chunks` (indices in range)."""
+  x = jnp.asarray(x)
+  blocks = _blocks(x, chunk_size)
+  added = blocks.at[jnp.asarray(idx)].add(jnp.asarray(packed).reshape(-1, chunk_size))
+  return added.reshape(-1)[: x.shape[0]]

@@ -1,0 +1,320 @@
+"""``jaxring.value_and_grad`` / ``grad``: gradients reduced across replicas inside the backward pass.
+
+Inside a :func:`jaxring.train_step`, each bucket of parameters (jaxring.train.buckets) passes
+through an identity ``jax.custom_vjp`` before the loss function sees it. Its backward rule receives
+the bucket's complete cotangents as soon as backprop has produced them, flattens them into one
+buffer, adds this replica's error-feedback residual, reduces the buffer with one collective and
+returns the mean as the parameters' cotangent and the new compression error as the residual's
+cotangent (we differentiate with respect to parameters and residuals together). The reduction thus
+sits in the middle of the backward pass, where XLA can run it alongside the remaining backprop.
+
+Each bucket's buffer carries one extra element, a token: the previous bucket's reduced token. That
+data dependency keeps XLA's all-reduce combiner from merging every bucket into one all-reduce at the
+end of the step (measured: without it, XLA:CPU combines them all), and orders the reductions as the
+buckets complete. The token is always 0 (a sum of zeros).
+
+Outside a train_step these functions are ``jax.value_and_grad`` / ``jax.grad``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxring._src.algorithms.planner import make_plan
+from jaxring._src.codecs.base import Codec, accum_dtype
+from jaxring._src.collectives import all_reduce_flat
+from jaxring.train.buckets import Bucket, make_buckets, use_order
+from jaxring.train.precision import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceConfig:
+  """How a train_step reduces gradients (the decorator's arguments)."""
+
+  axes: tuple
+  algorithm: Any = "auto"
+  compression: Any = None
+  error_feedback: bool = True
+  bucket_bytes: int = 25 << 20
+  overlap: bool = True
+  policy: Policy | None = None
+
+  @property
+  def axis_name(self):
+    return self.axes if len(self.axes) > 1 else self.axes[0]
+
+  @property
+  def uses_residuals(self) -> bool:
+    """Error feedback is kept only where something is lost on the wire."""
+    c = self.compression
+    lossy = (any(v is not None and v.lossy for v in c.values()) if isinstance(c, dict)
+             else isinstance(c, Codec) and c.lossy)
+    return self.error_feedback and lossy
+
+
+@dataclasses.dataclass(eq=False)
+class StepContext:
+  """What the decorator hands to ``value_and_grad`` during one trace of the step, and gets back."""
+
+  config: ReduceConfig
+  residuals: Any = None     # this replica's residuals, shaped like the parameters, or None
+  loss_scale: Any = None    # f32 scalar when the policy scales the loss
+  new_residuals: Any = None
+  finite: Any = None        # agreed on by every replica
+  buckets: list[Bucket] | None = None
+  calls: int = 0
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext):
+  stack = _local.__dict__.setdefault("stack", [])
+  stack.append(ctx)
+  try:
+    yield ctx
+  finally:
+    stack.pop()
+
+
+def current_context() -> StepContext | None:
+  stack = getattr(_local, "stack", None)
+  return stack[-1] if stack else None
+
+
+def replica_count(axes: tuple) -> int:
+  n = 1
+  for a in axes:
+    n *= int(lax.axis_size(a))
+  return n
+
+
+def _all_reduce(flat, dtype, cfg: ReduceConfig, want_error: bool):
+  sizes = tuple(int(lax.axis_size(a)) for a in cfg.axes)
+  plan = make_plan(cfg.axes, sizes, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype,
+                   cfg.algorithm, cfg.compression)
+  if plan.kind == "xla":
+    return lax.psum(flat, cfg.axis_name), None
+  return all_reduce_flat(flat, dtype, cfg.axes, plan, want_error=want_error)
+
+
+def _split(flat, like: Sequence, dtype=None):
+  out, offset = [], 0
+  for x in like:
+    size = x.size
+    out.append(flat[offset:offset + size].reshape(x.shape).astype(dtype or x.dtype))
+    offset += size
+  return out
+
+
+def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, check_finite: bool):
+  """Mean of one bucket's cotangents over the replicas, in one collective.
+
+  Returns ``(means, new_residuals or None, token, local non-finite flag or None)``.
+  """
+  dtype = jnp.dtype(cts[0].dtype)
+  acc = accum_dtype(dtype)
+  flat = jnp.concatenate([jnp.ravel(c).astype(acc) for c in cts])
+  if inv_scale is not None:
+    flat = flat * inv_scale.astype(acc)
+  nonfinite = None
+  if check_finite:
+    nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(flat))).astype(jnp.float32)
+  if residuals is not None:
+    flat = flat + jnp.concatenate([jnp.ravel(r).astype(acc) for r in residuals])
+  flat = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
+  total, err = _all_reduce(flat, dtype, cfg, want_error=residuals is not None)
+  mean = total[:-1] / replica_count(cfg.axes)
+  new_res = None
+  if residuals is not None:
+    new_res = _split(_next_residual(mean, err, dtype), residuals)
+  return _split(mean, cts), new_res, total[-1].astype(jnp.float32), nonfinite
+
+
+def _next_residual(mean, err, dtype):
+  """This member's error to carry, as jaxring._src.error_feedback.mean_with_error keeps it."""
+  err = jnp.zeros_like(mean) if err is None else err[:-1]
+  if jnp.dtype(dtype) != mean.dtype:  # the final rounding to the gradient dtype, once per member
+    err = err + (mean - mean.astype(dtype).astype(mean.dtype))
+  # a non-finite error (fp16 overflow, nan gradient) is visible in this step's result; carrying it
+  # would poison every later step
+  return jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
+
+
+def _bucket_identity(cfg: ReduceConfig, check_finite: bool):
+  """Identity on (leaves, token) whose backward rule reduces the leaves' cotangents."""
+
+  @jax.custom_vjp
+  def ident(leaves, residuals, tok, inv_scale, flag):
+    del residuals, inv_scale, flag
+    return leaves, tok
+
+  def fwd(leaves, residuals, tok, inv_scale, flag):
+    del flag
+    return (leaves, tok), (residuals, inv_scale, tok)
+
+  def bwd(saved, cts):
+    residuals, inv_scale, tok = saved
+    ct_leaves, ct_tok = cts
+    means, new_res, tok_out, nonfinite = reduce_bucket(cfg, ct_leaves, residuals, ct_tok,
+                                                       inv_scale, check_finite)
+    return (tuple(means), None if new_res is None else tuple(new_res), tok_out.astype(tok.dtype),
+            None if inv_scale is None else jnp.zeros_like(inv_scale), nonfinite)
+
+  ident.defvjp(fwd, bwd)
+  return ident
+
+
+def _after_backward_token(grads: Sequence):
+  """A zero scalar that depends on every gradient, so the first reduction waits for all of them."""
+  return sum(jnp.isnan(jnp.ravel(g)[0]).astype(jnp.float32) for g in grads if g.size)
+
+
+def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwargs):
+  cfg = ctx.config
+  ctx.calls += 1
+  if ctx.calls > 1 and cfg.uses_residuals:
+    raise RuntimeError("jaxring.value_and_grad: called twice in one train_step with error feedback;"
+                       " the residuals of one step belong to one gradient reduction")
+  single = isinstance(argnums, int)
+  nums = (argnums,) if single else tuple(argnums)
+  diff = args[nums[0]] if single else tuple(args[i] for i in nums)
+  leaves, treedef = jax.tree_util.tree_flatten(diff)
+  res_leaves = None
+  if cfg.uses_residuals:
+    res_leaves, res_def = jax.tree_util.tree_flatten(ctx.residuals)
+    if res_def != treedef:
+      raise ValueError("jaxring.value_and_grad: with error feedback the differentiated argument "
+                       "must have the structure of state.params (the residuals are shaped like "
+                       f"it); got {treedef} vs residuals {res_def}")
+  policy = cfg.policy
+  scale = ctx.loss_scale if policy is not None and policy.loss_scaling else None
+
+  def call(diff_leaves):
+    new_args = list(args)
+    tree = jax.tree_util.tree_unflatten(treedef, list(diff_leaves))
+    for k, i in enumerate(nums):
+      new_args[i] = tree if single else tree[k]
+    if policy is not None:
+      new_args = [policy.cast_to_compute(a) if i in nums or _is_data(a) else a
+                  for i, a in enumerate(new_args)]
+    return fun(*new_args, **kwargs)
+
+  order = use_order(lambda *ls: call(ls), leaves)
+  buckets = make_buckets(leaves, order, cfg.bucket_bytes)
+  ctx.buckets = buckets
+  inv_scale = None if scale is None else (1.0 / scale).astype(jnp.float32)
+  check = scale is not None
+
+  def inner(diff_leaves, residuals, flags):
+    diff_leaves = list(diff_leaves)
+    if cfg.overlap:
+      tok = jnp.zeros((), jnp.float32)
+      for k in reversed(range(len(buckets))):  # forward order: the last bucket to reduce first
+        b = buckets[k]
+        res = None if residuals is None else tuple(residuals[i] for i in b.indices)
+        out, tok = _bucket_identity(cfg, check)(tuple(diff_leaves[i] for i in b.indices), res, tok,
+                                                inv_scale, flags[k] if check else None)
+        for i, x in zip(b.indices, out):
+          diff_leaves[i] = x
+    out = call(diff_leaves)
+    loss, aux = out if has_aux else (out, None)
+    objective = loss.astype(jnp.float32)
+    if scale is not None:
+      objective = objective * scale
+    return objective, (loss, aux)
+
+  flags = [jnp.zeros((), jnp.float32) for _ in buckets] if check else None
+  (_, (loss, aux)), (g_leaves, g_res, g_flags) = jax.value_and_grad(
+      inner, argnums=(0, 1, 2), has_aux=True)(leaves, res_leaves, flags)
+  if not cfg.overlap:
+    g_leaves, g_res, g_flags = _reduce_after_backward(cfg, buckets, g_leaves, res_leaves,
+                                                      inv_scale, check)
+  if cfg.uses_residuals:
+    ctx.new_residuals = jax.tree_util.tree_unflatten(treedef, list(g_res))
+  if check:
+    local = sum(g_flags) if g_flags else jnp.zeros((), jnp.float32)
+    ctx.finite = lax.psum(local, cfg.axis_name) == 0
+  grads = jax.tree_util.tree_unflatten(treedef, list(g_leaves))
+  if policy is not None:
+    loss = loss.astype(jnp.float32)
+  value = (loss, aux) if has_aux else loss
+  return value, grads
+
+
+def _reduce_after_backward(cfg, buckets, grads, residuals, inv_scale, check):
+  """The baseline: the same buckets, reduced one after another once backprop has finished."""
+  grads = list(grads)
+  new_res = None if residuals is None else list(residuals)
+  flags = []
+  tok = _after_backward_token(grads)
+  for b in buckets:
+    res = None if residuals is None else [residuals[i] for i in b.indices]
+    means, nr, tok, nonfinite = reduce_bucket(cfg, [grads[i] for i in b.indices], res, tok,
+                                              inv_scale, check)
+    for j, i in enumerate(b.indices):
+      grads[i] = means[j]
+      if nr is not None:
+        new_res[i] = nr[j]
+    if check:
+      flags.append(nonfinite)
+  return grads, new_res, flags
+
+
+def _is_data(x) -> bool:
+  """Non-differentiated arguments cast by a compute policy: arrays and pytrees of arrays."""
+  leaves = jax.tree_util.tree_leaves(x)
+  return bool(leaves) and all(hasattr(l, "dtype") for l in leaves)
+
+
+def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+  """``jax.value_and_grad`` whose gradients are already averaged over the replicas.
+
+  Inside a :func:`jaxring.train_step`, the gradients are reduced bucket by bucket inside the
+  backward pass, with the step's algorithm, compression and error feedback; the value (and aux) is
+  this replica's. Outside one, this is ``jax.value_and_grad``. Call it once per step.
+
+  Args:
+    fun: the loss function; returns a scalar (or ``(scalar, aux)`` with ``has_aux``).
+    argnums: which positional argument(s) to differentiate.
+    has_aux: as in ``jax.value_and_grad``.
+
+  Returns:
+    A function returning ``(value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
+
+  Example:
+    >>> @jaxring.train_step()
+    ... def step(state, batch):
+    ...   loss, grads = jaxring.value_and_grad(loss_fn)(state.params, batch)
+    ...   return state.apply_gradients(grads=grads), {"loss": loss}
+  """
+
+  def wrapped(*args, **kwargs):
+    ctx = current_context()
+    if ctx is None:
+      return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
+    return _reduced_value_and_grad(ctx, fun, argnums, has_aux, args, kwargs)
+
+  return wrapped
+
+
+def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
+  """``jax.grad`` whose gradients are averaged over the replicas (see :func:`value_and_grad`).
+
+  Example:
+    >>> grads = jaxring.grad(loss_fn)(state.params, batch)  # inside a train_step: the mean
+  """
+  vg = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def wrapped(*args, **kwargs):
+    value, grads = vg(*args, **kwargs)
+    return (grads, value[1]) if has_aux else grads
+
+  return wrapped

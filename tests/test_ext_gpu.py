@@ -1,0 +1,98 @@
+"""The CUDA kernels against the CPU references (run with JAX_PLATFORMS=cuda,cpu on a GPU host)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxring._src.ext as ext_pkg
+from jaxring._src import ext
+from jaxring._src.ext import reference as ref
+
+
+def _gpu():
+  try:
+    return jax.devices("gpu")[0]
+  except RuntimeError:
+    return None
+
+
+GPU = _gpu()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPU is None, reason="needs a CUDA GPU visible to JAX (tests/conftest.py "
+                       "defaults JAX_PLATFORMS to cpu: run with JAX_PLATFORMS=cuda,cpu)"),
+    pytest.mark.skipif(not ext_pkg.CUDA_BUILT, reason="jaxring._ext was built without CUDA "
+                       "(rebuild with JAXRING_CUDA=on pip install --no-build-isolation -e .)"),
+]
+
+SIZES = [0, 1, 255, 257, 10**6 + 3]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def on_gpu(f, *args):
+  return jax.jit(f, device=GPU)(*[jax.device_put(a, GPU) for a in args])
+
+
+def on_cpu(f, *args):
+  cpu = jax.devices("cpu")[0]
+  return jax.jit(f, device=cpu)(*[jax.device_put(a, cpu) for a in args])
+
+
+def same(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  if a.dtype.kind in "fV" or a.dtype == jnp.bfloat16:
+    a32, b32 = a.astype(np.float32), b.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(a32), np.isnan(b32))
+    np.testing.assert_array_equal(a32[~np.isnan(a32)], b32[~np.isnan(b32)])
+  else:
+    np.testing.assert_array_equal(a, b)
+
+
+def data(n, seed=0):
+  rng = np.random.default_rng(seed + n)
+  return (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_quantize_dequantize(n, dtype, stochastic):
+  x = jnp.asarray(data(n)).astype(dtype)
+  f = lambda x: ext.quantize_int8(x, 256, stochastic, 11)  # noqa: E731
+  for a, b in zip(on_gpu(f, x), on_cpu(lambda x: ref.quantize_int8(x, 256, stochastic, 11), x)):
+    same(a, b)
+  q, s = on_cpu(lambda x: ext.quantize_int8(x, 256), x)
+  same(on_gpu(lambda q, s: ext.dequantize_int8(q, s, 256, dtype), q, s),
+       on_cpu(lambda q, s: ref.dequantize_int8(q, s, 256, dtype), q, s))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_ring_hops(n, stochastic):
+  q, s = on_cpu(lambda x: ext.quantize_int8(x, 256), data(n))
+  p = data(n, 1)
+  got = on_gpu(lambda q, s, p: ext.ring_hop_int8(q, s, p, 256, stochastic, 4), q, s, p)
+  want = on_cpu(lambda q, s, p: ref.ring_hop_int8(q, s, p, 256, stochastic, 4), q, s, p)
+  for a, b in zip(got, want):
+    same(a, b)
+  same(on_gpu(lambda q, s, p: ext.ring_hop_int8_last(q, s, p, 256), q, s, p), want[0])
+  for dtype in DTYPES:
+    r = jnp.asarray(data(n, 2)).astype(dtype)
+    for a, b in zip(on_gpu(ext.ring_hop_cast, r, p), on_cpu(ref.ring_hop_cast, r, p)):
+      same(a, b)
+
+
+@pytest.mark.parametrize("n,chunk", [(1, 1), (4097, 4096), (10**6 + 3, 1000)])
+def test_chunk_kernels(n, chunk):
+  x = data(n)
+  nc = ext.num_chunks(n, chunk)
+  got = np.asarray(on_gpu(lambda x: ext.chunk_norms(x, chunk), x))
+  x64 = np.pad(x.astype(np.float64), (0, nc * chunk - n)).reshape(nc, chunk)
+  want = np.sqrt((x64 * x64).sum(axis=1)).astype(np.float32)
+  assert np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32)).max() <= 1
+  idx = np.random.default_rng(n).permutation(nc)[: max(1, nc // 3)].astype(np.int32)
+  packed = on_gpu(lambda x, i: ext.gather_chunks(x, i, chunk), x, idx)
+  same(packed, ref.gather_chunks(x, idx, chunk))
+  same(on_gpu(lambda x, i, p: ext.scatter_add_chunks(x, i, p, chunk), x, idx, packed),
+       on_cpu(lambda x, i, p: ref.scatter_add_chunks(x, i, p, chunk), x, idx, packed))

@@ -1,0 +1,65 @@
+"""Two processes x four devices: per-process batches, one global step, the same result as one
+process with eight devices; metrics written by process 0 only."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "workers", "train_dist.py")
+sys.path.insert(0, os.path.join(REPO, "tests", "workers"))
+import train_dist  # noqa: E402
+
+STEPS = 4
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_match_one_process_with_the_same_devices(tmp_path):
+  port, metrics, out = _free_port(), tmp_path / "metrics.jsonl", tmp_path / "params.npz"
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXRING_"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+             PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+  procs, logs = [], []
+  for pid in range(2):
+    logs.append(open(tmp_path / f"worker{pid}.log", "w"))
+    procs.append(subprocess.Popen(
+        [sys.executable, WORKER, "--port", str(port), "--process-id", str(pid),
+         "--steps", str(STEPS), "--metrics", str(metrics), "--out", str(out)],
+        stdout=logs[-1], stderr=subprocess.STDOUT, env=env, start_new_session=True))
+  try:
+    deadline = time.time() + 240
+    while any(p.poll() is None for p in procs) and time.time() < deadline:
+      time.sleep(0.2)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    for log in logs:
+      log.close()
+  outputs = [(tmp_path / f"worker{pid}.log").read_text() for pid in range(2)]
+  for p, output in zip(procs, outputs):
+    assert p.returncode == 0 and "DONE" in output, output[-3000:]
+
+  records = [json.loads(l) for l in metrics.read_text().splitlines()]
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # once, from process 0
+
+  import jax
+  assert jax.device_count() == 8
+  _, reference = train_dist.run(STEPS, None)  # this process: 8 devices, whole batches
+  got = np.load(out)
+  for path, want in jax.tree_util.tree_flatten_with_path(reference.params)[0]:
+    key = "/".join(k.key for k in path)
+    np.testing.assert_allclose(got[key], np.asarray(want), rtol=1e-5, atol=1e-6)

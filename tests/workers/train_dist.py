@@ -1,0 +1,89 @@
+"""Worker for tests/test_train_multiprocess.py: one of N processes of a data-parallel fit.
+
+Every process feeds only its own slice of each global batch (BatchIterator's default process
+split) and all write to the same metrics file, which only process 0 may touch. Process 0 saves the
+final parameters to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def problem():
+  """The model, optimizer, data and loss shared by the worker and the in-process reference."""
+  import jax.numpy as jnp
+  import optax
+  from flax import linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(3)(jnp.tanh(nn.Dense(16)(x)))
+
+  rng = np.random.RandomState(0)
+  data = {"x": rng.randn(96, 5).astype(np.float32), "y": rng.randint(0, 3, 96).astype(np.int32)}
+
+  def loss_fn(apply_fn, params, batch):
+    logits = apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return MLP(), optax.sgd(0.3, momentum=0.9), data, loss_fn
+
+
+def run(num_steps: int, metrics_path: str | None):
+  import jax
+  import jax.numpy as jnp
+
+  import jaxring.train as jt
+  model, tx, data, loss_fn = problem()
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))["params"]
+  state = jt.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+  @jt.train_step(bucket_bytes=256)
+  def step(state, batch):
+    loss, grads = jt.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  state = jt.fit(step, state, jt.BatchIterator(data, 32, seed=1), num_steps=num_steps,
+                 log_every=1, metrics_path=metrics_path, progress=False)
+  return step, state
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--port", type=int, required=True)
+  ap.add_argument("--process-id", type=int, required=True)
+  ap.add_argument("--num-processes", type=int, default=2)
+  ap.add_argument("--local-devices", type=int, default=4)
+  ap.add_argument("--steps", type=int, default=4)
+  ap.add_argument("--metrics", required=True)
+  ap.add_argument("--out", required=True)
+  args = ap.parse_args()
+
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.local_devices)
+  jax.config.update("jax_numpy_dtype_promotion", "strict")
+  jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+                             process_id=args.process_id)
+  step, state = run(args.steps, args.metrics)
+  assert step.num_replicas == args.num_processes * args.local_devices
+  params = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.params)
+  if jax.process_index() == 0:
+    np.savez(args.out, **{"/".join(k): v for k, v in _flat(params)})
+  print("DONE", flush=True)
+  jax.distributed.shutdown()
+  return 0
+
+
+def _flat(tree, prefix=()):
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      yield from _flat(v, prefix + (k,))
+    else:
+      yield prefix + (k,), v
+
+
+if __name__ == "__main__":
+  sys.exit(main())
