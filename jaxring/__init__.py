@@ -16,3 +16,7 @@ from jaxring._src.topology import set_default_topology as set_default_topology
 from jaxring._src.topology import use_topology as use_topology
 
 __version__ = "0.1.0"
+from jaxring.train.grad import grad as grad
+from jaxring.train.grad import value_and_grad as value_and_grad
+from jaxring.train.state import TrainState as TrainState
+from jaxring.train.step import train_step as train_step

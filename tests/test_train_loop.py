@@ -1,7 +1,6 @@
 """fit: progress bar and JSON lines from process 0 only, a non-finite loss raises, data position."""
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

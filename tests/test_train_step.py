@@ -5,7 +5,6 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
-from jax.sharding import AxisType, Mesh
 
 import jaxring.train as jt
 
@@ -98,3 +97,26 @@ def test_eight_replicas_match_single_device(reference, overlap):
   for got, want in zip(jax.tree.leaves(state.batch_stats), jax.tree.leaves(ref_state.batch_stats)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
   assert int(state.step) == STEPS
+
+
+def test_grad_with_several_argnums_is_the_global_batch_gradient():
+  rng = np.random.RandomState(0)
+  w, b = rng.randn(5, 3).astype(np.float32), rng.randn(3).astype(np.float32)
+  x = rng.randn(32, 5).astype(np.float32)
+
+  def loss(w, b, x):
+    return jnp.mean(jnp.square(jnp.tanh(x @ w + b)))
+
+  want = jax.grad(loss, argnums=(0, 1))(w, b, x)  # plain jax, one device, global batch
+  outside = jt.grad(loss, argnums=(0, 1))(w, b, x)  # outside a train_step: jax.grad
+
+  @jt.train_step(donate=False, bucket_bytes=8)  # b (12 bytes) and w: two buckets
+  def step(state, batch):
+    gw, gb = jt.grad(loss, argnums=(0, 1))(state["w"], state["b"], batch)
+    return state, {"gw": gw, "gb": gb}
+
+  _, metrics = step({"w": w, "b": b}, x)
+  for g, o, r in zip((metrics["gw"], metrics["gb"]), outside, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(r))
+  assert len(step.buckets) == 2

@@ -1,6 +1,6 @@
-// CPU kernel loops, written so that GCC/Clang vectorize them at -O3 -fno-trapping-math:
-// branch-free bodies, an integer max for max|x|, codes read from float bits (numerics.h), no
-// libm calls in the hot loops.
+// CPU kernels, written so that GCC/Clang vectorize them at -O3 -fno-trapping-math: branch-free
+// bodies, an integer max for max|x|, codes read from float bits (numerics.h), no libm calls in the
+// hot loops; float16 goes through F16C conversions where the CPU has them (cpu_f16c.cc).
 #include "cpu_kernels.h"
 
 #include <cmath>
@@ -29,7 +29,6 @@ namespace {
     case Wire::kBf16: KERNEL<Bf16>(__VA_ARGS__); break;        \
     case Wire::kF16: KERNEL<F16>(__VA_ARGS__); break;          \
   }
-
 
 template <class C>
 JR_INLINE void QuantizeRange(const void* x, int64_t n, int64_t bs, int64_t b0, int64_t b1,

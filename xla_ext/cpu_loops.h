@@ -51,7 +51,7 @@ JR_INLINE int64_t BlockLen(int64_t n, int64_t start, int64_t bs) {
 // Encodes one block of `len` values and returns its scale; `base` is the row index of x[0].
 template <class C>
 JR_INLINE float EncodeBlock(const typename C::T* __restrict x, int64_t len, int8_t* __restrict q,
-                         bool stochastic, uint32_t key, int64_t base) {
+                            bool stochastic, uint32_t key, int64_t base) {
   typename C::Key amax = 0;
   for (int64_t i = 0; i < len; ++i) {
     const typename C::Key a = C::AbsKey(x[i]);

@@ -58,9 +58,9 @@ struct BlockScale {
 };
 
 // The block-scale rule, from the bits of max|x| over the block:
-//   finite, >= 2^-64: scale = amax * RN(1/127), inv = 127 / amax   (each rounded once)
-//   below 2^-64:      scale = 0, inv = 0                           (decodes to zeros)
-//   Inf or NaN inside: scale = NaN, inv = 0                    (decodes to NaN, never hidden)
+//   finite, >= 2^-64:  scale = amax * RN(1/127), inv = 127 / amax  (each rounded once)
+//   below 2^-64:       scale = 0, inv = 0                          (decodes to zeros)
+//   Inf or NaN inside: scale = NaN, inv = 0                        (decodes to NaN: never hidden)
 JR_HD BlockScale ScaleFromAmaxBits(uint32_t amax_bits) {
   if (amax_bits >= kNonFiniteBits) return {BitsF32(0x7fc00000u), 0.0f};
   if (amax_bits < kMinAmaxBits) return {0.0f, 0.0f};
@@ -109,8 +109,9 @@ JR_HD float ClampCode(float r) {
 // Stochastic rounding: a counter-based hash (lowbias32 by C. Wellons) of the element index
 // within its row, keyed by the seed, gives u = k / 2^16 in [0, 1). With v = x * inv and
 // r = floor(v), the code is r + 1 when v > r + u, else r: P(round up) = frac(v) up to 2^-16.
-// r + u is exact (|r| <= 128), and v only meets compares, so no step of the rule can be fused
-// into a multiply-add by any compiler.
+// r + u is exact (|r| <= 128) and v = x * inv only meets floor and compares, so the jnp
+// reference cannot have a step fused into a multiply-add by XLA (the C++ is built with
+// -ffp-contract=off, the CUDA with __fmul_rn).
 JR_HD uint32_t Mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;

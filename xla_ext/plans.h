@@ -40,7 +40,8 @@ inline ffi::Error PlanRingHopInt8(std::string_view op, const ffi::AnyBuffer& q,
   JR_RETURN_IF_ERROR(
       CheckOperand(op, "new_partial (result)", new_partial, ffi::DataType::F32, "q", q, n));
   if (seed) JR_RETURN_IF_ERROR(CheckOperand(op, "seed", *seed, ffi::DataType::U32, "q", q, -1));
-  if (q_out) JR_RETURN_IF_ERROR(CheckOperand(op, "q_out (result)", *q_out, ffi::DataType::S8, "q", q, n));
+  if (q_out)
+    JR_RETURN_IF_ERROR(CheckOperand(op, "q_out (result)", *q_out, ffi::DataType::S8, "q", q, n));
   if (scales_out)
     JR_RETURN_IF_ERROR(CheckOperand(op, "scales_out (result)", *scales_out, ffi::DataType::F32,
                                     "q", q, p->blocks));
@@ -56,7 +57,9 @@ inline ffi::Error PlanRingHopCast(std::string_view op, const ffi::AnyBuffer& rec
   JR_RETURN_IF_ERROR(CheckOperand(op, "partial", partial, ffi::DataType::F32, "recv", recv, n));
   JR_RETURN_IF_ERROR(
       CheckOperand(op, "new_partial (result)", new_partial, ffi::DataType::F32, "recv", recv, n));
-  if (out) JR_RETURN_IF_ERROR(CheckOperand(op, "out (result)", *out, recv.element_type(), "recv", recv, n));
+  if (out)
+    JR_RETURN_IF_ERROR(
+        CheckOperand(op, "out (result)", *out, recv.element_type(), "recv", recv, n));
   return ffi::Error::Success();
 }
 
@@ -84,14 +87,16 @@ inline ffi::Error PlanChunkIndex(std::string_view op, const ffi::AnyBuffer& x,
   JR_RETURN_IF_ERROR(CheckDType(op, "idx", idx.element_type(), {ffi::DataType::S32}));
   RowLayout idx_layout;
   JR_RETURN_IF_ERROR(CheckRows(op, "idx", idx.dimensions(), &idx_layout));
-  JR_RETURN_IF_ERROR(CheckShapeLike(op, "idx", idx.dimensions(), "x", x.dimensions(), idx_layout.cols));
+  JR_RETURN_IF_ERROR(
+      CheckShapeLike(op, "idx", idx.dimensions(), "x", x.dimensions(), idx_layout.cols));
   p->chunk = chunk_size;
   p->chunks = CeilDiv(p->layout.cols, chunk_size);
   p->k = idx_layout.cols;
   return ffi::Error::Success();
 }
 
-inline ffi::Error PlanGather(std::string_view op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& idx,
+inline ffi::Error PlanGather(std::string_view op, const ffi::AnyBuffer& x,
+                             const ffi::AnyBuffer& idx,
                              const ffi::AnyBuffer& out, int64_t chunk_size, ChunkPlan* p) {
   JR_RETURN_IF_ERROR(CheckDType(op, "x", x.element_type(),
                                 {ffi::DataType::F32, ffi::DataType::BF16, ffi::DataType::F16,

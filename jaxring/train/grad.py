@@ -172,6 +172,39 @@ def _bucket_identity(cfg: ReduceConfig, check_finite: bool):
   return ident
 
 
+def _caller(fun, args, kwargs, argnums, treedef, policy: Policy | None):
+  """``fun`` as a function of the flattened differentiated arguments (cast by the policy)."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+  def call(diff_leaves):
+    new_args = list(args)
+    tree = jax.tree_util.tree_unflatten(treedef, list(diff_leaves))
+    if isinstance(argnums, int):
+      new_args[argnums] = tree
+    else:
+      for k, i in enumerate(nums):
+        new_args[i] = tree[k]
+    if policy is not None:
+      new_args = [policy.cast_to_compute(a) if i in nums or _is_data(a) else a
+                  for i, a in enumerate(new_args)]
+    return fun(*new_args, **kwargs)
+  return call
+
+
+def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_scale, check):
+  """Passes each bucket through its reducing identity, chained by the token in forward order."""
+  diff_leaves = list(diff_leaves)
+  tok = jnp.zeros((), jnp.float32)
+  for k in reversed(range(len(buckets))):  # forward order: the bucket reduced last goes first
+    b = buckets[k]
+    res = None if residuals is None else tuple(residuals[i] for i in b.indices)
+    out, tok = _bucket_identity(cfg, check)(tuple(diff_leaves[i] for i in b.indices), res, tok,
+                                            inv_scale, flags[k] if check else None)
+    for i, x in zip(b.indices, out):
+      diff_leaves[i] = x
+  return diff_leaves
+
+
 def _after_backward_token(grads: Sequence):
   """A zero scalar that depends on every gradient, so the first reduction waits for all of them."""
   return sum(jnp.isnan(jnp.ravel(g)[0]).astype(jnp.float32) for g in grads if g.size)
@@ -183,9 +216,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   if ctx.calls > 1 and cfg.uses_residuals:
     raise RuntimeError("jaxring.value_and_grad: called twice in one train_step with error feedback;"
                        " the residuals of one step belong to one gradient reduction")
-  single = isinstance(argnums, int)
-  nums = (argnums,) if single else tuple(argnums)
-  diff = args[nums[0]] if single else tuple(args[i] for i in nums)
+  diff = args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
   leaves, treedef = jax.tree_util.tree_flatten(diff)
   res_leaves = None
   if cfg.uses_residuals:
@@ -196,34 +227,16 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
                        f"it); got {treedef} vs residuals {res_def}")
   policy = cfg.policy
   scale = ctx.loss_scale if policy is not None and policy.loss_scaling else None
-
-  def call(diff_leaves):
-    new_args = list(args)
-    tree = jax.tree_util.tree_unflatten(treedef, list(diff_leaves))
-    for k, i in enumerate(nums):
-      new_args[i] = tree if single else tree[k]
-    if policy is not None:
-      new_args = [policy.cast_to_compute(a) if i in nums or _is_data(a) else a
-                  for i, a in enumerate(new_args)]
-    return fun(*new_args, **kwargs)
-
-  order = use_order(lambda *ls: call(ls), leaves)
-  buckets = make_buckets(leaves, order, cfg.bucket_bytes)
+  call = _caller(fun, args, kwargs, argnums, treedef, policy)
+  buckets = make_buckets(leaves, use_order(lambda *ls: call(ls), leaves), cfg.bucket_bytes)
   ctx.buckets = buckets
   inv_scale = None if scale is None else (1.0 / scale).astype(jnp.float32)
   check = scale is not None
 
   def inner(diff_leaves, residuals, flags):
-    diff_leaves = list(diff_leaves)
     if cfg.overlap:
-      tok = jnp.zeros((), jnp.float32)
-      for k in reversed(range(len(buckets))):  # forward order: the last bucket to reduce first
-        b = buckets[k]
-        res = None if residuals is None else tuple(residuals[i] for i in b.indices)
-        out, tok = _bucket_identity(cfg, check)(tuple(diff_leaves[i] for i in b.indices), res, tok,
-                                                inv_scale, flags[k] if check else None)
-        for i, x in zip(b.indices, out):
-          diff_leaves[i] = x
+      diff_leaves = _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags,
+                                               inv_scale, check)
     out = call(diff_leaves)
     loss, aux = out if has_aux else (out, None)
     objective = loss.astype(jnp.float32)

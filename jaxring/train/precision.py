@@ -21,8 +21,10 @@ class Policy:
   """Which dtype the forward/backward pass computes in, and whether the loss is scaled.
 
   Attributes:
-    compute_dtype: floating arguments of the differentiated function (parameters and batch) are
-      cast to this dtype before the call; gradients come back in the parameters' dtype.
+    compute_dtype: floating *arguments* of the function given to :func:`jaxring.value_and_grad`
+      (parameters and batch) are cast to this dtype before the call; gradients come back in the
+      parameters' dtype. Arrays the function closes over are not seen: pass the batch as an
+      argument (``value_and_grad(loss_fn)(params, batch)``), or give Flax modules ``dtype=``.
     loss_scaling: multiply the loss by ``state.loss_scale`` before the backward pass (fp16).
 
   Example:

@@ -39,7 +39,7 @@ def default_mesh(axis_name="data") -> Mesh:
   """All devices of all processes on one axis, or (processes, local devices) for two axes.
 
   Example:
-    >>> jaxring.train.default_mesh(("node", "local")).shape  # one process, 8 devices
+    >>> dict(jaxring.train.default_mesh(("node", "local")).shape)  # one process, 8 devices
     {'node': 1, 'local': 8}
   """
   axes = _axes(axis_name)

@@ -6,12 +6,14 @@ BatchNorm, SGD with momentum) on the same global batch over all devices:
 * ``hand-written``: ``jax.jit(jax.shard_map(step))`` with ``jax.value_and_grad`` and
   ``lax.pmean`` of the gradients, batch statistics and loss (the pmap-era idiom);
 * ``train_step``: the single-device step under ``@jaxring.train_step`` with
-  ``jaxring.value_and_grad`` (buckets reduced inside the backward pass), uncompressed;
-  optionally also with ``overlap=False`` and with int8 compression.
+  ``jaxring.value_and_grad``, uncompressed: with the default 25 MiB buckets (one bucket for this
+  small network), and with small buckets (``--bucket-mib``) with and without overlap; optionally
+  int8 compression with error feedback.
 
 Contenders are interleaved repetition by repetition (each repetition times ``--steps`` consecutive
 steps of every contender), so the machine's noise hits all alike; medians of ``--reps``
-repetitions after ``--warmup`` warm-up steps. On emulated CPU devices the "network" is a memory
+repetitions after ``--warmup`` warm-up steps; the comparison is the median over repetitions of
+each repetition's time ratio to the hand-written step. On emulated CPU devices the "network" is a memory
 copy: this measures the decorator's overhead, not what overlap buys on a real network.
 
 Example:
@@ -120,14 +122,18 @@ def run(args) -> dict:
   n_params = sum(int(np.size(p)) for p in jax.tree.leaves(variables["params"]))
   bucket_bytes = int(args.bucket_mib * (1 << 20))
 
+  small = common.fmt_bytes(bucket_bytes)
   contenders = {"hand-written jit(shard_map)+pmean": _hand_written(mesh),
-                "train_step (auto, overlap)": _decorated(mesh, bucket_bytes=bucket_bytes)}
-  if args.no_overlap:
-    contenders["train_step (auto, overlap=False)"] = _decorated(
+                "train_step (defaults: auto, 25MiB buckets)": _decorated(mesh)}
+  if bucket_bytes:
+    contenders[f"train_step (auto, {small} buckets, overlap)"] = _decorated(
+        mesh, bucket_bytes=bucket_bytes)
+    contenders[f"train_step (auto, {small} buckets, overlap=False)"] = _decorated(
         mesh, bucket_bytes=bucket_bytes, overlap=False)
   if args.int8:
-    contenders["train_step (ring, int8 + EF)"] = _decorated(
-        mesh, bucket_bytes=bucket_bytes, algorithm="ring", compression=jaxring.codecs.int8())
+    contenders[f"train_step (ring, int8 + EF, {small} buckets)"] = _decorated(
+        mesh, bucket_bytes=bucket_bytes or 25 << 20, algorithm="ring",
+        compression=jaxring.codecs.int8())
 
   rng = np.random.RandomState(0)
   replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -160,14 +166,17 @@ def run(args) -> dict:
       times[name].append((time.perf_counter() - t0) / args.steps)
       states[name] = state
 
-  base = statistics.median(times["hand-written jit(shard_map)+pmean"])
+  base_times = times["hand-written jit(shard_map)+pmean"]
   rows = []
   for name, ts in times.items():
     med = statistics.median(ts)
+    # the machine's load drifts during a run; a repetition's contenders ran back to back, so the
+    # ratio within each repetition is the robust comparison
+    ratio = statistics.median(t / b for t, b in zip(ts, base_times))
     buckets = getattr(contenders[name], "buckets", None)
     rows.append({"contender": name, "median_ms": med * 1e3, "min_ms": min(ts) * 1e3,
-                 "images_per_s": global_batch / med, "ratio": med / base,
-                 "overhead_pct": (med / base - 1) * 100,
+                 "images_per_s": global_batch / med, "ratio": ratio,
+                 "min_ratio": min(ts) / min(base_times), "overhead_pct": (ratio - 1) * 100,
                  "buckets": None if buckets is None else len(buckets), "times_s": ts})
   return {"benchmark": "train", "model": f"ResNet-18 (BasicBlock [2,2,2,2], width {args.width})",
           "params": n_params, "image": "32x32x3", "devices": n, "global_batch": global_batch,
@@ -192,11 +201,11 @@ def main(argv=None) -> int:
   ap.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
   ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
   ap.add_argument("--batch-per-device", type=int, default=8)
-  ap.add_argument("--bucket-mib", type=float, default=0.5)
+  ap.add_argument("--bucket-mib", type=float, default=0.5,
+                  help="also time this bucket size, with and without overlap (0: skip)")
   ap.add_argument("--reps", type=int, default=7)
   ap.add_argument("--steps", type=int, default=2, help="steps timed per repetition")
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--no-overlap", action="store_true", help="also time overlap=False")
   ap.add_argument("--int8", action="store_true", help="also time int8 ring + error feedback")
   ap.add_argument("--no-tcmalloc", action="store_true")
   ap.add_argument("--out-dir", default=None)
@@ -208,13 +217,15 @@ def main(argv=None) -> int:
   common.set_cpu_devices(args.devices)
 
   result = run(args)
-  print(f"\n{result['model']}, {result['params']:,} params, global batch "
-        f"{result['global_batch']} on {result['devices']} devices, buckets of "
-        f"{common.fmt_bytes(result['bucket_bytes'])}, allocator: {result['machine']['allocator']}")
+  print(f"\n{result['model']}, {result['params']:,} params "
+        f"({common.fmt_bytes(4 * result['params'])} of f32 gradients), global batch "
+        f"{result['global_batch']} on {result['devices']} devices, "
+        f"allocator: {result['machine']['allocator']}")
   common.print_table(result["rows"], [
       ("contender", "contender", ""), ("median_ms", "median ms/step", ".1f"),
       ("min_ms", "min ms", ".1f"), ("images_per_s", "images/s", ".1f"),
-      ("ratio", "vs hand-written", ".3f"), ("buckets", "buckets", "")])
+      ("ratio", "vs hand-written (median of per-rep ratios)", ".3f"),
+      ("min_ratio", "min vs min", ".3f"), ("buckets", "buckets", "")])
   path = common.write_json("train", result, args.out_dir)
   print(f"\nwrote {path}")
   return 0

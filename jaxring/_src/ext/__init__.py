@@ -59,7 +59,11 @@ KERNELS = ("quantize_int8", "dequantize_int8", "fake_quantize_int8", "ring_hop_i
 
 
 def require_extension() -> None:
-  """Raises the ImportError that says how to build the extension, if it did not load."""
+  """Raises the ImportError that says how to build the extension, if it did not load.
+
+  Example:
+      >>> require_extension()  # nothing happens when jaxring._ext is built and matches jaxlib
+  """
   if LOAD_ERROR is not None:
     raise ImportError(str(LOAD_ERROR)) from LOAD_ERROR
 

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxring._src.ext.checks import call as _call
 from jaxring._src.ext.checks import flat, positive_int
@@ -67,7 +68,7 @@ def _chunk_norms_bwd(chunk_size, res, ct):
 _chunk_norms.defvjp(_chunk_norms_fwd, _chunk_norms_bwd)
 
 
-def chunk_norms(x, chunk_size: int):
+def chunk_norms(x: ArrayLike, chunk_size: int) -> jax.Array:
   """L2 norm of each chunk of a flat f32 buffer.
 
   Squares are summed in f64 and the root rounded once to f32, so a norm is within 1 ulp of the
@@ -109,7 +110,7 @@ def _gather_bwd(chunk_size, res, ct):
 _gather.defvjp(lambda x, idx, cs: (_gather(x, idx, cs), (idx, _shape_residual(x))), _gather_bwd)
 
 
-def gather_chunks(x, idx, chunk_size: int):
+def gather_chunks(x: ArrayLike, idx: ArrayLike, chunk_size: int) -> jax.Array:
   """Packs the chunks ``idx`` of a flat buffer densely, in the order given.
 
   Args:
@@ -146,7 +147,8 @@ def _scatter_add_bwd(chunk_size, idx, ct):
 _scatter_add.defvjp(lambda x, idx, p, cs: (_scatter_add(x, idx, p, cs), idx), _scatter_add_bwd)
 
 
-def scatter_add_chunks(x, idx, packed, chunk_size: int):
+def scatter_add_chunks(x: ArrayLike, idx: ArrayLike, packed: ArrayLike,
+                       chunk_size: int) -> jax.Array:
   """Adds a packed buffer back into the chunks ``idx`` of a flat f32 buffer.
 
   ``x'[chunk idx[j]] = x[chunk idx[j]] + packed[j * chunk_size : (j + 1) * chunk_size]``, the

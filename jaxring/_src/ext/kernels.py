@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxring._src.ext.checks import call as _call
 from jaxring._src.ext.checks import flat, positive_int, same_length
@@ -101,7 +102,8 @@ _quantize.defvjp(
 )
 
 
-def quantize_int8(x, block_size: int = 256, stochastic: bool = False, seed=0):
+def quantize_int8(x: ArrayLike, block_size: int = 256, stochastic: bool = False,
+                  seed: int | ArrayLike = 0) -> tuple[jax.Array, jax.Array]:
   """Encodes a flat array as int8 codes with one f32 scale per block.
 
   ``scale = max|x_block| * RN(1/127)`` and ``q = round_half_even(x * (127 / max|x_block|))``; with
@@ -150,7 +152,8 @@ def _dequantize_bwd(block_size, dtype, q, ct):
 _dequantize.defvjp(_dequantize_fwd, _dequantize_bwd)
 
 
-def dequantize_int8(q, scales, block_size: int = 256, dtype=jnp.float32):
+def dequantize_int8(q: ArrayLike, scales: ArrayLike, block_size: int = 256,
+                    dtype: DTypeLike = jnp.float32) -> jax.Array:
   """Decodes int8 codes and per-block scales: ``x = q * scale``, rounded to ``dtype``.
 
   Args:
@@ -188,7 +191,8 @@ _fake_quantize.defvjp(
 )
 
 
-def fake_quantize_int8(x, block_size: int = 256, stochastic: bool = False, seed=0):
+def fake_quantize_int8(x: ArrayLike, block_size: int = 256, stochastic: bool = False,
+                       seed: int | ArrayLike = 0) -> jax.Array:
   """The int8 round trip ``dequantize(quantize(x))`` with a straight-through gradient.
 
   Args:
@@ -220,7 +224,9 @@ def _check_hop_int8(q, scales, partial, block_size):
   return q, scales, partial, bs
 
 
-def ring_hop_int8(q, scales, partial, block_size: int = 256, stochastic: bool = False, seed=0):
+def ring_hop_int8(q: ArrayLike, scales: ArrayLike, partial: ArrayLike, block_size: int = 256,
+                  stochastic: bool = False,
+                  seed: int | ArrayLike = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One ring hop on the int8 wire: decode what arrived, add the local partial, re-encode.
 
   One pass over memory: each block is decoded, accumulated in f32 and encoded again while it is
@@ -271,7 +277,8 @@ def _hop_int8_last_bwd(block_size, q, ct):
 _hop_int8_last.defvjp(lambda q, s, p, bs: (_hop_int8_last(q, s, p, bs), q), _hop_int8_last_bwd)
 
 
-def ring_hop_int8_last(q, scales, partial, block_size: int = 256):
+def ring_hop_int8_last(q: ArrayLike, scales: ArrayLike, partial: ArrayLike,
+                       block_size: int = 256) -> jax.Array:
   """The last hop of an int8 reduce-scatter: ``decode(q, scales) + partial``, nothing encoded.
 
   Args:
@@ -329,7 +336,7 @@ def _hop_cast_bwd(res, cts):
 _hop_cast.defvjp(lambda r, p: (_hop_cast(r, p), _dtype_residual(r)), _hop_cast_bwd)
 
 
-def ring_hop_cast(recv, partial):
+def ring_hop_cast(recv: ArrayLike, partial: ArrayLike) -> tuple[jax.Array, jax.Array]:
   """One ring hop on a float wire (f32/bf16/f16): accumulate in f32 and cast for the next hop.
 
   Args:
@@ -353,7 +360,7 @@ def ring_hop_cast(recv, partial):
   return _hop_cast(recv, partial)
 
 
-def ring_hop_cast_last(recv, partial):
+def ring_hop_cast_last(recv: ArrayLike, partial: ArrayLike) -> jax.Array:
   """The last hop of a float-wire reduce-scatter: ``recv.astype(f32) + partial``.
 
   Args:

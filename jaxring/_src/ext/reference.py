@@ -7,9 +7,9 @@ numerics, rounding step by rounding step (the C++ twin of every rule is in ``xla
   partial); ``scale = amax * RN(1/127)`` and ``inv = 127 / amax``, each rounded once to f32;
   ``q = round_half_even(x * inv)`` (always within [-127, 127]). With stochastic rounding,
   ``v = x * inv``, ``r = floor(v)`` and ``q = clip(r + (v > r + u), -127, 127)``, where
-  ``u = k / 2^16`` is a hash of (seed, element index within the row): P(round up) = frac(v) up to
-  2^-16, so decoding is unbiased to within 2^-17 of a step. Decoding is ``q * scale`` rounded to
-  the output dtype.
+  ``u = k / 2^16`` is a hash of (seed, element index within the row): P(round up) =
+  ceil(2^16 frac(v)) / 2^16, so decoding is unbiased to within 2^-16 of a step. Decoding is
+  ``q * scale`` rounded (to nearest even) to the output dtype.
 * A block whose max|x| is below 2^-64 (all zeros, in particular) gets ``scale = 0`` and ``q = 0``.
 * A block holding Inf or NaN gets ``scale = NaN`` and ``q = 0``: it decodes to NaN everywhere, so a
   non-finite gradient is never hidden by compression.
