@@ -332,3 +332,15 @@ def test_per_level_algorithm_dict():
   with pytest.raises(ValueError, match="per-level algorithm keys"):
     jax.jit(jax.shard_map(lambda v: jaxring.psum(v, ("node", "local"), algorithm={"local": "xla"}),
                           mesh=mesh, in_specs=P(("node", "local")), out_specs=P()))(x)
+
+
+def test_xla_with_lossy_compression_is_refused_by_every_collective():
+  mesh = mesh_of((8,), ("d",))
+  run = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d"),
+                                         check_vma=False))(jnp.ones(64))
+  for name, fn in [("psum_scatter", lambda v: jaxring.psum_scatter(
+                        v, "d", tiled=True, algorithm="xla", compression=jaxring.codecs.int8())),
+                   ("all_gather", lambda v: jaxring.all_gather(
+                        v, "d", tiled=True, algorithm="xla", compression=jaxring.codecs.int8()))]:
+    with pytest.raises(ValueError, match=f"jaxring.{name}: algorithm='xla' is the native"):
+      run(fn)

@@ -193,6 +193,18 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", c
   return jax.tree_util.tree_map(lambda v: v / n, s)
 
 
+def _native_only(op: str, axes: tuple, algorithm, compression, axis_index_groups) -> bool:
+  """Validates the arguments; True when the call is lax's own (groups, ``xla``, no axes)."""
+  validate_algorithm(algorithm)
+  _validate_compression(compression)
+  if axis_index_groups is not None:
+    _check_groups(algorithm, compression, op)
+  if algorithm == "xla" and _lossy(compression):
+    raise ValueError(f"jaxring.{op}: algorithm='xla' is the native collective and cannot compress;"
+                     " use algorithm='ring', 'hierarchical' or 'auto' with compression")
+  return axis_index_groups is not None or algorithm == "xla" or not axes
+
+
 def _canon_dim(d: int, ndim: int, what: str) -> int:
   if not -ndim <= d < ndim:
     raise ValueError(f"{what}={d} is out of bounds for an array of rank {ndim}")
@@ -209,12 +221,8 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
     >>> f(jnp.ones(16))  # each member holds 2 elements of the sum
     Array([8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32)
   """
-  validate_algorithm(algorithm)
-  _validate_compression(compression)
   axes = _axes(axis_name)
-  if axis_index_groups is not None:
-    _check_groups(algorithm, compression, "psum_scatter")
-  if axis_index_groups is not None or algorithm == "xla" or not axes:
+  if _native_only("psum_scatter", axes, algorithm, compression, axis_index_groups):
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                             axis_index_groups=axis_index_groups, tiled=tiled)
   sizes = _sizes(axes, "psum_scatter")
@@ -273,12 +281,8 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
     >>> f(jnp.arange(8.0)).shape
     (64,)
   """
-  validate_algorithm(algorithm)
-  _validate_compression(compression)
   axes = _axes(axis_name)
-  if axis_index_groups is not None:
-    _check_groups(algorithm, compression, "all_gather")
-  if axis_index_groups is not None or algorithm == "xla" or not axes:
+  if _native_only("all_gather", axes, algorithm, compression, axis_index_groups):
     return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled)
   sizes = _sizes(axes, "all_gather")
   p = math.prod(sizes)
@@ -301,7 +305,8 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
 
 
 def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
-  codec = plan.codecs[-1] if plan.kind == "ring" else _slowest_lossy(plan)
+  # each value crosses every level once; one codec (the slowest level's) encodes it
+  codec = plan.codecs[-1]
   n = leaf.size
   flat = _pad_to(jnp.ravel(leaf).astype(accum_dtype(dtype)), plan.align)
   payload = codec.encode(flat, dtype)
@@ -323,7 +328,3 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   shape[ax] *= p
   return moved.reshape(shape)
 
-
-def _slowest_lossy(plan: Plan) -> Codec:
-  """All-gather sends each value once per level; one codec encodes it (the slowest level's)."""
-  return plan.codecs[-1]
