@@ -54,13 +54,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_job(name: str, nodes: int, procs: int, devices: int | None, transport: str,
-             worker_args: list[str], timeout: float) -> tuple[int, list[dict], str]:
+             worker_args: list[str], timeout: float,
+             worker: str = WORKER) -> tuple[int, list[dict], str]:
   cmd = [sys.executable, "-m", "jaxring", "cluster", "run", "--name", name, "--nodes", str(nodes),
          "--procs-per-node", str(procs), "--transport", transport, "--timeout", str(timeout),
          "--grace", "20"]
   if devices is not None:
     cmd += ["--devices-per-proc", str(devices)]
-  cmd += ["--", sys.executable, "-m", WORKER, *worker_args]
+  cmd += ["--", sys.executable, "-m", worker, *worker_args]
   print(f"$ {' '.join(cmd[2:])}", flush=True)
   p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                      timeout=timeout + 120)

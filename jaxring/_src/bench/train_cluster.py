@@ -1,0 +1,176 @@
+"""``jaxring bench train-cluster``: training steps/s on the emulated cluster (root), where the
+gradient all-reduce crosses shaped links.
+
+One process per node drives ``--devices-per-node`` CPU devices (JAX's own shape); the same
+ResNet-18-style step as ``jaxring bench train`` (``jaxring._src.bench.train``) runs as:
+
+* ``hand-written jit(shard_map)+pmean``: ``lax.pmean`` of the gradients (gloo across nodes);
+* ``train_step none``: ``@jaxring.train_step`` uncompressed (``auto``; buckets of ``--bucket-mib``);
+* ``train_step int8+EF, overlap``: int8 on the node level with error feedback, each bucket's
+  reduction issued inside the backward pass; and the same with ``overlap=False``.
+
+Contenders are interleaved repetition by repetition; each repetition times ``--steps`` steps.
+Reported: median ms/step, steps/s, images/s and the ratio to the uncompressed ``train_step``
+(median of per-repetition ratios), and the bytes each node put on its link per step.
+
+Example:
+  sudo jaxring bench train-cluster                 # 4 nodes x 2 devices, 1gbit
+  sudo jaxring bench train-cluster --nodes 2 --reps 5 --width 16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+from jaxring._src.bench import common
+
+WORKER = "jaxring._src.bench.train_cluster"
+BASE = "train_step none"
+
+
+def worker(args) -> int:
+  import jaxring.distributed
+  jaxring.distributed.initialize()
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+  import jaxring
+  import jaxring.train as jt
+  from jaxring._src.bench import cluster_worker, train
+
+  me = jax.process_index()
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = Mesh(np.asarray(devices), ("data",), axis_types=(AxisType.Auto,))
+  bucket = int(args.bucket_mib * (1 << 20))
+  int8 = {"node": jaxring.codecs.int8()}
+  contenders = {
+      "hand-written jit(shard_map)+pmean": train._hand_written(mesh),
+      BASE: train._decorated(mesh, bucket_bytes=bucket),
+      "train_step int8+EF, overlap": train._decorated(mesh, bucket_bytes=bucket, compression=int8),
+      "train_step int8+EF, overlap=False": train._decorated(mesh, bucket_bytes=bucket,
+                                                           compression=int8, overlap=False),
+  }
+  model = train._resnet(args.width)
+  variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+  n_params = sum(int(np.size(p)) for p in jax.tree.leaves(variables["params"]))
+  local = args.batch_per_device * jax.local_device_count()
+  rng = np.random.RandomState(me)
+  sharded = NamedSharding(mesh, P("data"))
+  batch = {"x": jax.make_array_from_process_local_data(
+               sharded, rng.randn(local, 32, 32, 3).astype(np.float32)),
+           "y": jax.make_array_from_process_local_data(
+               sharded, rng.randint(0, 10, local).astype(np.int32))}
+  iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
+  states, times, tx = {}, {k: [] for k in contenders}, {k: 0 for k in contenders}
+  for name, step in contenders.items():
+    state = jt.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                 tx=optax.sgd(0.05, momentum=0.9),
+                                 batch_stats=variables["batch_stats"])
+    if hasattr(step, "prepare"):
+      state = step.prepare(state)
+    else:  # copies: donation must not delete `variables`, shared by every contender
+      state = jax.device_put(jax.tree.map(jnp.copy, state), NamedSharding(mesh, P()))
+    for _ in range(args.warmup):
+      state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    states[name] = state
+  for rep in range(args.reps):
+    for name, step in contenders.items():
+      jaxring.distributed.barrier(f"{rep}-{name}", timeout_s=600)
+      state, b0, t0 = states[name], cluster_worker.tx_bytes(iface), time.perf_counter()
+      for _ in range(args.steps):
+        state, metrics = step(state, batch)
+      jax.block_until_ready((state, metrics))
+      times[name].append((time.perf_counter() - t0) / args.steps)
+      tx[name] += cluster_worker.tx_bytes(iface) - b0
+      states[name] = state
+  for name in contenders:
+    cluster_worker.emit(contender=name, node=me, times=times[name],
+                        tx_per_step=tx[name] / (args.reps * args.steps), params=n_params,
+                        global_batch=local * jax.process_count())
+  jaxring.distributed.barrier("done", timeout_s=120)
+  return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="jaxring bench train-cluster",
+                               description=__doc__.splitlines()[0])
+  ap.add_argument("--nodes", type=int, default=4)
+  ap.add_argument("--link", default="1gbit")
+  ap.add_argument("--devices-per-node", type=int, default=2)
+  ap.add_argument("--width", type=int, default=32, help="channels of the first stage")
+  ap.add_argument("--batch-per-device", type=int, default=4)
+  ap.add_argument("--bucket-mib", type=float, default=4.0)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=2, help="steps timed per repetition")
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--timeout", type=float, default=1500)
+  ap.add_argument("--out-dir", default=None)
+  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  if args.worker:
+    return worker(args)
+  if os.geteuid() != 0:
+    print("jaxring bench train-cluster: skipped: needs root (network namespaces and tc)",
+          file=sys.stderr)
+    return 2
+  from jaxring._src.bench import cluster
+  from jaxring._src.cluster import netns
+
+  name = "jrt"
+  if netns.load_state(name) is not None:
+    netns.down(name)
+  state = netns.up(name, args.nodes, rate=args.link)
+  worker_args = ["--worker", "--width", str(args.width), "--batch-per-device",
+                 str(args.batch_per_device), "--bucket-mib", str(args.bucket_mib), "--reps",
+                 str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+  try:
+    rc, recs, log = cluster._run_job(name, args.nodes, 1, args.devices_per_node, "jax",
+                                     worker_args, args.timeout, worker=WORKER)
+  finally:
+    print(f"cluster {name!r}: deleted {len(netns.down(name))} objects", flush=True)
+  if rc != 0 or not recs:
+    print(f"--- job exited {rc}; last output:\n" + "\n".join(log.splitlines()[-40:]),
+          file=sys.stderr)
+    return rc or 1
+  node0 = {r["contender"]: r for r in recs if r["node"] == 0}
+  base = node0[BASE]["times"]
+  rows = []
+  for label, r in node0.items():
+    med = statistics.median(r["times"])
+    txs = [x["tx_per_step"] for x in recs if x["contender"] == label]
+    rows.append({"contender": label, "ms": med * 1e3, "steps_per_s": 1 / med,
+                 "images_per_s": r["global_batch"] / med,
+                 "vs_uncompressed": statistics.median(t / b for t, b in zip(r["times"], base)),
+                 "tx_mib": sum(txs) / len(txs) / (1 << 20), "times_s": r["times"]})
+  first = next(iter(node0.values()))
+  print(f"\nResNet-18 (width {args.width}, {first['params']:,} params = "
+        f"{common.fmt_bytes(4 * first['params'])} of f32 gradients), 32x32, global batch "
+        f"{first['global_batch']}, {args.nodes} nodes x {args.devices_per_node} devices, links "
+        f"{state.rate}, buckets {args.bucket_mib} MiB, allocator {common.allocator()}")
+  common.print_table(rows, [
+      ("contender", "contender", ""), ("ms", "median ms/step", ".0f"),
+      ("steps_per_s", "steps/s", ".2f"), ("images_per_s", "images/s", ".1f"),
+      ("vs_uncompressed", "time vs train_step none", ".3f"),
+      ("tx_mib", "MiB/node link/step", ".1f")])
+  import jax
+  path = common.write_json("train-cluster", {
+      "bench": "train-cluster", "args": vars(args), "link": state.rate,
+      "allocator": common.allocator(), "jax": jax.__version__, "machine": common.machine(),
+      "rows": rows, "raw": recs}, args.out_dir)
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The ImageNet input pipeline (public API: ``jaxring.data``)."""

@@ -1,0 +1,20 @@
+"""Input pipeline: ImageNet-layout folders decoded and augmented in worker threads.
+
+``ImageFolder`` lists a split's files and labels, ``ImageLoader`` yields sharded, deterministic,
+resumable batches of decoded images, ``SyntheticImages`` yields random ones without disk
+(``--data synthetic``), ``prefetch_to_device`` overlaps the host-to-device copies, and
+``write_image_folder`` writes a small learnable data set of real JPEG files for tests and demos.
+"""
+from jaxring._src.data.folder import IMAGE_EXTENSIONS as IMAGE_EXTENSIONS
+from jaxring._src.data.folder import ImageFolder as ImageFolder
+from jaxring._src.data.folder import read_labels_file as read_labels_file
+from jaxring._src.data.generate import class_pattern as class_pattern
+from jaxring._src.data.generate import write_image_folder as write_image_folder
+from jaxring._src.data.loader import ImageLoader as ImageLoader
+from jaxring._src.data.prefetch import DevicePrefetcher as DevicePrefetcher
+from jaxring._src.data.prefetch import prefetch_to_device as prefetch_to_device
+from jaxring._src.data.synthetic import SyntheticImages as SyntheticImages
+from jaxring._src.data.transforms import CorruptImageError as CorruptImageError
+from jaxring._src.data.transforms import center_crop_box as center_crop_box
+from jaxring._src.data.transforms import load_image as load_image
+from jaxring._src.data.transforms import random_resized_crop_box as random_resized_crop_box
