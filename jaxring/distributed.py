@@ -1,6 +1,11 @@
-"""Multi-process start-up for jaxring jobs (``jax.distributed`` + gloo interface + peer watchdog)."""
+"""Multi-process jobs: ``jax.distributed`` start-up (gloo interface, peer watchdog) and axis names
+bound to MPI communicators (one process per device under ``mpirun``)."""
 from jaxring._src.distributed import BarrierTimeoutError as BarrierTimeoutError
 from jaxring._src.distributed import barrier as barrier
 from jaxring._src.distributed import initialize as initialize
 from jaxring._src.distributed import is_initialized as is_initialized
 from jaxring._src.distributed import shutdown as shutdown
+from jaxring._src.mpi_axis import MpiAxis as MpiAxis
+from jaxring._src.mpi_axis import bind_mpi_axis as bind_mpi_axis
+from jaxring._src.mpi_axis import mpi_axis as mpi_axis
+from jaxring._src.mpi_axis import unbind_mpi_axis as unbind_mpi_axis

@@ -4,6 +4,10 @@ Argument handling mirrors ``jax.lax`` (pytrees, Python constants, bool -> int32,
 ``NameError`` for an unbound axis, lax's shape errors); then each dtype's leaves are fused into one
 flat buffer and reduced by the planned algorithm: ``xla`` (the native collective), ``ring`` or
 ``hierarchical`` (jaxring._src.algorithms), with ``compression`` deciding what travels.
+
+An axis name is bound by ``shard_map``/``pmap`` (XLA collectives move the bytes) or, outside them,
+to an MPI communicator by ``jaxring.distributed.mpi_axis`` (one process per device; mpi4jax moves
+the bytes, and the binding's topology gives the levels).
 """
 from __future__ import annotations
 
@@ -16,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring._src import mpi_axis
 from jaxring._src.algorithms import hierarchical, ring
 from jaxring._src.algorithms.planner import Plan, make_plan, validate_algorithm
 from jaxring._src.codecs.base import Codec, accum_dtype
-from jaxring._src.transport.xla import XLA
 
 AxisName = Any
 
@@ -35,8 +39,27 @@ def _sizes(axes: tuple, op: str) -> tuple[int, ...]:
       sizes.append(int(lax.axis_size(a)))
     except NameError:
       raise NameError(f"Found an unbound axis name: {a}. To fix this, please call jaxring.{op} "
-                      "under `jax.shard_map` or `jax.pmap`.") from None
+                      "under `jax.shard_map` or `jax.pmap`, or bind the name to an MPI "
+                      "communicator with `jaxring.distributed.mpi_axis`.") from None
   return tuple(sizes)
+
+
+def _bind(axes: tuple, op: str) -> tuple[tuple[int, ...], mpi_axis.MpiAxis | None]:
+  """``(sizes, MPI binding)``: names bound by shard_map/pmap first (binding None), else an
+  MPI-bound name; ``NameError`` for a name bound by neither."""
+  try:
+    return tuple(int(lax.axis_size(a)) for a in axes), None
+  except NameError:
+    pass
+  mpi = mpi_axis.lookup(axes)
+  if mpi is None:
+    return _sizes(axes, op), None
+  return (mpi.size,), mpi
+
+
+def _plan_for(axes, sizes, mpi, nbytes, dtype, algorithm, compression) -> Plan:
+  return make_plan(axes, sizes, nbytes, dtype, algorithm, compression,
+                   hierarchy=None if mpi is None else mpi.hierarchy)
 
 
 def _validate_compression(compression) -> None:
@@ -63,7 +86,10 @@ def _check_per_hop(plan: Plan, op: str) -> None:
         "all-gather form; use it with psum, pmean or reduce_gradients")
 
 
-def _check_groups(algorithm, compression, op: str) -> None:
+def _check_groups(algorithm, compression, op: str, axes: tuple) -> None:
+  if axes and _bind(axes, op)[1] is not None:
+    raise NotImplementedError(f"jaxring.{op}: axis_index_groups over an MPI-bound axis {axes}; "
+                              "bind a sub-communicator to its own axis name instead")
   if algorithm not in ("auto", "xla") or _lossy(compression):
     raise NotImplementedError(
         f"jaxring.{op}: axis_index_groups is supported only by algorithm='xla' (and 'auto', which "
@@ -94,23 +120,29 @@ def all_reduce_flat(flat, dtype, axes: tuple, plan: Plan, *, want_error: bool = 
   if wrapper is not None:  # topk_chunks: chooses what to send, then runs the plan on that
     dense = dataclasses.replace(plan, codecs=tuple(
         c.dense_codec(dtype) if not c.per_hop else c for c in plan.codecs))
+    if plan.whole is None:
+      reduce_norms = lambda v: lax.psum(v, axes if len(axes) > 1 else axes[0])
+    else:
+      reduce_norms = lambda v: plan.transport.all_reduce(v, plan.whole)
     return wrapper.all_reduce(
-        flat, dtype, reduce_norms=lambda v: lax.psum(v, axes if len(axes) > 1 else axes[0]),
+        flat, dtype, reduce_norms=reduce_norms,
         reduce_dense=lambda buf, err: all_reduce_flat(buf, dtype, axes, dense, want_error=err),
         want_error=want_error)
   n = flat.shape[0]
   buf = _pad_to(flat, plan.size * plan.align)
   if plan.kind == "ring":
-    out, err = ring.all_reduce(buf, plan.groups[0], plan.codecs[0], dtype, XLA,
-                               want_error=want_error)
+    out, err = ring.all_reduce(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
+                               want_error=want_error, pieces=plan.pieces[0])
   else:
     out, err = hierarchical.all_reduce(buf, list(plan.groups), list(plan.codecs), list(plan.algos),
-                                       dtype, XLA, want_error=want_error)
-  covered = {a for g in plan.groups for a in g.axes}
-  trivial = tuple(a for a in axes if a not in covered)
+                                       dtype, plan.transport, want_error=want_error,
+                                       pieces=list(plan.pieces))
   out = out[:n]
-  if trivial:  # size-1 axes: a no-op all-reduce, but it types the result invariant over them
-    out = lax.psum(out, trivial)
+  if plan.whole is None:
+    covered = {a for g in plan.groups for a in g.axes}
+    trivial = tuple(a for a in axes if a not in covered)
+    if trivial:  # size-1 axes: a no-op all-reduce, but it types the result invariant over them
+      out = lax.psum(out, trivial)
   return out, (None if err is None else err[:n])
 
 
@@ -143,10 +175,13 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", co
   if not axes:
     return x
   if axis_index_groups is not None:
-    _check_groups(algorithm, compression, "psum")
+    _check_groups(algorithm, compression, "psum", axes)
     return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
   leaves, treedef = _prep(x)
-  sizes = _sizes(axes, "psum")
+  sizes, mpi = _bind(axes, "psum")
+  if mpi is not None:
+    return jax.tree_util.tree_unflatten(treedef, _mpi_psum(leaves, axes, mpi, algorithm,
+                                                           compression))
   out = list(leaves)
   by_dtype: dict[Any, list[int]] = {}
   for i, leaf in enumerate(leaves):
@@ -154,12 +189,33 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", co
       out[i] = lax.psum(leaf, axis_name)  # constants: size * x, as lax folds them
     else:
       by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+  _psum_by_dtype(leaves, out, by_dtype, axes, sizes, None, algorithm, compression)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _mpi_psum(leaves, axes, mpi, algorithm, compression) -> list:
+  """psum over an MPI-bound axis: every process's values are reduced (constants too: unlike
+  shard_map's members, processes hold different ones). The reduction runs on stop_gradient'ed
+  inputs; :func:`mpi_axis.summed` gives the result lax.psum's derivative."""
+  leaves = [jnp.asarray(leaf) for leaf in leaves]
+  out = [lax.stop_gradient(leaf) for leaf in leaves]
+  by_dtype: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    if leaf.size > 0 and mpi.size > 1:
+      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+  _psum_by_dtype(list(out), out, by_dtype, axes, (mpi.size,), mpi, algorithm, compression)
+  return [mpi_axis.summed(x, lax.stop_gradient(y)) for x, y in zip(leaves, out)]
+
+
+def _psum_by_dtype(leaves, out, by_dtype, axes, sizes, mpi, algorithm, compression) -> None:
+  """Fills ``out[i]`` with the sum of ``leaves[i]``: the leaves of one dtype fused, one plan."""
   for dtype, idxs in by_dtype.items():
     nbytes = sum(np.size(leaves[i]) for i in idxs) * dtype.itemsize
-    plan = make_plan(axes, sizes, nbytes, dtype, algorithm, compression)
+    plan = _plan_for(axes, sizes, mpi, nbytes, dtype, algorithm, compression)
     if plan.kind == "xla":
       for i in idxs:
-        out[i] = lax.psum(leaves[i], axis_name)
+        out[i] = (lax.psum(leaves[i], axes if len(axes) > 1 else axes[0]) if mpi is None
+                  else plan.transport.all_reduce(leaves[i], plan.whole))
       continue
     acc = accum_dtype(dtype)
     flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in idxs])
@@ -169,13 +225,12 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", co
       size = np.size(leaves[i])
       out[i] = total[offset:offset + size].reshape(np.shape(leaves[i])).astype(dtype)
       offset += size
-  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _group_size(axes, axis_index_groups) -> int:
   if axis_index_groups is not None:
     return len(axis_index_groups[0])
-  return math.prod(_sizes(axes, "pmean"))
+  return math.prod(_bind(axes, "pmean")[0])
 
 
 def pmean(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", compression=None):
@@ -198,11 +253,26 @@ def _native_only(op: str, axes: tuple, algorithm, compression, axis_index_groups
   validate_algorithm(algorithm)
   _validate_compression(compression)
   if axis_index_groups is not None:
-    _check_groups(algorithm, compression, op)
+    _check_groups(algorithm, compression, op, axes)
   if algorithm == "xla" and _lossy(compression):
     raise ValueError(f"jaxring.{op}: algorithm='xla' is the native collective and cannot compress;"
                      " use algorithm='ring', 'hierarchical' or 'auto' with compression")
-  return axis_index_groups is not None or algorithm == "xla" or not axes
+  if axis_index_groups is not None or not axes:
+    return True
+  return algorithm == "xla" and _bind(axes, op)[1] is None
+
+
+def _mpi_plan(plan: Plan, axes, sizes, mpi, nbytes, dtype, op: str) -> Plan:
+  """The plan of a psum_scatter/all_gather leaf over an MPI-bound axis."""
+  if plan.kind == "xla" and op == "psum_scatter":
+    # mpi4jax has no MPI_Reduce_scatter; the ring moves what MPICH's own would
+    plan = _plan_for(axes, sizes, mpi, nbytes, dtype, "ring", None)
+  if plan.kind == "hierarchical" and not mpi.contiguous:
+    raise NotImplementedError(
+        f"jaxring.{op} with a hierarchical plan over MPI axis {mpi.name!r}: the ranks are not laid "
+        "out host by host (rank = local rank + local size * node), so blocks would not go in rank "
+        "order; use algorithm='ring', or bind the axis with an explicit topology")
+  return plan
 
 
 def _canon_dim(d: int, ndim: int, what: str) -> int:
@@ -225,7 +295,7 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
   if _native_only("psum_scatter", axes, algorithm, compression, axis_index_groups):
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                             axis_index_groups=axis_index_groups, tiled=tiled)
-  sizes = _sizes(axes, "psum_scatter")
+  sizes, mpi = _bind(axes, "psum_scatter")
   p = math.prod(sizes)
   leaves, treedef = _prep(x)
   out = []
@@ -241,8 +311,15 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
                        f"count {p} (jaxring.psum_scatter over {axis_name!r}, scatter_dimension={d},"
                        " tiled=False)")
     dtype = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
-    plan = make_plan(axes, sizes, np.size(leaf) * dtype.itemsize, dtype, algorithm, compression)
+    nbytes = np.size(leaf) * dtype.itemsize
+    plan = _plan_for(axes, sizes, mpi, nbytes, dtype, algorithm, compression)
     _check_per_hop(plan, "psum_scatter")
+    if mpi is not None:
+      plan = _mpi_plan(plan, axes, sizes, mpi, nbytes, dtype, "psum_scatter")
+      leaf = jnp.asarray(leaf)
+      block = _reduce_scatter_leaf(lax.stop_gradient(leaf), d, tiled, p, dtype, plan)
+      out.append(mpi_axis.not_differentiable("psum_scatter")(leaf, lax.stop_gradient(block)))
+      continue
     if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
       out.append(lax.psum_scatter(leaf, axis_name, scatter_dimension=d, tiled=tiled))
       continue
@@ -260,11 +337,13 @@ def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
   if plan.kind == "ring":
     if plan.member_order is not None:
       rows = rows[np.asarray(plan.member_order)]
-    shard, _ = ring.reduce_scatter(rows.reshape(-1), plan.groups[0], plan.codecs[0], dtype, XLA)
+    shard, _ = ring.reduce_scatter(rows.reshape(-1), plan.groups[0], plan.codecs[0], dtype,
+                                   plan.transport, pieces=plan.pieces[0])
   else:
     rows = rows[np.asarray(hierarchical.chunk_permutation(list(plan.groups), list(plan.strides)))]
     shard = hierarchical.reduce_scatter(rows.reshape(-1), list(plan.groups), list(plan.codecs),
-                                        list(plan.algos), dtype, XLA)
+                                        list(plan.algos), dtype, plan.transport,
+                                        pieces=list(plan.pieces))
   block = shard[:m].astype(dtype)
   if tiled:
     return jnp.moveaxis(block.reshape((moved.shape[0] // p,) + tuple(rest)), 0, d)
@@ -284,7 +363,7 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
   axes = _axes(axis_name)
   if _native_only("all_gather", axes, algorithm, compression, axis_index_groups):
     return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled)
-  sizes = _sizes(axes, "all_gather")
+  sizes, mpi = _bind(axes, "all_gather")
   p = math.prod(sizes)
   leaves, treedef = _prep(x)
   out = []
@@ -295,8 +374,19 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
     if tiled and ndim == 0:
       raise ValueError("all_gather: tiled=True needs an array of rank >= 1, got a scalar")
     dtype = jnp.dtype(leaf.dtype)
-    plan = make_plan(axes, sizes, leaf.size * dtype.itemsize * p, dtype, algorithm, compression)
+    nbytes = leaf.size * dtype.itemsize * p
+    plan = _plan_for(axes, sizes, mpi, nbytes, dtype, algorithm, compression)
     _check_per_hop(plan, "all_gather")
+    if mpi is not None:
+      plan = _mpi_plan(plan, axes, sizes, mpi, nbytes, dtype, "all_gather")
+      held = lax.stop_gradient(leaf)
+      if plan.kind == "xla":
+        rows = plan.transport.all_gather((jnp.ravel(held),), plan.whole)[0]
+        gathered = _place_rows(rows.reshape((p,) + leaf.shape), ax, tiled)
+      else:
+        gathered = _all_gather_leaf(held, ax, tiled, p, dtype, plan)
+      out.append(mpi_axis.not_differentiable("all_gather")(leaf, lax.stop_gradient(gathered)))
+      continue
     if plan.kind == "xla" or p == 1 or leaf.size == 0:
       out.append(lax.all_gather(leaf, axis_name, axis=ax, tiled=tiled))
       continue
@@ -311,20 +401,24 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   flat = _pad_to(jnp.ravel(leaf).astype(accum_dtype(dtype)), plan.align)
   payload = codec.encode(flat, dtype)
   if plan.kind == "ring":
-    gathered = ring.ring_all_gather_payload(payload, plan.groups[0], XLA)
+    gathered = ring.ring_all_gather_payload(payload, plan.groups[0], plan.transport)
     rows = codec.decode(gathered, dtype).reshape(p, -1)
     if plan.member_order is not None:
       rows = rows[np.argsort(np.asarray(plan.member_order))]
   else:
-    gathered = hierarchical.all_gather(payload, list(plan.groups), XLA)
+    gathered = hierarchical.all_gather(payload, list(plan.groups), plan.transport)
     rows = codec.decode(gathered, dtype).reshape(p, -1)
     perm = hierarchical.chunk_permutation(list(plan.groups), list(plan.strides))
     rows = rows[np.argsort(np.asarray(perm))]
-  stacked = rows[:, :n].astype(dtype).reshape((p,) + leaf.shape)
-  if not tiled:
-    return jnp.moveaxis(stacked, 0, ax)
+  return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
+
+
+def _place_rows(stacked, ax, tiled):
+  """``stacked[i]`` is member i's value: lax.all_gather's layout along ``ax``."""
   moved = jnp.moveaxis(stacked, 0, ax)  # (..., p, d_ax, ...)
-  shape = list(leaf.shape)
-  shape[ax] *= p
+  if not tiled:
+    return moved
+  shape = list(stacked.shape[1:])
+  shape[ax] *= stacked.shape[0]
   return moved.reshape(shape)
 

@@ -27,9 +27,10 @@ import optax
 from jax import lax
 
 from jaxring._src import vma
-from jaxring._src.algorithms.planner import make_plan, validate_algorithm
+from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype, is_float
-from jaxring._src.collectives import _validate_compression, all_reduce_flat, pmean
+from jaxring._src.collectives import (_bind, _plan_for, _validate_compression, all_reduce_flat,
+                                      pmean)
 
 
 class ReduceGradientsState(NamedTuple):
@@ -72,7 +73,7 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
   axes = _axes(axis_name)
   leaves, treedef = jax.tree_util.tree_flatten(grads)
   res_leaves = treedef.flatten_up_to(residual)
-  sizes = tuple(int(lax.axis_size(a)) for a in axes)
+  sizes, mpi = _bind(axes, "reduce_gradients")   # shard_map's axes, or an MPI-bound name
   p = math.prod(sizes)
   applied, new_res = list(leaves), list(res_leaves)
   by_dtype: dict[Any, list[int]] = {}
@@ -86,9 +87,12 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
     acc = accum_dtype(dtype)
     flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) + jnp.ravel(res_leaves[i]).astype(acc)
                             for i in idxs])
-    plan = make_plan(axes, sizes, flat.shape[0] * dtype.itemsize, dtype, algorithm, compression)
+    plan = _plan_for(axes, sizes, mpi, flat.shape[0] * dtype.itemsize, dtype, algorithm,
+                     compression)
     if plan.kind == "xla":
-      total, err = lax.psum(flat, axes if len(axes) > 1 else axes[0]), jnp.zeros_like(flat)
+      total = (lax.psum(flat, axes if len(axes) > 1 else axes[0]) if mpi is None
+               else plan.transport.all_reduce(flat, plan.whole))
+      err = jnp.zeros_like(flat)
     else:
       total, err = all_reduce_flat(flat, dtype, axes, plan, want_error=True)
     mean = total / jnp.asarray(p, acc)

@@ -34,12 +34,18 @@ class Level:
     size: members in one group of this level (e.g. devices per node for ``local``).
     bandwidth: bytes per second one member can send to the next (one direction).
     latency: seconds per message (the alpha of the alpha-beta model).
+    pieces: sub-chunk transfers per ring hop on this level. With more than one, piece ``j + 1``
+      can be on the wire while piece ``j`` is decoded, added and re-encoded, where the runtime
+      runs a collective beside computation (XLA:GPU's asynchronous collectives). XLA:CPU runs
+      them in turn, and each piece pays the latency once more, so the default is 1 (measured on
+      the emulated cluster: docs/benchmarks.md).
   """
 
   name: str
   size: int
   bandwidth: float = LOCAL_BANDWIDTH
   latency: float = LOCAL_LATENCY
+  pieces: int = 1
 
   def __post_init__(self):
     if not isinstance(self.size, (int, np.integer)) or self.size < 1:
@@ -48,6 +54,9 @@ class Level:
       raise ValueError(f"Level {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
     if not self.latency >= 0:
       raise ValueError(f"Level {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
+    if not isinstance(self.pieces, (int, np.integer)) or self.pieces < 1:
+      raise ValueError(f"Level {self.name!r}: pieces must be a positive integer, got "
+                       f"{self.pieces!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +178,10 @@ def default_topology() -> Topology:
 @contextlib.contextmanager
 def use_topology(topology: Topology):
   """Within the block (at trace time), ``auto`` and ``hierarchical`` use ``topology``.
+
+  The topology is read when a function is traced: a function jitted and called before the block
+  keeps the plan it was traced with (jit's cache does not see the topology). Trace inside the
+  block, or set it once with :func:`set_default_topology` before the first call.
 
   Example:
     >>> topo = Topology((Level("local", 4), Level("node", 2, 1.25e8, 1e-4)))

@@ -19,63 +19,82 @@ from jaxring._src.codecs.base import Codec
 from jaxring._src.transport.groups import Group
 
 
-def _level_reduce_scatter(x, group, codec, algo, dtype, transport, want_error):
+def _level_reduce_scatter(x, group, codec, algo, dtype, transport, want_error, pieces=1):
   if algo == "xla":
-    return lax.psum_scatter(x, _axis(group), tiled=True), (jnp.zeros_like(x) if want_error else None)
-  return ring.reduce_scatter(x, group, codec, dtype, transport, want_error=want_error)
+    # a transport without a native reduce-scatter (MPI through mpi4jax) returns None: the ring
+    native = transport.reduce_scatter(x, group)
+    if native is not None:
+      return native, (jnp.zeros_like(x) if want_error else None)
+  return ring.reduce_scatter(x, group, codec, dtype, transport, want_error=want_error,
+                             pieces=pieces)
 
 
-def _level_all_reduce(x, group, codec, algo, dtype, transport, want_error):
+def _slow_level_all_reduce(x, group, codec, algo, dtype, transport, want_error, pieces=1):
+  """The slowest level's all-reduce: ``(payload, carrier, error)``, the result still encoded by
+  ``carrier`` (``payload`` is ``(x,)`` and ``carrier`` None after a native all-reduce)."""
   if algo == "xla":
-    return lax.psum(x, _axis(group)), (jnp.zeros_like(x) if want_error else None)
-  return ring.all_reduce(x, group, codec, dtype, transport, want_error=want_error)
+    return (transport.all_reduce(x, group),), None, (jnp.zeros_like(x) if want_error else None)
+  payload, err = ring.all_reduce_payload(x, group, codec, dtype, transport, want_error=want_error,
+                                         pieces=pieces)
+  return payload, codec, err
 
 
-def _axis(group: Group):
-  return group.axes if len(group.axes) > 1 else group.axes[0]
+def _passes_through(codec: Codec) -> bool:
+  """Whether a level's all-gather may carry a slower level's payload as it is: its own codec is
+  the identity, so decoding once after the gather gives what decoding before it would have."""
+  return type(codec) is Codec
 
 
 def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str], dtype, transport,
-               *, want_error=False):
+               *, want_error=False, pieces=None):
   """Hierarchical all-reduce of ``flat`` (length a multiple of prod(sizes) * every codec's align).
 
   Returns ``(result, error)``; ``error`` (when asked) is this member's compression error laid out
   like ``flat``. An error made while encoding a shard that ``m`` members hold identically (the
   all-gather phase of a faster level) is split between them, so the errors of all members sum to
-  the total error exactly once.
+  the total error exactly once. ``pieces[i]``: sub-chunk transfers per ring hop on level ``i``.
   """
   n = flat.shape[0]
+  pieces = list(pieces or [1] * len(groups))
   axes = tuple(dict.fromkeys(a for g in groups for a in g.axes))
   x = vma.pvary(flat, axes)
   if vma.is_varying(x, axes) and not all(g.whole for g in groups):
-    return _all_reduce_flat_finish(x, groups, codecs, algos, dtype, transport, axes, want_error)
+    return _all_reduce_flat_finish(x, groups, codecs, algos, dtype, transport, axes, want_error,
+                                   pieces)
   err = jnp.zeros((n,), flat.dtype) if want_error else None
   offsets = [0]  # offset of x within flat, per depth
-  for g, cd, al in zip(groups[:-1], codecs[:-1], algos[:-1]):
+  for g, cd, al, pc in zip(groups[:-1], codecs[:-1], algos[:-1], pieces):
     c = x.shape[0] // g.size
-    x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error)
+    x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error, pc)
     if want_error:
       err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offsets[-1],), (e.shape[0],)) + e,
                                      (offsets[-1],))
     offsets.append(offsets[-1] + g.rank() * c)
-  x, e = _level_all_reduce(x, groups[-1], codecs[-1], algos[-1], dtype, transport, want_error)
+  payload, carrier, e = _slow_level_all_reduce(x, groups[-1], codecs[-1], algos[-1], dtype,
+                                                transport, want_error, pieces[-1])
   if want_error:
     err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offsets[-1],), (e.shape[0],)) + e,
                                    (offsets[-1],))
+  # The all-gathers keep the slow level's encoding through identity-codec levels and decode once
+  # at the end: same values, and the fast levels move the narrow payload (int8: a quarter).
   replicas = groups[-1].size
   for depth in range(len(groups) - 2, -1, -1):
     g, cd = groups[depth], codecs[depth]
-    payload = cd.encode(x, dtype)
-    if want_error:
-      e = (x - cd.decode(payload, dtype)) / replicas
-      err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offsets[depth + 1],), (e.shape[0],))
-                                     + e.astype(err.dtype), (offsets[depth + 1],))
-    x = cd.decode(ring.all_gather_payload(payload, g, transport), dtype)
+    if carrier is None or not _passes_through(cd):
+      x = payload[0] if carrier is None else carrier.decode(payload, dtype)
+      payload, carrier = cd.encode(x, dtype), cd
+      if want_error:
+        e = (x - cd.decode(payload, dtype)) / replicas
+        err = lax.dynamic_update_slice(
+            err, lax.dynamic_slice(err, (offsets[depth + 1],), (e.shape[0],)) + e.astype(err.dtype),
+            (offsets[depth + 1],))
+    payload = ring.all_gather_payload(payload, g, transport)
     replicas *= g.size
-  return x, err
+  return (payload[0] if carrier is None else carrier.decode(payload, dtype)), err
 
 
-def _all_reduce_flat_finish(flat, groups, codecs, algos, dtype, transport, axes, want_error):
+def _all_reduce_flat_finish(flat, groups, codecs, algos, dtype, transport, axes, want_error,
+                            pieces):
   """Levels carved out of one axis, vma checked: reduce-scatter level by level, then one native
   all-gather over the whole axis, the only collective that types the result invariant (a
   grouped one cannot). It moves (p-1)/p of the buffer instead of the per-level all-gathers'
@@ -85,9 +104,9 @@ def _all_reduce_flat_finish(flat, groups, codecs, algos, dtype, transport, axes,
   p = math.prod(g.size for g in groups)
   shard, err = flat, (jnp.zeros_like(flat) if want_error else None)
   offset = 0
-  for g, cd, al in zip(groups, codecs, algos):
+  for g, cd, al, pc in zip(groups, codecs, algos, pieces):
     c = shard.shape[0] // g.size
-    shard, e = _level_reduce_scatter(shard, g, cd, al, dtype, transport, want_error)
+    shard, e = _level_reduce_scatter(shard, g, cd, al, dtype, transport, want_error, pc)
     if want_error:
       err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offset,), (e.shape[0],)) + e,
                                      (offset,))
@@ -124,11 +143,11 @@ def chunk_permutation(groups: list[Group], strides: list[int]) -> list[int]:
 
 
 def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[str], dtype,
-                   transport):
+                   transport, pieces=None):
   """Hierarchical reduce-scatter (chunks already permuted by :func:`chunk_permutation`)."""
   x = flat
-  for g, cd, al in zip(groups, codecs, algos):
-    x, _ = _level_reduce_scatter(x, g, cd, al, dtype, transport, False)
+  for g, cd, al, pc in zip(groups, codecs, algos, pieces or [1] * len(groups)):
+    x, _ = _level_reduce_scatter(x, g, cd, al, dtype, transport, False, pc)
   return x
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 
@@ -15,6 +16,7 @@ from jaxring._src import cost_model
 from jaxring._src import topology as topo_mod
 from jaxring._src.codecs.base import Codec, for_dtype
 from jaxring._src.transport.groups import Group, check_factorization, whole_group
+from jaxring._src.transport.xla import XLA
 
 ALGORITHMS = ("auto", "xla", "ring", "hierarchical")
 LEVEL_ALGORITHMS = ("auto", "xla", "ring")
@@ -31,10 +33,14 @@ class Plan:
   # order transposes wrongly in jax 0.10); member_order[k] is the lax-numbered index (axes as the
   # caller named them) of the member at ring position k. None when the orders agree.
   member_order: tuple[int, ...] | None = None
+  transport: Any = XLA            # moves the bytes of every group above
+  whole: Any = None               # every member as one group; None: the axes (lax collectives)
+  pieces: tuple[int, ...] = ()    # per level: sub-chunk transfers per ring hop (Level.pieces)
 
   @property
   def align(self) -> int:
-    return math.lcm(*(c.align for c in self.codecs)) if self.codecs else 1
+    codec_align = math.lcm(*(c.align for c in self.codecs)) if self.codecs else 1
+    return codec_align * max(self.pieces, default=1)
 
   @property
   def size(self) -> int:
@@ -98,6 +104,25 @@ def levels_for(axes: tuple, sizes: tuple[int, ...], order: tuple | None = None):
   return [g], _level_params((str(axes[0]),), (total,)), [1]
 
 
+@dataclasses.dataclass(frozen=True)
+class Hierarchy:
+  """The levels of axes bound outside ``shard_map`` (an MPI communicator), fast -> slow.
+
+  Attributes:
+    groups: this member's group on each level (fast -> slow).
+    levels: each level's size, bandwidth and latency (the cost model's input).
+    strides: each level's weight in the member's linear index (its rank in ``whole``).
+    whole: every member as one group (the flat ring).
+    transport: moves the bytes within these groups.
+  """
+
+  groups: tuple
+  levels: tuple[topo_mod.Level, ...]
+  strides: tuple[int, ...]
+  whole: Any
+  transport: Any
+
+
 def _codec_for(compression, level_name: str, dtype) -> Codec:
   if isinstance(compression, dict):
     return for_dtype(compression.get(level_name), dtype)
@@ -105,14 +130,30 @@ def _codec_for(compression, level_name: str, dtype) -> Codec:
 
 
 def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm, compression,
-              *, multi_process: bool | None = None) -> Plan:
-  """The plan for reducing ``nbytes`` of ``dtype`` over ``axes`` (already validated, all bound)."""
+              *, multi_process: bool | None = None, hierarchy: Hierarchy | None = None) -> Plan:
+  """The plan for reducing ``nbytes`` of ``dtype`` over ``axes`` (already validated, all bound).
+
+  ``hierarchy`` gives the levels of axes bound outside ``shard_map`` (an MPI communicator); the
+  axes' own levels (mesh axes, default topology) otherwise.
+  """
+  if hierarchy is not None:
+    plan = _plan(axes, sizes, nbytes, dtype, algorithm, compression, True, list(hierarchy.groups),
+                 list(hierarchy.levels), list(hierarchy.strides), hierarchy.whole,
+                 hierarchy.transport)
+    return dataclasses.replace(plan, whole=hierarchy.whole)
   if multi_process is None:
     multi_process = jax.process_count() > 1
   order = tuple(algorithm) if isinstance(algorithm, dict) else None
   if order is not None and len(axes) > 1 and set(order) != set(axes):
     raise ValueError(f"per-level algorithm keys {order} must name exactly the axes {axes}")
   groups, levels, strides = levels_for(axes, sizes, order)
+  whole = groups[0] if len(groups) == 1 else whole_group(tuple(axes), math.prod(sizes))
+  return _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, groups, levels,
+               strides, whole, XLA)
+
+
+def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, groups, levels,
+          strides, whole, transport) -> Plan:
   if isinstance(compression, dict):
     unknown = set(compression) - {g.name for g in groups}
     if unknown:
@@ -125,18 +166,20 @@ def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm
     if lossy:
       raise ValueError("algorithm='xla' is the native collective and cannot compress; use "
                        "algorithm='ring', 'hierarchical' or 'auto' with compression")
-    return Plan("xla")
+    return Plan("xla", transport=transport)
   if kind == "auto":
     kind = _auto(nbytes, levels, codecs, lossy)
   if kind == "xla":
-    return Plan("xla")
+    return Plan("xla", transport=transport)
   if kind == "ring" or len(groups) == 1:
     # one ring over every member: the codec of the slowest level travels on it
     if len(axes) == 1:
-      return Plan("ring", (groups[0],), (codecs[-1],), ("ring",), (1,))
+      return Plan("ring", (whole,), (codecs[-1],), ("ring",), (1,), transport=transport,
+                  pieces=(levels[-1].pieces,))
     ring_axes, order = _mesh_order(tuple(axes), tuple(sizes))
     g = whole_group(ring_axes, math.prod(sizes), groups[-1].name)
-    return Plan("ring", (g,), (codecs[-1],), ("ring",), (1,), order)
+    return Plan("ring", (g,), (codecs[-1],), ("ring",), (1,), order,
+                pieces=(levels[-1].pieces,))
   algos = []
   for i, (g, c) in enumerate(zip(groups, codecs)):
     a = algorithm.get(g.name, "auto") if isinstance(algorithm, dict) else "auto"
@@ -150,7 +193,8 @@ def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm
       why = "it cannot compress" if c.lossy else "the level is part of one axis (a Topology split)"
       raise ValueError(f"level {g.name!r} cannot use algorithm 'xla': {why}")
     algos.append(a)
-  return Plan("hierarchical", tuple(groups), tuple(codecs), tuple(algos), tuple(strides))
+  return Plan("hierarchical", tuple(groups), tuple(codecs), tuple(algos), tuple(strides),
+              transport=transport, pieces=tuple(lv.pieces for lv in levels))
 
 
 def _mesh_order(axes: tuple, sizes: tuple) -> tuple[tuple, tuple[int, ...] | None]:

@@ -23,7 +23,8 @@ def _rotate(chunks, shift):
   return jnp.roll(chunks, -shift, axis=0)
 
 
-def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False):
+def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False,
+                   pieces: int = 1):
   """Ring reduce-scatter: member ``r`` ends with the sum of chunk ``r`` (p - 1 hops).
 
   Args:
@@ -34,6 +35,10 @@ def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_e
     transport: moves payloads between members.
     want_error: also return the compression error this member introduced, laid out like ``flat``
       (what error feedback must carry to the next step); None otherwise.
+    pieces: split every hop into this many independent sub-chunk transfers (``c`` must be a
+      multiple of ``pieces * codec.align``; otherwise the hop stays whole). Piece ``j + 1`` is
+      on the wire while piece ``j`` is decoded, added and re-encoded: the executor overlaps the
+      hop kernel with the transfer instead of running them in turn.
 
   Returns:
     ``(shard, error)``: the reduced chunk ``r`` (length ``c``) and the error (or None).
@@ -42,26 +47,39 @@ def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_e
   if p == 1:
     return flat, (jnp.zeros_like(flat) if want_error else None)
   c = flat.shape[0] // p
+  if pieces < 1 or c % (pieces * codec.align):
+    pieces = 1
   rot = _rotate(flat.reshape(p, c), group.rank())
+  cp = c // pieces
+  local = [rot[:, j * cp:(j + 1) * cp] for j in range(pieces)]
   # Hop s sends local chunk p-1-s; the predecessor's chunk p-1-s is our chunk p-2-s.
-  payload = codec.encode(rot[p - 1], dtype)
-  errors = [None] * p
+  payloads = [codec.encode(piece[p - 1], dtype) for piece in local]
+  errors = [[None] * p for _ in range(pieces)]
   if want_error:
-    errors[p - 1] = rot[p - 1] - codec.decode(payload, dtype)
-  shard = None
+    for j, piece in enumerate(local):
+      errors[j][p - 1] = piece[p - 1] - codec.decode(payloads[j], dtype)
+  shards = [None] * pieces
   for s in range(p - 1):
-    recv = transport.shift(payload, group)
     k = p - 2 - s
-    if k > 0:
-      partial, payload = codec.hop(recv, rot[k], dtype)
-      if want_error:
-        errors[k] = partial - codec.decode(payload, dtype)
-    else:
-      shard = codec.last_hop(recv, rot[0], dtype)
+    for j in range(pieces):
+      recv = transport.shift(payloads[j], group)
+      if k > 0:
+        partial, payloads[j] = codec.hop(recv, local[j][k], dtype)
+        if want_error:
+          errors[j][k] = partial - codec.decode(payloads[j], dtype)
+      else:
+        shards[j] = codec.last_hop(recv, local[j][0], dtype)
+  shard = _concat(shards)
   if not want_error:
     return shard, None
-  errors[0] = jnp.zeros_like(shard)
-  return shard, _rotate(jnp.stack(errors), -group.rank()).reshape(-1)
+  for j in range(pieces):
+    errors[j][0] = jnp.zeros_like(shards[j])
+  err = _concat([jnp.stack(e) for e in errors], axis=1)  # (p, c)
+  return shard, _rotate(err, -group.rank()).reshape(-1)
+
+
+def _concat(parts, axis=0):
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 
 
 def all_gather_payload(payload: tuple, group: Group, transport) -> tuple:
@@ -100,13 +118,27 @@ def ring_all_gather_payload(payload: tuple, group: Group, transport) -> tuple:
   return tuple(out)
 
 
-def all_reduce(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False):
+def all_reduce(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False,
+               pieces: int = 1):
   """Ring all-reduce: reduce-scatter, encode the owned chunk once, all-gather, decode.
 
   Every member decodes the same gathered payload, so the result is bit-identical on all members.
   Returns ``(result, error)`` like :func:`reduce_scatter`.
   """
-  shard, err = reduce_scatter(flat, group, codec, dtype, transport, want_error=want_error)
+  gathered, err = all_reduce_payload(flat, group, codec, dtype, transport, want_error=want_error,
+                                     pieces=pieces)
+  return codec.decode(gathered, dtype), err
+
+
+def all_reduce_payload(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False,
+                       pieces: int = 1):
+  """:func:`all_reduce` without the final decode: ``(gathered payload, error)``.
+
+  The payload holds every member's encoded chunk in member order; a caller that must move the
+  result further (the all-gather phase of faster levels) can carry it encoded.
+  """
+  shard, err = reduce_scatter(flat, group, codec, dtype, transport, want_error=want_error,
+                              pieces=pieces)
   payload = codec.encode(shard, dtype)
   if want_error and group.size > 1:
     c = shard.shape[0]
@@ -114,8 +146,7 @@ def all_reduce(flat, group: Group, codec: Codec, dtype, transport, *, want_error
     err = err + _place(own, group.rank(), c, flat.shape[0])
   elif want_error:
     err = shard - codec.decode(payload, dtype)
-  gathered = all_gather_payload(payload, group, transport)
-  return codec.decode(gathered, dtype), err
+  return all_gather_payload(payload, group, transport), err
 
 
 def _place(chunk, index, c, n):

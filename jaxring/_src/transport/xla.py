@@ -58,5 +58,13 @@ class XlaTransport:
       out.append(_from_wire(g, dt))
     return tuple(out)
 
+  def all_reduce(self, x, group: Group):
+    """Native all-reduce (``lax.psum``) over a whole group's axes."""
+    return lax.psum(x, _axis_arg(group.axes))
+
+  def reduce_scatter(self, x, group: Group):
+    """Native reduce-scatter (``lax.psum_scatter``, tiled) over a whole group's axes."""
+    return lax.psum_scatter(x, _axis_arg(group.axes), tiled=True)
+
 
 XLA = XlaTransport()

@@ -1,0 +1,129 @@
+"""jaxring's collectives over MPI (mpi4jax), one process per device under ``mpirun``.
+
+Each test launches tests/workers/mpi_collectives.py with the venv's ``mpirun`` (MPICH's hydra)
+under a hard timeout. Every rank checks every call against a float64 NumPy reference of all ranks'
+inputs (see the worker's docstring for the bounds); 30 calls per configuration and process count,
+60 per configuration in all.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import multiproc as mp
+
+pytestmark = pytest.mark.multiprocess
+
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+ALGORITHMS = ("xla", "ring", "hierarchical", "auto")
+CODECS = ("none", "bf16", "fp16", "int8", "topk")
+CALLS = 30
+
+
+def _mpi_missing() -> str | None:
+  if not os.path.exists(MPIRUN) and shutil.which("mpirun") is None:
+    return "no mpirun next to this interpreter or on PATH (pip install mpich)"
+  try:
+    import mpi4jax  # noqa: F401
+  except ImportError as exc:
+    return f"mpi4jax is not installed ({exc}); see jaxring/_src/transport/mpi.py"
+  return None
+
+
+skip_without_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+
+
+def mpirun(n: int, *worker_args: str, timeout: float, launcher_args: tuple = ()
+           ) -> tuple[int | None, str, float]:
+  """(exit status or None when killed at the timeout, output, seconds)."""
+  cmd = [MPIRUN if os.path.exists(MPIRUN) else "mpirun", *launcher_args, "-n", str(n),
+         *mp.python_worker("mpi_collectives.py", *worker_args)]
+  # one CPU device and one compute thread per rank: the ranks share 2 cores
+  env = mp.clean_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
+                     "intra_op_parallelism_threads=1")
+  t0 = time.monotonic()
+  p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       start_new_session=True)
+  try:
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out, time.monotonic() - t0
+  except subprocess.TimeoutExpired:
+    mp._kill_session(p)
+    return None, p.stdout.read() if p.stdout else "", time.monotonic() - t0
+
+
+@skip_without_mpi
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_algorithm_and_codec_matches_float64_reference(n):
+  args = ["--calls", str(CALLS)]
+  if n == 2:
+    args.append("--extras")   # eager calls, constants, pmean, grad, reduce_gradients, unbinding
+  else:
+    args.append("--topology")  # local=2 x node=2: hierarchical has two levels on one host
+  rc, out, _ = mpirun(n, *args, timeout=180)
+  assert rc == 0, f"mpirun -n {n} exited {rc}\n{out[-8000:]}"
+  for rank in range(n):
+    if n == 2:
+      assert f"rank {rank}: OK extras" in out, out[-8000:]
+    for algorithm in ALGORITHMS:
+      for codec in CODECS if algorithm != "xla" else ("none",):
+        assert re.search(rf"rank {rank}: OK {algorithm}/{codec} calls={CALLS}\b", out), (
+            f"rank {rank} did not finish {algorithm}/{codec}\n{out[-8000:]}")
+  if n == 4:
+    assert "levels [('local', 2), ('node', 2)]" in out, out[-4000:]
+
+
+FAILURE_TIMEOUT = 3.0
+SLACK = 15.0   # start-up, and the 2-core machine's load, between the death and the last exit
+
+
+@skip_without_mpi
+@pytest.mark.timeout(90)
+def test_a_rank_that_dies_mid_collective_is_named_by_every_other_rank():
+  # -disable-auto-cleanup: hydra does not kill the survivors (it otherwise does, but names the dead
+  # process unreliably), so they stay blocked in MPI_Sendrecv with the dead rank until jaxring's
+  # watchdog names it and ends them.
+  n, dead, limit = 4, 2, 60
+  rc, out, seconds = mpirun(n, "--calls", "1000", "--algorithms", "ring", "--codecs", "int8",
+                            "--die-rank", str(dead), "--die-at", "5",
+                            "--failure-timeout", str(FAILURE_TIMEOUT), timeout=limit,
+                            launcher_args=("-disable-auto-cleanup",))
+  assert rc is not None, f"mpirun still running after {limit} s: a silent hang\n{out[-6000:]}"
+  assert rc != 0, out[-6000:]
+  died = re.search(rf"rank {dead}: dying at call 5 of ring/int8 at=([\d.]+)", out)
+  assert died, out[-6000:]
+  pid = re.search(rf"rank {dead}/{n}: pid (\d+)", out).group(1)
+  for rank in set(range(n)) - {dead}:
+    assert re.search(rf"rank {dead} of {n} \(pid {pid} on [^)]+\) died or hangs: no heartbeat "
+                     rf"for [\d.]+ s \(failure timeout 3 s\)\. Rank {rank} exits", out), (
+        f"rank {rank} did not name rank {dead}\n{out[-6000:]}")
+  assert time.time() - float(died.group(1)) < FAILURE_TIMEOUT + SLACK, out[-6000:]
+  assert "calls=1000" not in out   # nobody finished: the survivors were ended, not left hanging
+
+
+def test_lax_psum_gradient_of_a_replicated_loss_is_the_identity_under_shard_map():
+  """The rule jaxring.psum over MPI follows (the worker's --extras checks it over MPI): a loss
+  computed identically from the sum on every member (invariant ``w``) sends its cotangent to every
+  member unchanged. (With a member-dependent ``w`` lax sums the cotangents instead; MPI cannot tell
+  the two apart, and jaxring follows mpi4jax.allreduce's identity rule.)"""
+  mesh = jax.make_mesh((4,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))
+  w = jnp.asarray(np.random.RandomState(0).randn(3), jnp.float32)
+  x = jnp.asarray(np.random.RandomState(1).randn(4, 3), jnp.float32)
+
+  def member_grad(v, wv):
+    return jax.grad(lambda u: jnp.sum(wv * jax.lax.psum(u, "i")))(v)
+
+  g = jax.jit(jax.shard_map(member_grad, mesh=mesh, in_specs=(P("i"), P()),
+                            out_specs=P("i")))(x, w)
+  np.testing.assert_array_equal(np.asarray(g), np.tile(np.asarray(w), (4, 1)))

@@ -1,0 +1,118 @@
+"""Sub-chunked ring hops (``Level.pieces``) and the all-gather that carries the slow level's payload.
+
+Both change how bytes move, never the values: results must be bit-identical to the plain schedule
+and within float32 rounding of a float64 NumPy sum; the compiled HLO must show the new schedule.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from jaxring import codecs
+from jaxring._src.hlo_bytes import compiled_wire_bytes
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def topology(pieces: int):
+  return jaxring.Topology((jaxring.Level("local", 4),
+                           jaxring.Level("node", 2, 1.25e8, 1e-4, pieces=pieces)))
+
+
+def reducer(place: str, algorithm: str, codec, op="psum"):
+  """A jitted SPMD function reducing row ``i`` of its input on member ``i``, and its input spec."""
+  if place == "mesh":
+    mesh, names, axis = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AUTO, AUTO)), \
+        ("node", "local"), ("node", "local")
+  else:  # one flat axis, split into the topology's levels
+    mesh, names, axis = jax.make_mesh((8,), ("d",), axis_types=(AUTO,)), ("d",), "d"
+  comp = {"node": codec} if (codec is not None and algorithm == "hierarchical") else codec
+
+  def body(v):
+    return getattr(jaxring, op)(v[0], axis, algorithm=algorithm, compression=comp)[None]
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(names), out_specs=P(names)))
+
+
+CASES = [("mesh", "hierarchical", None), ("mesh", "hierarchical", codecs.int8()),
+         ("split", "hierarchical", codecs.bf16()), ("split", "hierarchical", codecs.int8()),
+         ("mesh", "ring", codecs.int8()), ("split", "ring", None)]
+
+
+@pytest.mark.parametrize("place,algorithm,codec", CASES,
+                         ids=[f"{p}-{a}-{c.name if c else 'none'}" for p, a, c in CASES])
+@pytest.mark.parametrize("pieces", [3, 4])
+def test_pieces_change_the_schedule_not_the_sum(place, algorithm, codec, pieces):
+  # a length whose padding is the same for every number of pieces (8 members x lcm(3, 4) x 256),
+  # so that each element meets the same partners in the same order; odd lengths: below
+  x = np.random.default_rng(pieces).standard_normal((8, 8 * 12 * 256)).astype(np.float32)
+  # a new jitted function under each topology: the topology is read at trace time
+  with jaxring.use_topology(topology(1)):
+    whole = np.asarray(reducer(place, algorithm, codec)(x))
+  with jaxring.use_topology(topology(pieces)):
+    piecewise = np.asarray(reducer(place, algorithm, codec)(x))
+  np.testing.assert_array_equal(piecewise, whole)
+  exact = x.astype(np.float64).sum(0)
+  tol = 8 * np.finfo(np.float32).eps * np.abs(x).sum(0) if codec is None else \
+      np.abs(x).sum(0).max() * (0.05 if codec.name == "int8" else 0.02)
+  assert np.all(np.abs(piecewise - exact) <= tol)
+
+
+@pytest.mark.parametrize("place,algorithm,codec", CASES[1:4],
+                         ids=[f"{p}-{a}-{c.name}" for p, a, c in CASES[1:4]])
+def test_pieces_with_odd_lengths_stay_within_the_codec_bound(place, algorithm, codec):
+  x = np.random.default_rng(1).standard_normal((8, 5003)).astype(np.float32)
+  with jaxring.use_topology(topology(4)):
+    got = np.asarray(reducer(place, algorithm, codec)(x))
+  for row in got[1:]:
+    np.testing.assert_array_equal(row, got[0])
+  # int8: each of the <= 2 p encodings of an element errs by at most its block's max / 254
+  bound = 2 * 8 * np.abs(x).sum(0).max() / (254 if codec.name == "int8" else 256)
+  assert np.abs(got[0] - x.astype(np.float64).sum(0)).max() <= bound
+
+
+def count_permutes(f, x) -> int:
+  return sum(c.op == "collective-permute" for c in compiled_wire_bytes(f, x).collectives)
+
+
+def test_pieces_split_every_hop_of_the_node_ring():
+  x = jnp.zeros((8, 4096), jnp.float32)
+  with jaxring.use_topology(topology(1)):
+    one = count_permutes(reducer("mesh", "hierarchical", codecs.bf16()), x)
+  with jaxring.use_topology(topology(4)):
+    four = count_permutes(reducer("mesh", "hierarchical", codecs.bf16()), x)
+  # the node ring's reduce-scatter has p_node - 1 = 1 hop; the local level (pieces=1) is unchanged
+  assert four - one == 3, (one, four)
+
+
+def test_psum_scatter_with_pieces_matches_lax():
+  x = np.random.default_rng(0).standard_normal((8, 8 * 97)).astype(np.float32)
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AUTO,))
+
+  def body(v, fn, **kw):
+    return fn(v[0], "d", scatter_dimension=0, tiled=True, **kw)[None]
+
+  ref = jax.jit(jax.shard_map(lambda v: body(v, jax.lax.psum_scatter), mesh=mesh,
+                              in_specs=P("d"), out_specs=P("d")))
+  with jaxring.use_topology(topology(4)):
+    ours = jax.jit(jax.shard_map(lambda v: body(v, jaxring.psum_scatter, algorithm="ring"),
+                                 mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    assert count_permutes(ours, x) == 7 * 4  # 7 hops of the 8-member ring, 4 pieces each
+    np.testing.assert_allclose(np.asarray(ours(x)), np.asarray(ref(x)), rtol=1e-5, atol=1e-5)
+
+
+def test_local_all_gather_carries_the_node_levels_int8():
+  """After the node ring, the local level's all-gather moves the int8 payload (a quarter of the
+  f32 bytes) and the result is decoded once at the end."""
+  n = 1 << 16
+  x = jnp.zeros((8, n), jnp.float32)
+  with jaxring.use_topology(topology(1)):
+    f = reducer("mesh", "hierarchical", codecs.int8())
+    gathers = [c for c in compiled_wire_bytes(f, x).collectives if c.op == "all-gather"]
+  local = [c for c in gathers if c.group_size == 4]
+  assert any("s8" in c.dtypes for c in local), local
+  # each member contributes the node-reduced n/4 elements of its local shard: int8 values plus one
+  # f32 scale per 256 (decoded first, they would be 4 n/4 bytes)
+  assert sum(c.operand_bytes for c in local) == n // 4 + 4 * (n // 4 // 256), local
