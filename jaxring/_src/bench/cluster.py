@@ -7,7 +7,9 @@ All contenders run in one invocation, on the same shaped links, one after the ot
 * ``MPICH MPI_Allreduce``: mpi4py on numpy buffers, one MPI rank per device (``--transport mpi``);
 * ``jaxring hierarchical <codec>``: ``jaxring.psum(..., algorithm="hierarchical",
   compression={"node": codec})`` over the same mesh as gloo, codec none / bf16 / int8 /
-  topk_chunks(1%).
+  topk_chunks(1%);
+* ``jaxring hierarchical <codec> (MPI transport)``: the same, one MPI rank per device, the ring
+  over mpi4jax (``jaxring.distributed.bind_mpi_axis``).
 
 Per contender: median of ``--reps`` timed calls after warm-up, algbw (bytes per device / time),
 bytes each node put on its link per call (delta of the interface's tx counter over the timed calls,
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     if "mpi" not in skip:
       rc, r, log = _run_job(name, nodes, args.devices_per_node, None, "mpi",
                             ["--mode", "mpi", "--procs-per-node", str(args.devices_per_node),
-                             *worker_common], args.timeout)
+                             "--codecs", args.codecs, *worker_common], args.timeout)
       rcs["mpi"], logs["mpi"] = rc, log
       recs += [dict(x, job="mpi") for x in r]
     if "jax" not in skip:
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
       rows.append({"contender": label, "error": err})
       continue
     r0 = rs[0]
-    codec = label.rsplit(" ", 1)[1] if label.startswith("jaxring") else "none"
+    codec = label.split()[2] if label.startswith("jaxring") else "none"
     ratio = _wire_ratio(codec)
     tx = [r["tx_per_call"] for r in rs]
     rows.append({

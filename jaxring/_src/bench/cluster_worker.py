@@ -4,7 +4,8 @@
 --devices-per-proc D``); times ``lax.psum`` (gloo) over the global (node, local) mesh and jaxring's
 ``hierarchical`` all-reduce, uncompressed and with a codec on the node level.
 ``--mode mpi``: one MPI rank per device (``--transport mpi``); times ``MPI_Allreduce`` (mpi4py,
-numpy buffers).
+numpy buffers), then jaxring's hierarchical all-reduce over the MPI transport (mpi4jax) with each
+codec of ``--codecs`` on the node level.
 
 Each contender: ``--warmup`` calls, then ``--reps`` individually timed calls. Around the timed calls
 the node's link counter (``/sys/class/net/<iface>/statistics/tx_bytes`` inside the node's
@@ -126,25 +127,54 @@ def run_mpi(args) -> int:
   n = args.mib * (1 << 20) // 4
   send = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)
   recv = np.empty_like(send)
-  label = "MPICH MPI_Allreduce"
+  _time_mpi("MPICH MPI_Allreduce", lambda: comm.Allreduce(send, recv, op=MPI.SUM), args, comm,
+            iface, node, head=lambda: recv[:4].tolist())
+  if args.codecs:
+    _run_jaxring_mpi(args, comm, send, iface, node)
+  comm.Barrier()
+  return 0
+
+
+def _time_mpi(label, call, args, comm, iface, node, head) -> None:
   for _ in range(args.warmup):
-    comm.Allreduce(send, recv, op=MPI.SUM)
+    call()
   comm.Barrier()
   b0 = tx_bytes(iface)
   times = []
   for _ in range(args.reps):
     comm.Barrier()
     t = time.perf_counter()
-    comm.Allreduce(send, recv, op=MPI.SUM)
+    call()
     times.append(time.perf_counter() - t)
   comm.Barrier()
   b1 = tx_bytes(iface)
   # the Barriers between calls add a few hundred bytes; negligible next to 32 MiB
-  if rank % args.procs_per_node == 0:
-    emit(contender=label, node=node, rank=rank, times=times, median=statistics.median(times),
-         tx_per_call=(b1 - b0) / args.reps, size=size, head=recv[:4].tolist())
-  comm.Barrier()
-  return 0
+  if comm.Get_rank() % args.procs_per_node == 0:
+    emit(contender=label, node=node, rank=comm.Get_rank(), times=times,
+         median=statistics.median(times), tx_per_call=(b1 - b0) / args.reps,
+         size=comm.Get_size(), head=head())
+
+
+def _run_jaxring_mpi(args, comm, send, iface, node) -> None:
+  """jaxring's hierarchical all-reduce over the MPI transport, one rank per device. The
+  namespaces share one hostname, so the levels are given: ranks of a node are consecutive."""
+  import jax
+  import jaxring
+  import jaxring.distributed
+  topo = jaxring.Topology((jaxring.Level("local", args.procs_per_node),
+                           jaxring.Level("node", comm.Get_size() // args.procs_per_node,
+                                         1e9 / 8, 1e-4)))
+  jaxring.distributed.bind_mpi_axis("mpi", comm, topo)
+  x = jax.device_put(send)
+  for codec_name in args.codecs.split(","):
+    codec = codec_for(codec_name)
+    comp = None if codec is None else {"node": codec}
+    f = jax.jit(lambda v, comp=comp: jaxring.psum(v, "mpi", algorithm="hierarchical",
+                                                  compression=comp))
+    first = np.asarray(f(x)[:4]).tolist()  # every rank: the call is collective
+    _time_mpi(f"jaxring hierarchical {codec_name} (MPI transport)",
+              lambda f=f: jax.block_until_ready(f(x)), args, comm, iface, node,
+              head=lambda first=first: first)
 
 
 def main(argv=None) -> int:
