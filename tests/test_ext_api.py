@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxring._src.ext as ext_pkg
-from jaxring._src import ext
+from jaxring._src import ext, vma
 from jaxring._src.ext import reference as ref
 
 BS = 16
@@ -282,3 +282,56 @@ def test_a_missing_extension_fails_on_kernel_import_but_not_on_reference_import(
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# --- varying manual axes (shard_map with check_vma=True) ----------------------------------------
+
+
+def in_shard_map(f, *args):
+  """f on 8 devices, each with its own row of every argument, vma checked.
+
+  Returns the psum over the devices of each of f's results and the axes each was typed varying over.
+  """
+  mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+  spec = jax.sharding.PartitionSpec("i")
+  args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, spec)) for a in args]
+  vmas = []
+
+  def body(*rows):
+    outs = f(*(r[0] for r in rows))
+    vmas.extend(vma.varying_axes(o) for o in outs)
+    return tuple(jax.lax.psum(o.astype(jnp.float32), "i") for o in outs)
+
+  sums = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec,
+                               out_specs=jax.sharding.PartitionSpec(), check_vma=True))(*args)
+  return sums, vmas
+
+
+CALLS = {
+    "quantize_int8": lambda k, x, p: k.quantize_int8(x, BS, True, 3),
+    "dequantize_int8": lambda k, x, p: (k.dequantize_int8(*ext.quantize_int8(x, BS), BS),),
+    "ring_hop_int8": lambda k, x, p: k.ring_hop_int8(*ext.quantize_int8(x, BS), p, BS, True, 1),
+    "ring_hop_int8_last": lambda k, x, p: (k.ring_hop_int8_last(*ext.quantize_int8(x, BS), p,
+                                                                BS),),
+    "ring_hop_cast": lambda k, x, p: k.ring_hop_cast(x.astype(BF16), p),
+    "ring_hop_cast_last": lambda k, x, p: (k.ring_hop_cast_last(x.astype(BF16), p),),
+    "chunk_norms": lambda k, x, p: (k.chunk_norms(x, 8),),
+    "gather_chunks": lambda k, x, p: (k.gather_chunks(x, idx(3, 0), 8),),
+    "scatter_add_chunks": lambda k, x, p: (k.scatter_add_chunks(p, idx(1), x[:8], 8),),
+}
+
+
+@pytest.mark.parametrize("name", CALLS)
+@pytest.mark.parametrize("module", [ext, ref], ids=["ffi", "reference"])
+def test_results_vary_over_the_manual_axes_their_inputs_vary_over(name, module):
+  # Per-device inputs (varying over "i") next to invariant constants (seeds, indices): every
+  # result is typed varying, so psum adds the 8 devices' results instead of taking one of them
+  # 8 times, and equals the sum of the kernels run device by device.
+  f = functools.partial(CALLS[name], module)
+  xs, ps = data(8 * 40).reshape(8, 40), data(8 * 40, seed=1).reshape(8, 40)
+  sums, vmas = in_shard_map(f, xs, ps)
+  assert all(v == {"i"} for v in vmas), vmas
+  rows = [jax.tree.map(np.asarray, f(xs[d], ps[d])) for d in range(8)]
+  for k, got in enumerate(sums):
+    want = np.sum([r[k].astype(np.float32) for r in rows], axis=0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)

@@ -118,6 +118,64 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step():
   assert len({tuple(r) for r in np.asarray(y[:8])}) == 8  # seeds give different roundings
 
 
+def constant_blocks(frac, blocks=4096):
+  """Blocks of a constant whose code before rounding is 38 + frac, led by a 1.0 that sets the
+  scale (127 / max|x| = 127); returns the f32 array and the float64 code of the constant."""
+  c = np.float32((38 + frac) / 127)
+  x = np.full((blocks, BLOCK), c, np.float32)
+  x[:, 0] = 1.0
+  return jnp.asarray(x.reshape(-1)), float(np.float64(c) * 127)
+
+
+def rounded_up(q, v):
+  """The rounding decisions (0 down, 1 up) of the constant elements: all but each block's first."""
+  q = np.asarray(q, np.float64).reshape(-1, BLOCK)[:, 1:]
+  assert set(np.unique(q)) <= {np.floor(v), np.floor(v) + 1}  # never more than one step away
+  return q - np.floor(v)
+
+
+@pytest.mark.parametrize("frac", [0.01, 0.25, 0.5, 0.9])
+def test_stochastic_rounding_of_a_constant_converges_to_it(frac):
+  x, v = constant_blocks(frac)
+  q, s = ext.quantize_int8(x, BLOCK, stochastic=True, seed=7)
+  assert np.all(np.asarray(s) == np.float32(1.0) * ref.INV_QMAX)
+  d = rounded_up(q, v)
+  # Each decision is Bernoulli(frac(v)) (to within 2^-17): the mean of N of them lies within
+  # 5 standard deviations of frac(v), sqrt(frac (1 - frac) / N).
+  p = v - np.floor(v)
+  assert abs(d.mean() - p) < 5 * np.sqrt(p * (1 - p) / d.size) + 2**-16
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3, 8, BLOCK - 1])
+def test_stochastic_rounding_decisions_of_neighbours_are_uncorrelated(lag):
+  x, v = constant_blocks(0.5)
+  d = rounded_up(ext.quantize_int8(x, BLOCK, stochastic=True, seed=11)[0], v).reshape(-1)
+  r = np.corrcoef(d[:-lag], d[lag:])[0, 1]
+  assert abs(r) < 5 / np.sqrt(d.size)  # ~1M pairs: 5 sigma of independent decisions
+
+
+@pytest.mark.parametrize("seed", [0, 12345])
+def test_random_bits_are_uniform_in_single_elements_and_in_neighbouring_pairs(seed):
+  k = np.asarray(ref.random_bits16(seed, 1 << 20))
+  assert k.min() >= 0 and k.max() < 1 << 16
+  for lag in (1, 2, 7, 64):  # the top 4 bits of neighbours: 256 cells, ~4096 pairs each
+    cells = np.bincount((k[:-lag] >> 12) * 16 + (k[lag:] >> 12), minlength=256)
+    expected = (k.size - lag) / 256
+    chi2 = np.sum((cells - expected) ** 2 / expected)
+    assert chi2 < 255 + 6 * np.sqrt(2 * 255), (lag, chi2)  # 255 dof, 6 sigma
+  cells = np.bincount(k >> 8, minlength=256)  # the top 8 bits alone
+  assert np.sum((cells - k.size / 256) ** 2 / (k.size / 256)) < 255 + 6 * np.sqrt(2 * 255)
+
+
+def test_stochastic_rounding_decisions_of_different_seeds_are_uncorrelated():
+  x, v = constant_blocks(0.5)
+  draws = [rounded_up(ext.quantize_int8(x, BLOCK, stochastic=True, seed=k)[0], v).reshape(-1)
+           for k in (0, 1, 2**31)]
+  for a, b in [(0, 1), (0, 2), (1, 2)]:
+    r = np.corrcoef(draws[a], draws[b])[0, 1]
+    assert abs(r) < 5 / np.sqrt(draws[a].size)
+
+
 def test_zero_tiny_and_non_finite_blocks():
   x = np.array(data(6 * BLOCK))
   x[:BLOCK] = 0.0

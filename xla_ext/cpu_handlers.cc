@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "cpu_kernels.h"
+#include "bindings.h"
 #include "handlers.h"
 #include "numerics.h"
 #include "plans.h"
@@ -236,80 +237,18 @@ ffi::Error ScatterAddChunksImpl(AnyBuffer x, AnyBuffer idx, AnyBuffer packed,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringQuantizeInt8Cpu, jaxring::QuantizeInt8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // seed
-                                  .Ret<ffi::AnyBuffer>()  // q
-                                  .Ret<ffi::AnyBuffer>()  // scales
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("stochastic"));
+// One symbol per target: jaxring::<name>Impl behind its binding (bindings.h), with XLA's intra-op
+// thread pool as context (scatter_add_chunks runs on the calling thread and takes none).
+#define JAXRING_CPU_HANDLER(name, ctx)                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Jaxring##name##Cpu, jaxring::name##Impl,        \
+                                jaxring::bindings::name<ctx>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringDequantizeInt8Cpu, jaxring::DequantizeInt8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // scales
-                                  .Ret<ffi::AnyBuffer>()  // x
-                                  .Attr<int64_t>("block_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopInt8Cpu, jaxring::RingHopInt8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // scales
-                                  .Arg<ffi::AnyBuffer>()  // partial
-                                  .Arg<ffi::AnyBuffer>()  // seed
-                                  .Ret<ffi::AnyBuffer>()  // new_partial
-                                  .Ret<ffi::AnyBuffer>()  // q_out
-                                  .Ret<ffi::AnyBuffer>()  // scales_out
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("stochastic"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopInt8LastCpu, jaxring::RingHopInt8LastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // scales
-                                  .Arg<ffi::AnyBuffer>()  // partial
-                                  .Ret<ffi::AnyBuffer>()  // new_partial
-                                  .Attr<int64_t>("block_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopCastCpu, jaxring::RingHopCastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()   // recv
-                                  .Arg<ffi::AnyBuffer>()   // partial
-                                  .Ret<ffi::AnyBuffer>()   // new_partial
-                                  .Ret<ffi::AnyBuffer>());  // out
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopCastLastCpu, jaxring::RingHopCastLastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()   // recv
-                                  .Arg<ffi::AnyBuffer>()   // partial
-                                  .Ret<ffi::AnyBuffer>());  // new_partial
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringChunkNormsCpu, jaxring::ChunkNormsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Ret<ffi::AnyBuffer>()  // norms
-                                  .Attr<int64_t>("chunk_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringGatherChunksCpu, jaxring::GatherChunksImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // idx
-                                  .Ret<ffi::AnyBuffer>()  // packed
-                                  .Attr<int64_t>("chunk_size"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringScatterAddChunksCpu, jaxring::ScatterAddChunksImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // idx
-                                  .Arg<ffi::AnyBuffer>()  // packed
-                                  .Ret<ffi::AnyBuffer>()  // x + scattered packed
-                                  .Attr<int64_t>("chunk_size"));
+JAXRING_CPU_HANDLER(QuantizeInt8, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(DequantizeInt8, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopInt8, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopInt8Last, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopCast, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopCastLast, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(ChunkNorms, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(GatherChunks, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(ScatterAddChunks, void)

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "bindings.h"
 #include "handlers.h"
 #include "numerics.h"
 #include "plans.h"
@@ -98,9 +99,10 @@ __device__ float EncodeBlock(const typename C::T* v, int64_t len, int8_t* q, boo
   for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
     int8_t code = 0;
     if (s.inv != 0.0f) {
-      const float x = __fmul_rn(C::Load(v[i]), s.inv);
-      code = stochastic ? StochasticCode(x, Uniform01(key, static_cast<uint32_t>(base + i)))
-                        : RoundToCode(x);
+      code = stochastic
+                 ? StochasticCode(__fmul_rn(C::Load(v[i]), s.inv * 65536.0f),
+                                  RandomBits16(WeylState(key, static_cast<uint32_t>(base + i))))
+                 : RoundToCode(__fmul_rn(C::Load(v[i]), s.inv));
     }
     q[i] = code;
   }
@@ -368,90 +370,19 @@ ffi::Error ScatterAddChunksCuda(cudaStream_t st, AnyBuffer x, AnyBuffer idx, Any
 namespace ffi = xla::ffi;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringQuantizeInt8Cuda, jaxring::QuantizeInt8Cuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // seed
-                                  .Ret<ffi::AnyBuffer>()  // q
-                                  .Ret<ffi::AnyBuffer>()  // scales
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("stochastic"),
-                              {ffi::Traits::kCmdBufferCompatible});
+// One symbol per target: jaxring::<name>Cuda behind its binding (bindings.h), with the stream
+// as context.
+#define JAXRING_CUDA_HANDLER(name)                                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Jaxring##name##Cuda, jaxring::name##Cuda,              \
+                                jaxring::bindings::name<Stream>(),                     \
+                                {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringDequantizeInt8Cuda, jaxring::DequantizeInt8Cuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // scales
-                                  .Ret<ffi::AnyBuffer>()  // x
-                                  .Attr<int64_t>("block_size"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopInt8Cuda, jaxring::RingHopInt8Cuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // scales
-                                  .Arg<ffi::AnyBuffer>()  // partial
-                                  .Arg<ffi::AnyBuffer>()  // seed
-                                  .Ret<ffi::AnyBuffer>()  // new_partial
-                                  .Ret<ffi::AnyBuffer>()  // q_out
-                                  .Ret<ffi::AnyBuffer>()  // scales_out
-                                  .Attr<int64_t>("block_size")
-                                  .Attr<bool>("stochastic"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopInt8LastCuda, jaxring::RingHopInt8LastCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // scales
-                                  .Arg<ffi::AnyBuffer>()  // partial
-                                  .Ret<ffi::AnyBuffer>()  // new_partial
-                                  .Attr<int64_t>("block_size"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopCastCuda, jaxring::RingHopCastCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // recv
-                                  .Arg<ffi::AnyBuffer>()  // partial
-                                  .Ret<ffi::AnyBuffer>()  // new_partial
-                                  .Ret<ffi::AnyBuffer>(),  // out
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringRingHopCastLastCuda, jaxring::RingHopCastLastCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // recv
-                                  .Arg<ffi::AnyBuffer>()  // partial
-                                  .Ret<ffi::AnyBuffer>(),  // new_partial
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringChunkNormsCuda, jaxring::ChunkNormsCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Ret<ffi::AnyBuffer>()  // norms
-                                  .Attr<int64_t>("chunk_size"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringGatherChunksCuda, jaxring::GatherChunksCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // idx
-                                  .Ret<ffi::AnyBuffer>()  // packed
-                                  .Attr<int64_t>("chunk_size"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringScatterAddChunksCuda, jaxring::ScatterAddChunksCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<Stream>()
-                                  .Arg<ffi::AnyBuffer>()  // x
-                                  .Arg<ffi::AnyBuffer>()  // idx
-                                  .Arg<ffi::AnyBuffer>()  // packed
-                                  .Ret<ffi::AnyBuffer>()  // x + scattered packed
-                                  .Attr<int64_t>("chunk_size"),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAXRING_CUDA_HANDLER(QuantizeInt8)
+JAXRING_CUDA_HANDLER(DequantizeInt8)
+JAXRING_CUDA_HANDLER(RingHopInt8)
+JAXRING_CUDA_HANDLER(RingHopInt8Last)
+JAXRING_CUDA_HANDLER(RingHopCast)
+JAXRING_CUDA_HANDLER(RingHopCastLast)
+JAXRING_CUDA_HANDLER(ChunkNorms)
+JAXRING_CUDA_HANDLER(GatherChunks)
+JAXRING_CUDA_HANDLER(ScatterAddChunks)

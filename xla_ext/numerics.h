@@ -4,6 +4,7 @@
 #ifndef JAXRING_XLA_EXT_NUMERICS_H_
 #define JAXRING_XLA_EXT_NUMERICS_H_
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -68,26 +69,6 @@ JR_HD BlockScale ScaleFromAmaxBits(uint32_t amax_bits) {
   return {amax * kInvQMax, kQMax / amax};
 }
 
-// Round half to even, exact for |v| < 2^22 (codes are within +-128): adding 1.5 * 2^23 pushes
-// the fraction out of the mantissa under the default rounding mode. Vectorizes on plain SSE2.
-JR_HD float RoundEvenSmall(float v) {
-#if defined(__CUDA_ARCH__)
-  return rintf(v);
-#else
-  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
-  return (v + kMagic) - kMagic;
-#endif
-}
-
-JR_HD float FloorSmall(float v) {
-#if defined(__CUDA_ARCH__)
-  return floorf(v);
-#else
-  const float r = RoundEvenSmall(v);
-  return r - static_cast<float>(r > v);  // branch-free, so that the loop vectorizes
-#endif
-}
-
 // The int8 code of round_half_even(v) for |v| <= 127.5 (what the block-scale rule guarantees:
 // |x * 127 / amax| <= 127 (1 + 2^-23)^2). On the CPU the code is read straight from the low
 // mantissa bits of v + 1.5 * 2^23, which holds 2^22 + round(v): no float-to-int conversion and
@@ -101,17 +82,21 @@ JR_HD int8_t RoundToCode(float v) {
 #endif
 }
 
-JR_HD float ClampCode(float r) {
-  r = r < -kQMax ? -kQMax : r;
-  return r > kQMax ? kQMax : r;
-}
+// Stochastic rounding, in 16-bit fixed point. With v = x * inv (as for round to nearest),
+// f = clamp(round_half_even(v * 2^16), -127 * 2^16, 127 * 2^16) and a 16-bit random k, the code is
+// (f + k) >> 16 (an arithmetic shift, so a floor): it rounds up with probability
+// (f mod 2^16) / 2^16 = frac(v) to within 2^-17, and E[code] = f / 2^16 exactly. All of it is
+// integer work after one product (x * inv * 2^16, exact scaling of x * inv), which vectorizes,
+// and which XLA cannot fuse into a multiply-add in the jnp reference (nothing is added to it).
+//
+// k is the top half of a counter-based hash: a Weyl sequence w = key + index * kWeyl (the
+// element index within its row, keyed per row by SeedKey), then two multiply-xorshift rounds
+// (lowbias32 by C. Wellons, whose last xorshift only touches the low half and is left out). The
+// Weyl step spreads consecutive indices over all 32 bits before mixing: hashing the raw index
+// left rounding decisions at small lags visibly dependent (chi-square over 2^24 pairs).
+constexpr uint32_t kWeyl = 0x9e3779b9u;  // 2^32 / golden ratio, odd
+constexpr int32_t kCodeLimit16 = 127 << 16;
 
-// Stochastic rounding: a counter-based hash (lowbias32 by C. Wellons) of the element index
-// within its row, keyed by the seed, gives u = k / 2^16 in [0, 1). With v = x * inv and
-// r = floor(v), the code is r + 1 when v > r + u, else r: P(round up) = frac(v) up to 2^-16.
-// r + u is exact (|r| <= 128) and v = x * inv only meets floor and compares, so the jnp
-// reference cannot have a step fused into a multiply-add by XLA (the C++ is built with
-// -ffp-contract=off, the CUDA with __fmul_rn).
 JR_HD uint32_t Mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352du;
@@ -121,15 +106,38 @@ JR_HD uint32_t Mix32(uint32_t x) {
   return x;
 }
 
-JR_HD uint32_t SeedKey(uint32_t seed) { return Mix32(seed + 0x9e3779b9u); }
+JR_HD uint32_t SeedKey(uint32_t seed) { return Mix32(seed + kWeyl); }
 
-JR_HD float Uniform01(uint32_t key, uint32_t index) {
-  return static_cast<float>(static_cast<int32_t>(Mix32(index ^ key) >> 16)) * 1.52587890625e-05f;
+// The Weyl state of element `index`; the next element's state is this plus kWeyl.
+JR_HD uint32_t WeylState(uint32_t key, uint32_t index) { return key + index * kWeyl; }
+
+// The 16 random bits k for the element whose Weyl state is w.
+JR_HD int32_t RandomBits16(uint32_t w) {
+  w ^= w >> 16;
+  w *= 0x7feb352du;
+  w ^= w >> 15;
+  w *= 0x846ca68bu;
+  return static_cast<int32_t>(w >> 16);
 }
 
-JR_HD int8_t StochasticCode(float v, float u) {
-  const float r = FloorSmall(v);
-  return static_cast<int8_t>(static_cast<int32_t>(ClampCode(r + static_cast<float>(v > r + u))));
+// round_half_even(v) for |v| < 2^31 under the default rounding mode: cvtps2dq, which GCC
+// vectorizes (std::lrint returns a long and does not).
+JR_HD int32_t RoundToInt32(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(v);
+#elif defined(__GNUC__) && !defined(__clang__)
+  return __builtin_irintf(v);
+#else
+  return static_cast<int32_t>(std::nearbyint(v));
+#endif
+}
+
+// The code for v16 = x * (inv * 2^16) and random bits k in [0, 2^16).
+JR_HD int8_t StochasticCode(float v16, int32_t k) {
+  int32_t f = RoundToInt32(v16);
+  f = f < -kCodeLimit16 ? -kCodeLimit16 : f;
+  f = f > kCodeLimit16 ? kCodeLimit16 : f;
+  return static_cast<int8_t>((f + k) >> 16);
 }
 
 // --- 16-bit floats, round to nearest even, NaN stays NaN (quiet) -------------------------

@@ -16,10 +16,6 @@ import os
 import types
 import warnings
 
-import jax
-
-from jaxring._src import vma
-
 _NAMES = ("quantize_int8", "dequantize_int8", "ring_hop_int8", "ring_hop_int8_last",
           "ring_hop_cast", "ring_hop_cast_last", "chunk_norms", "gather_chunks",
           "scatter_add_chunks")
@@ -44,27 +40,9 @@ def _resolve() -> tuple[types.SimpleNamespace, str]:
 
 
 def _namespace(module) -> types.SimpleNamespace:
-  return types.SimpleNamespace(**{n: _keep_vma(getattr(module, n)) for n in _NAMES})
-
-
-def _keep_vma(fn):
-  """Types the outputs varying over every manual axis an input varies over.
-
-  ``jax.ffi.ffi_call`` (jax 0.10) types its results from the ShapeDtypeStructs it is given, which
-  carry no varying axes: inside ``shard_map(check_vma=True)`` a per-member result would be typed
-  invariant, and a later collective would treat it as replicated. The cast is type-only.
-  """
-  @functools.wraps(fn)
-  def call(*args, **kwargs):
-    arrays = [a for a in args if isinstance(a, jax.Array)]
-    axes = tuple(sorted(set().union(*(vma.varying_axes(a) for a in arrays)), key=str))
-    if axes:
-      args = tuple(vma.pvary(a, axes) if isinstance(a, jax.Array) else a for a in args)
-    out = fn(*args, **kwargs)
-    if not axes:
-      return out
-    return jax.tree_util.tree_map(lambda o: vma.pvary(o, axes), out)
-  return call
+  # Both the FFI wrappers and the jnp references type their results varying over the manual axes
+  # their inputs vary over (shard_map with check_vma=True), so they are used as they are.
+  return types.SimpleNamespace(**{n: getattr(module, n) for n in _NAMES})
 
 
 def ops() -> types.SimpleNamespace:

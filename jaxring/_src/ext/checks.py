@@ -11,6 +11,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from jaxring._src import vma
 from jaxring._src.ext import require_extension
 
 require_extension()  # the kernels and chunks modules need the FFI targets registered
@@ -48,7 +49,17 @@ def same_length(name: str, x: jax.Array, ref_name: str, ref: jax.Array) -> None:
 
 
 def call(target: str, results, *args, aliases=None, **attrs):
-  """Calls target ``jaxring_<target>``; batching runs the handler over leading rows."""
-  return jax.ffi.ffi_call(
+  """Calls target ``jaxring_<target>``; batching runs the handler over leading rows.
+
+  Inside ``shard_map(check_vma=True)`` the results are typed varying over every manual axis an
+  argument varies over: ``jax.ffi.ffi_call`` (jax 0.10) types them from ``results``, which carry
+  no varying axes, so a per-device result would otherwise be typed invariant, and a collective
+  after it would treat it as replicated. The arguments are cast to the same axes first (ffi_call
+  requires them to agree). The casts are type-only.
+  """
+  axes = tuple(sorted(frozenset().union(*map(vma.varying_axes, args)), key=str))
+  args = tuple(vma.pvary(a, axes) for a in args)
+  out = jax.ffi.ffi_call(
       f"jaxring_{target}", results, vmap_method="broadcast_all", input_output_aliases=aliases
   )(*args, **attrs)
+  return jax.tree_util.tree_map(lambda o: vma.pvary(o, axes), out)

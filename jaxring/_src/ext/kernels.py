@@ -108,7 +108,7 @@ def quantize_int8(x: ArrayLike, block_size: int = 256, stochastic: bool = False,
 
   ``scale = max|x_block| * RN(1/127)`` and ``q = round_half_even(x * (127 / max|x_block|))``; with
   ``stochastic=True`` the code rounds up with probability frac(x * 127 / max|x_block|) (to within
-  2^-16), from a hash of ``seed`` and the element index, so that decoding is unbiased. Blocks whose
+  2^-17), from a hash of ``seed`` and the element index, so that decoding is unbiased. Blocks whose
   max|x| is below 2^-64 (zeros) get scale 0; blocks holding Inf/NaN get scale NaN, codes 0, and
   decode to NaN. The rules, exactly: :mod:`jaxring._src.ext.reference`.
 

@@ -5,11 +5,12 @@ numerics, rounding step by rounding step (the C++ twin of every rule is in ``xla
 
 * int8 blocks: ``amax = max|x|`` over a block of ``block_size`` elements (the last block may be
   partial); ``scale = amax * RN(1/127)`` and ``inv = 127 / amax``, each rounded once to f32;
-  ``q = round_half_even(x * inv)`` (always within [-127, 127]). With stochastic rounding,
-  ``v = x * inv``, ``r = floor(v)`` and ``q = clip(r + (v > r + u), -127, 127)``, where
-  ``u = k / 2^16`` is a hash of (seed, element index within the row): P(round up) =
-  ceil(2^16 frac(v)) / 2^16, so decoding is unbiased to within 2^-16 of a step. Decoding is
-  ``q * scale`` rounded (to nearest even) to the output dtype.
+  ``q = round_half_even(x * inv)`` (always within [-127, 127]). With stochastic rounding, in
+  16-bit fixed point: ``f = clip(round_half_even(x * inv * 2^16), -127 * 2^16, 127 * 2^16)`` and
+  ``q = (f + k) >> 16`` (a floor), where ``k`` in [0, 2^16) is a hash of (seed, element index
+  within the row) (:func:`random_bits16`): P(round up) = (f mod 2^16) / 2^16 and E[q] = f / 2^16,
+  so decoding is unbiased to within 2^-17 of a step. Decoding is ``q * scale`` rounded (to
+  nearest even) to the output dtype.
 * A block whose max|x| is below 2^-64 (all zeros, in particular) gets ``scale = 0`` and ``q = 0``.
 * A block holding Inf or NaN gets ``scale = NaN`` and ``q = 0``: it decodes to NaN everywhere, so a
   non-finite gradient is never hidden by compression.
@@ -44,6 +45,8 @@ QMAX = 127.0
 NONFINITE_BITS = 0x7F800000
 MIN_AMAX_BITS = 0x1F800000  # 2^-64
 INV_QMAX = np.float32(1.0) / np.float32(127.0)  # RN(1/127)
+WEYL = 0x9E3779B9  # the Weyl step of the stochastic-rounding hash: 2^32 / golden ratio
+CODE_LIMIT16 = 127 << 16  # the largest code, in the 16-bit fixed point of stochastic rounding
 
 
 def _blocks(x: jax.Array, size: int) -> jax.Array:
@@ -65,11 +68,18 @@ def _mix32(x: jax.Array) -> jax.Array:
   return x ^ (x >> 16)
 
 
-def uniform01(seed: jax.Array | int, n: int) -> jax.Array:
-  """The stochastic-rounding offsets u[i] = k / 2^16 in [0, 1) for elements 0..n-1 of a row."""
-  key = _mix32(jnp.asarray(seed, jnp.uint32) + _u32(0x9E3779B9))
-  h = _mix32(jnp.arange(n, dtype=jnp.uint32) ^ key)
-  return (h >> 16).astype(jnp.int32).astype(jnp.float32) * jnp.float32(2.0**-16)
+def random_bits16(seed: jax.Array | int, n: int) -> jax.Array:
+  """The stochastic-rounding bits k[i] in [0, 2^16) (int32) for elements 0..n-1 of a row.
+
+  The top half of two multiply-xorshift rounds over the Weyl sequence key + i * WEYL.
+  """
+  key = _mix32(jnp.asarray(seed, jnp.uint32) + _u32(WEYL))
+  h = jnp.arange(n, dtype=jnp.uint32) * _u32(WEYL) + key
+  h = h ^ (h >> 16)
+  h = h * _u32(0x7FEB352D)
+  h = h ^ (h >> 15)
+  h = h * _u32(0x846CA68B)
+  return (h >> 16).astype(jnp.int32)
 
 
 def block_scales(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -87,13 +97,14 @@ def _encode(v: jax.Array, block_size: int, stochastic: bool, seed) -> tuple[jax.
   n = v.shape[0]
   blocks = _blocks(v.astype(jnp.float32), block_size)
   scale, inv = block_scales(blocks)
-  v = blocks * inv[:, None]
   if stochastic:
-    u = uniform01(seed, blocks.size).reshape(blocks.shape)
-    r = jnp.floor(v)
-    r = jnp.clip(r + (v > r + u).astype(jnp.float32), -QMAX, QMAX)
+    # inv * 2^16 is exact, so this is round_half_even((x * inv) * 2^16) however XLA associates.
+    f = jnp.round(blocks * (inv * jnp.float32(65536.0))[:, None]).astype(jnp.int32)
+    f = jnp.clip(f, -CODE_LIMIT16, CODE_LIMIT16)
+    k = random_bits16(seed, blocks.size).reshape(blocks.shape)
+    r = ((f + k) >> 16).astype(jnp.float32)  # arithmetic shift: floor((f + k) / 2^16)
   else:
-    r = jnp.round(v)  # half to even
+    r = jnp.round(blocks * inv[:, None])  # half to even
   r = jnp.where(inv[:, None] == 0, 0.0, r)
   return r.astype(jnp.int8).reshape(-1)[:n], scale
 

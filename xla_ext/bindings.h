@@ -1,0 +1,116 @@
+// The operands, results and attributes of every target, written once for the CPU and CUDA
+// handlers so that both decode the same call frame: each binding is templated on the platform
+// context (ffi::ThreadPool, ffi::PlatformStream<cudaStream_t>, or void for none).
+#ifndef JAXRING_XLA_EXT_BINDINGS_H_
+#define JAXRING_XLA_EXT_BINDINGS_H_
+
+#include <cstdint>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxring::bindings {
+
+namespace ffi = xla::ffi;
+using Buf = ffi::AnyBuffer;
+
+template <class Ctx>
+auto Bind() {
+  if constexpr (std::is_void_v<Ctx>) {
+    return ffi::Ffi::Bind();
+  } else {
+    return ffi::Ffi::Bind().Ctx<Ctx>();
+  }
+}
+
+template <class Ctx>
+auto QuantizeInt8() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // x
+      .template Arg<Buf>()  // seed
+      .template Ret<Buf>()  // q
+      .template Ret<Buf>()  // scales
+      .template Attr<int64_t>("block_size")
+      .template Attr<bool>("stochastic");
+}
+
+template <class Ctx>
+auto DequantizeInt8() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // q
+      .template Arg<Buf>()  // scales
+      .template Ret<Buf>()  // x
+      .template Attr<int64_t>("block_size");
+}
+
+template <class Ctx>
+auto RingHopInt8() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // q
+      .template Arg<Buf>()  // scales
+      .template Arg<Buf>()  // partial
+      .template Arg<Buf>()  // seed
+      .template Ret<Buf>()  // new_partial
+      .template Ret<Buf>()  // q_out
+      .template Ret<Buf>()  // scales_out
+      .template Attr<int64_t>("block_size")
+      .template Attr<bool>("stochastic");
+}
+
+template <class Ctx>
+auto RingHopInt8Last() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // q
+      .template Arg<Buf>()  // scales
+      .template Arg<Buf>()  // partial
+      .template Ret<Buf>()  // new_partial
+      .template Attr<int64_t>("block_size");
+}
+
+template <class Ctx>
+auto RingHopCast() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()   // recv
+      .template Arg<Buf>()   // partial
+      .template Ret<Buf>()   // new_partial
+      .template Ret<Buf>();  // out
+}
+
+template <class Ctx>
+auto RingHopCastLast() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()   // recv
+      .template Arg<Buf>()   // partial
+      .template Ret<Buf>();  // new_partial
+}
+
+template <class Ctx>
+auto ChunkNorms() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // x
+      .template Ret<Buf>()  // norms
+      .template Attr<int64_t>("chunk_size");
+}
+
+template <class Ctx>
+auto GatherChunks() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // x
+      .template Arg<Buf>()  // idx
+      .template Ret<Buf>()  // packed
+      .template Attr<int64_t>("chunk_size");
+}
+
+template <class Ctx>
+auto ScatterAddChunks() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // x
+      .template Arg<Buf>()  // idx
+      .template Arg<Buf>()  // packed
+      .template Ret<Buf>()  // x + scattered packed
+      .template Attr<int64_t>("chunk_size");
+}
+
+}  // namespace jaxring::bindings
+
+#endif  // JAXRING_XLA_EXT_BINDINGS_H_
