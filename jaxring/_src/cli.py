@@ -1,8 +1,9 @@
-"""The ``jaxring`` command: ``bench``, ``cluster``, ``demo``."""
+"""The ``jaxring`` command: ``bench``, ``cluster``, ``demo``, ``train``."""
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 BENCHES = {
@@ -10,6 +11,7 @@ BENCHES = {
     "kernels": "jaxring._src.bench.kernels",
     "wire": "jaxring._src.bench.wire",
     "train": "jaxring._src.bench.train",
+    "train-cluster": "jaxring._src.bench.train_cluster",
     "cluster": "jaxring._src.bench.cluster",
     "resnet50": "jaxring._src.bench.resnet50",
 }
@@ -19,6 +21,7 @@ commands:
   bench {%s} [args]   benchmarks: print tables, write JSON under benchmarks/results/
   cluster {up,down,run,status} [args]   the emulated multi-node cluster (root)
   demo [args]          the README's main job
+  train <recipe> [--config.name=value ...]   a recipe of recipes/ (imagenet_resnet50, small_cpu)
 """ % ",".join(BENCHES)
 
 
@@ -54,8 +57,39 @@ def main(argv: list[str] | None = None) -> int:
     return _cluster(rest)
   if cmd == "demo":
     return _module_main("jaxring._src.demo", rest)
+  if cmd == "train":
+    return _train(rest)
   print(USAGE, file=sys.stderr)
   return 2
+
+
+def import_recipe(name: str):
+  """``recipes.<name>``; the recipes live beside the package in a source checkout (an editable
+  install puts the checkout on ``sys.path``; a plain ``python -m jaxring`` from elsewhere may not).
+
+  Example:
+    >>> import_recipe("small_cpu").get_config().depth
+    18
+  """
+  try:
+    return importlib.import_module(f"recipes.{name}")
+  except ModuleNotFoundError as e:
+    if e.name not in ("recipes", f"recipes.{name}"):
+      raise
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if e.name != "recipes" or not os.path.isfile(os.path.join(checkout, "recipes", "__init__.py")):
+      raise ModuleNotFoundError(f"no recipe {name!r}: the recipes are the folder recipes/ of a "
+                                "jaxring source checkout", name=e.name) from e
+    sys.path.insert(0, checkout)
+    return importlib.import_module(f"recipes.{name}")
+
+
+def _train(argv: list[str]) -> int:
+  if not argv or argv[0].startswith("-"):
+    print("usage: jaxring train <recipe> [--config.name=value ...]   (recipes: "
+          "imagenet_resnet50, small_cpu)", file=sys.stderr)
+    return 2
+  return int(import_recipe(argv[0]).main(argv[1:]) or 0)
 
 
 def _cluster(argv: list[str]) -> int:
