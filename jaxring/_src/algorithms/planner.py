@@ -186,7 +186,7 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
     if a == "auto":
       # native per level only where it is exact and proven: lossless, a whole axis, and inside one
       # process (lax.psum_scatter across processes over gloo returned corrupt results, see
-      # docs/design-notes.md); the slowest level's all-reduce may always be native when lossless.
+      # docs/design.md); the slowest level's all-reduce may always be native when lossless.
       last = i == len(groups) - 1
       a = "xla" if (not c.lossy and g.whole and (last or not multi_process)) else "ring"
     if a == "xla" and (c.lossy or not g.whole):
