@@ -112,6 +112,20 @@ def test_a_rank_that_dies_mid_collective_is_named_by_every_other_rank():
   assert "calls=1000" not in out   # nobody finished: the survivors were ended, not left hanging
 
 
+@skip_without_mpi
+@pytest.mark.timeout(90)
+def test_a_rank_that_finishes_early_is_not_reported():
+  # the watchdog is on by default (jaxring.distributed's 120 s; 3 s here): rank 0 exits normally
+  # while the others run 3 failure timeouts longer; its "finished" message must keep them quiet
+  rc, out, _ = mpirun(3, "--finish-rank", "0", "--linger", str(3 * FAILURE_TIMEOUT),
+                      "--failure-timeout", str(FAILURE_TIMEOUT), timeout=60,
+                      launcher_args=("-disable-auto-cleanup",))
+  assert rc == 0, f"mpirun exited {rc}\n{out[-6000:]}"
+  assert "died or hangs" not in out, out[-6000:]
+  for rank in range(3):
+    assert f"rank {rank}: finished" in out, out[-6000:]
+
+
 def test_lax_psum_gradient_of_a_replicated_loss_is_the_identity_under_shard_map():
   """The rule jaxring.psum over MPI follows (the worker's --extras checks it over MPI): a loss
   computed identically from the sum on every member (invariant ``w``) sends its cotangent to every

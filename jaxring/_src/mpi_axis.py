@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -24,6 +25,7 @@ import jax
 
 from jaxring._src import topology as topo_mod
 from jaxring._src import mpi_watchdog
+from jaxring._src.distributed import DEFAULT_FAILURE_TIMEOUT_S, ENV_FAILURE_TIMEOUT
 from jaxring._src.algorithms.planner import Hierarchy
 from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module
 
@@ -111,11 +113,25 @@ _bound: dict[Hashable, MpiAxis] = {}
 _watchdog: list[mpi_watchdog.MpiWatchdog | None] = [None]
 
 
+# All-to-all heartbeats cost each rank n - 1 tiny messages per interval; above this many ranks
+# the watchdog stays off unless asked for (the launcher's own failure handling remains).
+_WATCHDOG_MAX_RANKS = 256
+
+
 def _start_watchdog(comm, failure_timeout_s: float | None) -> None:
+  explicit = failure_timeout_s is not None or bool(os.environ.get(ENV_FAILURE_TIMEOUT))
   if failure_timeout_s is None:
-    failure_timeout_s = float(os.environ.get("JAXRING_FAILURE_TIMEOUT") or 0)
-  if failure_timeout_s > 0 and _watchdog[0] is None and comm.Get_size() > 1:
-    _watchdog[0] = mpi_watchdog.MpiWatchdog(comm, failure_timeout_s)
+    failure_timeout_s = float(os.environ.get(ENV_FAILURE_TIMEOUT) or DEFAULT_FAILURE_TIMEOUT_S)
+  if failure_timeout_s <= 0 or _watchdog[0] is not None or comm.Get_size() < 2:
+    return
+  from mpi4py import MPI
+  if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    warnings.warn("jaxring: MPI was initialized without MPI_THREAD_MULTIPLE, so the peer "
+                  "watchdog (a thread) cannot run: a hung rank will not be named", stacklevel=3)
+    return
+  if comm.Get_size() > _WATCHDOG_MAX_RANKS and not explicit:
+    return
+  _watchdog[0] = mpi_watchdog.MpiWatchdog(comm, failure_timeout_s)
 
 
 def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
@@ -130,10 +146,12 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
     comm: an ``mpi4py.MPI.Intracomm`` (default ``MPI.COMM_WORLD``); jaxring works on a duplicate.
     topology: the levels, fast -> slow, whose sizes multiply to the communicator's size (ranks
       split row-major); default: ``local`` = ranks of one host, ``node`` = hosts.
-    failure_timeout_s: start a peer watchdog (jaxring._src.mpi_watchdog) over ``comm``: a rank
-      silent this long is named (rank, pid, host) and every other rank exits instead of hanging.
-      Default ``JAXRING_FAILURE_TIMEOUT``, else off; one watchdog per process (the first binding
-      that asks for one).
+    failure_timeout_s: the peer watchdog's timeout (jaxring._src.mpi_watchdog, a thread that
+      heartbeats over a duplicate of ``comm``): a rank silent this long is named (rank, pid, host)
+      and every other rank exits instead of hanging. Default ``JAXRING_FAILURE_TIMEOUT``, else
+      120 s as for :func:`jaxring.distributed.initialize`; ``0`` turns it off. It needs
+      ``MPI_THREAD_MULTIPLE`` (mpi4py's default) and, unless asked for, at most 256 ranks; one
+      watchdog per process (the first binding starts it).
 
   Returns:
     The binding (``.topology`` shows the levels found).

@@ -233,6 +233,9 @@ def main() -> int:
   ap.add_argument("--failure-timeout", type=float, default=None)
   ap.add_argument("--die-rank", type=int, default=-1)
   ap.add_argument("--die-at", type=int, default=-1)
+  ap.add_argument("--finish-rank", type=int, default=-1,
+                  help="this rank exits normally at once; the others run on for --linger s")
+  ap.add_argument("--linger", type=float, default=0.0)
   args = ap.parse_args()
 
   from mpi4py import MPI
@@ -253,6 +256,12 @@ def main() -> int:
     say(f"rank {rank}: OK extras")
     axis = jaxring.distributed.bind_mpi_axis("data", comm, topo)
   say(f"rank {rank}/{p}: pid {os.getpid()}, {jax.local_device_count()} device(s), levels {[(lv.name, lv.size) for lv in axis.topology.levels]}")
+  if args.finish_rank >= 0:
+    comm.Barrier()
+    if rank != args.finish_rank:
+      time.sleep(args.linger)   # no MPI call: only the watchdog could notice the finished rank
+    say(f"rank {rank}: finished")
+    return 0
   for algorithm in args.algorithms.split(","):
     for codec in args.codecs.split(","):
       if algorithm == "xla" and codec != "none":
