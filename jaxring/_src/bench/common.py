@@ -94,3 +94,41 @@ def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
   with open(path, "w") as f:
     json.dump(payload, f, indent=1, default=str)
   return path
+
+
+def warm_up(step, state, batch, steps: int, name: str | None = None):
+  """Runs ``steps`` steps (the first compiles); prints how long they took when ``name`` is given."""
+  import jax
+  t0 = time.perf_counter()
+  metrics = None
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  jax.block_until_ready((state, metrics))
+  if name is not None:
+    print(f"  {name}: compiled + {steps} warm-up steps in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+  return state
+
+
+def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps: int,
+                     around=None) -> dict[str, list[float]]:
+  """Seconds per step of each train-step contender, ``reps`` repetitions of ``steps`` steps.
+
+  Contenders run one after the other within each repetition, so the machine's drifting load hits
+  all alike; ``states`` is updated in place. ``around(name)``, if given, is a context manager
+  entered around each contender's timed steps (a barrier, a byte counter).
+  """
+  import contextlib
+
+  import jax
+  times: dict[str, list[float]] = {name: [] for name in contenders}
+  for _ in range(reps):
+    for name, step in contenders.items():
+      with (around(name) if around else contextlib.nullcontext()):
+        state, t0 = states[name], time.perf_counter()
+        for _ in range(steps):
+          state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        times[name].append((time.perf_counter() - t0) / steps)
+      states[name] = state
+  return times

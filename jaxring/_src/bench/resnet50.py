@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 from jaxring._src.bench import common
 
@@ -81,24 +80,8 @@ def run(args) -> dict:
       state = step.prepare(fresh)
     else:  # a copy: donation must not delete the arrays every contender starts from
       state = jax.device_put(jax.tree_util.tree_map(lambda x: x.copy(), fresh), replicated)
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-      state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    print(f"  {name}: compiled + {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s",
-          flush=True)
-    states[name] = state
-
-  times = {name: [] for name in contenders}
-  for _ in range(args.reps):
-    for name, step in contenders.items():
-      state = states[name]
-      t0 = time.perf_counter()
-      for _ in range(args.steps):
-        state, metrics = step(state, batch)
-      jax.block_until_ready((state, metrics))
-      times[name].append((time.perf_counter() - t0) / args.steps)
-      states[name] = state
+    states[name] = common.warm_up(step, state, batch, args.warmup, name)
+  times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps)
 
   base = times["plain jit"]
   rows = []

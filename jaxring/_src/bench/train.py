@@ -26,7 +26,6 @@ import glob
 import os
 import statistics
 import sys
-import time
 
 from jaxring._src.bench import common
 
@@ -147,24 +146,8 @@ def run(args) -> dict:
       state = step.prepare(state)
     else:  # copies: donation must not delete `variables`, shared by every contender
       state = jax.device_put(jax.tree.map(jnp.copy, state), replicated)
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):
-      state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    print(f"  {name}: compiled + {args.warmup} warm-up steps in {time.perf_counter() - t0:.1f} s",
-          flush=True)
-    states[name] = state
-
-  times = {name: [] for name in contenders}
-  for _ in range(args.reps):
-    for name, step in contenders.items():
-      state = states[name]
-      t0 = time.perf_counter()
-      for _ in range(args.steps):
-        state, metrics = step(state, batch)
-      jax.block_until_ready((state, metrics))
-      times[name].append((time.perf_counter() - t0) / args.steps)
-      states[name] = state
+    states[name] = common.warm_up(step, state, batch, args.warmup, name)
+  times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps)
 
   base_times = times["hand-written jit(shard_map)+pmean"]
   rows = []

@@ -20,10 +20,11 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import os
 import statistics
 import sys
-import time
 
 from jaxring._src.bench import common
 
@@ -67,7 +68,7 @@ def worker(args) -> int:
            "y": jax.make_array_from_process_local_data(
                sharded, rng.randint(0, 10, local).astype(np.int32))}
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
-  states, times, tx = {}, {k: [] for k in contenders}, {k: 0 for k in contenders}
+  states, tx = {}, {k: 0 for k in contenders}
   for name, step in contenders.items():
     state = jt.TrainState.create(apply_fn=model.apply, params=variables["params"],
                                  tx=optax.sgd(0.05, momentum=0.9),
@@ -76,20 +77,19 @@ def worker(args) -> int:
       state = step.prepare(state)
     else:  # copies: donation must not delete `variables`, shared by every contender
       state = jax.device_put(jax.tree.map(jnp.copy, state), NamedSharding(mesh, P()))
-    for _ in range(args.warmup):
-      state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    states[name] = state
-  for rep in range(args.reps):
-    for name, step in contenders.items():
-      jaxring.distributed.barrier(f"{rep}-{name}", timeout_s=600)
-      state, b0, t0 = states[name], cluster_worker.tx_bytes(iface), time.perf_counter()
-      for _ in range(args.steps):
-        state, metrics = step(state, batch)
-      jax.block_until_ready((state, metrics))
-      times[name].append((time.perf_counter() - t0) / args.steps)
-      tx[name] += cluster_worker.tx_bytes(iface) - b0
-      states[name] = state
+    states[name] = common.warm_up(step, state, batch, args.warmup)
+
+  barriers = itertools.count()
+
+  @contextlib.contextmanager
+  def counted(name):   # all processes start each contender together; its bytes on the link
+    jaxring.distributed.barrier(f"{name}-{next(barriers)}", timeout_s=600)
+    b0 = cluster_worker.tx_bytes(iface)
+    yield
+    tx[name] += cluster_worker.tx_bytes(iface) - b0
+
+  times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps,
+                                  around=counted)
   for name in contenders:
     cluster_worker.emit(contender=name, node=me, times=times[name],
                         tx_per_step=tx[name] / (args.reps * args.steps), params=n_params,
