@@ -73,6 +73,19 @@ def test_cross_process_levels_never_use_native_reduce_scatter():
   assert plan.algos == ("ring", "xla")
 
 
+def test_mpi_slow_level_uses_the_ring_not_mpi_allreduce():
+  # MPICH's MPI_Allreduce lost to the Sendrecv ring on the node level (docs/design.md)
+  from jaxring._src.algorithms.planner import Hierarchy
+  from jaxring._src.transport.groups import Group
+  from jaxring._src.transport.mpi import MPI_TRANSPORT
+  from jaxring._src.transport.xla import XLA
+  groups = (Group(("local",), 4, 1, 4, "local"), Group(("node",), 2, 1, 2, "node"))
+  for transport, slow in ((MPI_TRANSPORT, "ring"), (XLA, "xla")):
+    h = Hierarchy(groups, (LOCAL, NODE), (1, 4), Group((), 8, 1, 8, "d"), transport)
+    plan = make_plan(("d",), (8,), 32 << 20, jnp.float32, "hierarchical", None, hierarchy=h)
+    assert plan.algos == ("ring", slow), transport
+
+
 def test_auto_compiles_to_exactly_lax_psum_on_one_host():
   mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
   x = jnp.ones(8 * 1024)

@@ -186,9 +186,11 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
     if a == "auto":
       # native per level only where it is exact and proven: lossless, a whole axis, and inside one
       # process (lax.psum_scatter across processes over gloo returned corrupt results, see
-      # docs/design.md); the slowest level's all-reduce may always be native when lossless.
+      # docs/design.md); the slowest level's all-reduce is native when lossless and the
+      # transport's native all-reduce beats its ring (gloo/NCCL yes, MPICH no: docs/design.md).
       last = i == len(groups) - 1
-      a = "xla" if (not c.lossy and g.whole and (last or not multi_process)) else "ring"
+      native_ok = transport.native_all_reduce_wins if last else not multi_process
+      a = "xla" if (not c.lossy and g.whole and native_ok) else "ring"
     if a == "xla" and (c.lossy or not g.whole):
       why = "it cannot compress" if c.lossy else "the level is part of one axis (a Topology split)"
       raise ValueError(f"level {g.name!r} cannot use algorithm 'xla': {why}")

@@ -163,7 +163,7 @@ def _run_jaxring_mpi(args, comm, send, iface, node) -> None:
   import jaxring.distributed
   topo = jaxring.Topology((jaxring.Level("local", args.procs_per_node),
                            jaxring.Level("node", comm.Get_size() // args.procs_per_node,
-                                         1e9 / 8, 1e-4)))
+                                         1e9 / 8, 1e-4, pieces=args.node_pieces)))
   jaxring.distributed.bind_mpi_axis("mpi", comm, topo)
   x = jax.device_put(send)
   for codec_name in args.codecs.split(","):
@@ -185,6 +185,8 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--codecs", default="none,bf16,int8,topk")
   ap.add_argument("--procs-per-node", type=int, default=1)
+  ap.add_argument("--node-pieces", type=int, default=1,
+                  help="sub-chunks per node-level ring hop (mpi mode)")
   args = ap.parse_args(argv)
   return run_jax(args) if args.mode == "jax" else run_mpi(args)
 

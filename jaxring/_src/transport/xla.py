@@ -30,6 +30,9 @@ class XlaTransport:
   """Moves arrays between the members of a :class:`Group` with XLA collectives."""
 
   name = "xla"
+  # A lossless slow level uses the native all-reduce: on the emulated cluster (4 nodes x 2
+  # devices, 1 Gbit/s, 32 MiB) gloo's took 572 ms in the hierarchical all-reduce, the ring 933 ms.
+  native_all_reduce_wins = True
 
   def shift(self, payload: tuple, group: Group, offset: int = 1) -> tuple:
     """Sends each array of ``payload`` to the member ``offset`` ahead; returns what arrived."""
