@@ -90,15 +90,7 @@ def _row_major_levels(comm, topology: topo_mod.Topology):
   return levels, digits
 
 
-def _failure_timeout(failure_timeout_s: float | None) -> float:
-  """The argument, else $JAXRING_FAILURE_TIMEOUT, else the default (seconds; <= 0: none)."""
-  if failure_timeout_s is None:
-    failure_timeout_s = float(os.environ.get(ENV_FAILURE_TIMEOUT) or DEFAULT_FAILURE_TIMEOUT_S)
-  return failure_timeout_s
-
-
-def _make_axis(name: Hashable, comm, topology: topo_mod.Topology | None,
-               failure_timeout_s: float | None = None) -> MpiAxis:
+def _make_axis(name: Hashable, comm, topology: topo_mod.Topology | None) -> MpiAxis:
   mpi4jax_module()  # fail now, with the install hint, rather than at the first collective
   comm = comm.Dup()
   if topology is None:
@@ -110,14 +102,8 @@ def _make_axis(name: Hashable, comm, topology: topo_mod.Topology | None,
   contiguous = all(i == j for i, j in enumerate(comm.allgather(linear)))
   kept = [(lv, c, s) for (lv, c), s in zip(levels, strides) if lv.size > 1] or [
       (levels[0][0], comm, 1)]
-  # Each communicator gets a duplicate for the streaming ring (collective: every rank, same order).
-  timeout = _failure_timeout(failure_timeout_s)
-  timeout = timeout if timeout > 0 else 1e12  # <= 0: the user turned waiting limits off
-  streams = {id(c): c.Dup() for c in [comm] + [c for _, c, _ in kept]}
-  whole = MpiGroup(comm, str(name), streams[id(comm)], timeout)
-  groups = tuple(MpiGroup(comm if len(kept) == 1 else c, lv.name,
-                          streams[id(comm if len(kept) == 1 else c)], timeout)
-                 for lv, c, _ in kept)
+  whole = MpiGroup(comm, str(name))
+  groups = tuple(MpiGroup(comm if len(kept) == 1 else c, lv.name) for lv, c, _ in kept)
   topo = topo_mod.Topology(tuple(lv for lv, _, _ in kept))
   hierarchy = Hierarchy(groups, topo.levels, tuple(s for _, _, s in kept), whole, MPI_TRANSPORT)
   return MpiAxis(name, comm, topo, hierarchy, contiguous)
@@ -134,7 +120,8 @@ _WATCHDOG_MAX_RANKS = 256
 
 def _start_watchdog(comm, failure_timeout_s: float | None) -> None:
   explicit = failure_timeout_s is not None or bool(os.environ.get(ENV_FAILURE_TIMEOUT))
-  failure_timeout_s = _failure_timeout(failure_timeout_s)
+  if failure_timeout_s is None:
+    failure_timeout_s = float(os.environ.get(ENV_FAILURE_TIMEOUT) or DEFAULT_FAILURE_TIMEOUT_S)
   if failure_timeout_s <= 0 or _watchdog[0] is not None or comm.Get_size() < 2:
     return
   from mpi4py import MPI
@@ -179,7 +166,7 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
     comm = MPI.COMM_WORLD
   if topology is not None and not isinstance(topology, topo_mod.Topology):
     raise TypeError(f"topology must be a jaxring.Topology or None, got {type(topology).__name__}")
-  axis = _make_axis(axis_name, comm, topology, failure_timeout_s)
+  axis = _make_axis(axis_name, comm, topology)
   _start_watchdog(comm, failure_timeout_s)
   _bound[axis_name] = axis
   return axis

@@ -135,13 +135,8 @@ def all_reduce_payload(flat, group: Group, codec: Codec, dtype, transport, *, wa
   """:func:`all_reduce` without the final decode: ``(gathered payload, error)``.
 
   The payload holds every member's encoded chunk in member order; a caller that must move the
-  result further (the all-gather phase of faster levels) can carry it encoded. A transport that
-  runs the whole ring in one operation (MPI's streaming ring) does it, with the same payload.
+  result further (the all-gather phase of faster levels) can carry it encoded.
   """
-  if not want_error and group.size > 1:
-    streamed = transport.ring_all_reduce_payload(flat, group, codec, dtype, pieces)
-    if streamed is not None:
-      return streamed, None
   shard, err = reduce_scatter(flat, group, codec, dtype, transport, want_error=want_error,
                               pieces=pieces)
   payload = codec.encode(shard, dtype)

@@ -59,14 +59,10 @@ class MpiGroup:
   Attributes:
     comm: the ``mpi4py.MPI.Intracomm`` of this process's group.
     name: the level's name (key of per-level codec/algorithm dicts).
-    stream_comm: a duplicate of ``comm`` for the streaming ring's messages (None: no streaming).
-    timeout_s: how long the streaming ring waits for one piece before naming the rank.
   """
 
   comm: Any
   name: str
-  stream_comm: Any = None
-  timeout_s: float = 120.0
   axes = ()
   whole = True  # every level is a communicator of its own: MPI's collectives apply to it
 
@@ -124,36 +120,6 @@ class MpiTransport:
       raise TypeError(f"jaxring MPI transport: cannot sum {dt} with MPI_Allreduce")
     return mpi4jax.allreduce(x.astype(jnp.float32), op=MPI.SUM, comm=group.comm).astype(dt)
 
-  def ring_all_reduce_payload(self, flat, group: MpiGroup, codec, dtype, pieces: int = 1):
-    """The whole ring all-reduce in one call of the streaming ring (xla_ext/mpi_ring.cc), or None
-    where it does not apply: no ``_mpi_ext``, no ``stream_comm``, an accumulator other than f32, a
-    codec other than the identity, bf16/fp16 and deterministic int8, or a length that does not
-    split into whole blocks. Same payload, bit for bit, as the Sendrecv ring's."""
-    from jaxring._src.codecs.base import Codec
-    from jaxring._src.codecs.cast import CastCodec
-    from jaxring._src.codecs.int8 import Int8
-    from jaxring._src.ext import mpi_ring
-    if not mpi_ring.AVAILABLE or group.stream_comm is None or flat.dtype != jnp.float32:
-      return None
-    block = 1
-    if type(codec) is Codec:
-      wire = jnp.dtype(dtype)
-    elif isinstance(codec, CastCodec):
-      wire = codec.wire_dtype
-    elif isinstance(codec, Int8) and not codec.stochastic:
-      wire, block = jnp.dtype(jnp.int8), codec.block_size
-    else:
-      return None
-    if wire not in mpi_ring.WIRES:
-      return None
-    p, n = group.size, flat.shape[0]
-    if n % (p * block):
-      return None
-    k = _stream_pieces(n // p, block, wire.itemsize, pieces)
-    return mpi_ring.ring_all_reduce_payload(flat, group.stream_comm.py2f(), wire,
-                                            block_size=block, pieces=k,
-                                            timeout_s=group.timeout_s)
-
   def reduce_scatter(self, x, group: MpiGroup) -> None:
     """None: the ring is MPI's reduce-scatter here.
 
@@ -163,22 +129,6 @@ class MpiTransport:
     """
     del x, group
     return None
-
-
-# The streaming ring's default piece: ~256 KiB on the wire, at most 16 pieces per hop.
-_STREAM_PIECE_BYTES = 256 << 10
-_STREAM_MAX_PIECES = 16
-
-
-def _stream_pieces(chunk: int, block: int, itemsize: int, asked: int) -> int:
-  """Pieces per hop: ``asked`` when a level sets ``pieces`` > 1, else ~256 KiB each; always a
-  divisor of the chunk's blocks."""
-  blocks = chunk // block
-  k = asked if asked > 1 else chunk * itemsize // _STREAM_PIECE_BYTES
-  k = max(1, min(k, _STREAM_MAX_PIECES, blocks))
-  while blocks % k:
-    k -= 1
-  return k
 
 
 MPI_TRANSPORT = MpiTransport()

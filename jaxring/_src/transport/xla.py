@@ -34,11 +34,6 @@ class XlaTransport:
   # devices, 1 Gbit/s, 32 MiB) gloo's took 572 ms in the hierarchical all-reduce, the ring 933 ms.
   native_all_reduce_wins = True
 
-  def ring_all_reduce_payload(self, flat, group: Group, codec, dtype, pieces: int = 1) -> None:
-    """None: the ring is written from ppermutes here (algorithms/ring.py)."""
-    del flat, group, codec, dtype, pieces
-    return None
-
   def shift(self, payload: tuple, group: Group, offset: int = 1) -> tuple:
     """Sends each array of ``payload`` to the member ``offset`` ahead; returns what arrived."""
     perm = group.shift_perm(offset)
