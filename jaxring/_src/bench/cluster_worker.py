@@ -5,7 +5,8 @@
 ``hierarchical`` all-reduce, uncompressed and with a codec on the node level.
 ``--mode mpi``: one MPI rank per device (``--transport mpi``); times ``MPI_Allreduce`` (mpi4py,
 numpy buffers), then jaxring's hierarchical all-reduce over the MPI transport (mpi4jax) with each
-codec of ``--codecs`` on the node level.
+codec of ``--codecs`` on the node level (its error against MPICH's result), then each codec's
+inter-node step alone (the node-level ring on the shard left by the local reduce-scatter).
 
 Each contender: ``--warmup`` calls, then ``--reps`` individually timed calls. Around the timed calls
 the node's link counter (``/sys/class/net/<iface>/statistics/tx_bytes`` inside the node's
@@ -130,12 +131,12 @@ def run_mpi(args) -> int:
   _time_mpi("MPICH MPI_Allreduce", lambda: comm.Allreduce(send, recv, op=MPI.SUM), args, comm,
             iface, node, head=lambda: recv[:4].tolist())
   if args.codecs:
-    _run_jaxring_mpi(args, comm, send, iface, node)
+    _run_jaxring_mpi(args, comm, send, recv.astype(np.float64), iface, node)
   comm.Barrier()
   return 0
 
 
-def _time_mpi(label, call, args, comm, iface, node, head) -> None:
+def _time_mpi(label, call, args, comm, iface, node, head, rel_err=None) -> None:
   for _ in range(args.warmup):
     call()
   comm.Barrier()
@@ -152,29 +153,43 @@ def _time_mpi(label, call, args, comm, iface, node, head) -> None:
   if comm.Get_rank() % args.procs_per_node == 0:
     emit(contender=label, node=node, rank=comm.Get_rank(), times=times,
          median=statistics.median(times), tx_per_call=(b1 - b0) / args.reps,
-         size=comm.Get_size(), head=head())
+         size=comm.Get_size(), head=head(), rel_err=rel_err)
 
 
-def _run_jaxring_mpi(args, comm, send, iface, node) -> None:
-  """jaxring's hierarchical all-reduce over the MPI transport, one rank per device. The
-  namespaces share one hostname, so the levels are given: ranks of a node are consecutive."""
+def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
+  """jaxring's hierarchical all-reduce over the MPI transport, one rank per device, checked against
+  MPICH's result ``ref``; then the inter-node step alone: the ring over the node level on the
+  1/local share each rank holds after the local reduce-scatter, every rank of a node at once (the
+  node's link carries what it carries inside the hierarchical all-reduce). The namespaces share
+  one hostname, so the levels are given: ranks of a node are consecutive."""
   import jax
   import jaxring
   import jaxring.distributed
-  topo = jaxring.Topology((jaxring.Level("local", args.procs_per_node),
-                           jaxring.Level("node", comm.Get_size() // args.procs_per_node,
-                                         1e9 / 8, 1e-4, pieces=args.node_pieces)))
-  jaxring.distributed.bind_mpi_axis("mpi", comm, topo)
+  local, nodes = args.procs_per_node, comm.Get_size() // args.procs_per_node
+  node_level = jaxring.Level("node", nodes, 1e9 / 8, 1e-4, pieces=args.node_pieces)
+  jaxring.distributed.bind_mpi_axis(
+      "mpi", comm, jaxring.Topology((jaxring.Level("local", local), node_level)))
+  ring_comm = comm.Split(comm.Get_rank() % local, comm.Get_rank())
+  jaxring.distributed.bind_mpi_axis("node", ring_comm, jaxring.Topology((node_level,)))
   x = jax.device_put(send)
+  shard = jax.device_put(send[: send.shape[0] // local])
   for codec_name in args.codecs.split(","):
     codec = codec_for(codec_name)
     comp = None if codec is None else {"node": codec}
     f = jax.jit(lambda v, comp=comp: jaxring.psum(v, "mpi", algorithm="hierarchical",
                                                   compression=comp))
-    first = np.asarray(f(x)[:4]).tolist()  # every rank: the call is collective
+    got = np.asarray(f(x), np.float64)  # every rank: the call is collective
+    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     _time_mpi(f"jaxring hierarchical {codec_name} (MPI transport)",
               lambda f=f: jax.block_until_ready(f(x)), args, comm, iface, node,
-              head=lambda first=first: first)
+              head=lambda got=got: got[:4].tolist(), rel_err=rel)
+  for codec_name in args.codecs.split(","):
+    g = jax.jit(lambda v, c=codec_for(codec_name): jaxring.psum(v, "node", algorithm="ring",
+                                                                compression=c))
+    jax.block_until_ready(g(shard))
+    _time_mpi(f"jaxring node-ring {codec_name} (inter-node step alone, MPI transport)",
+              lambda g=g: jax.block_until_ready(g(shard)), args, comm, iface, node,
+              head=lambda: [])
 
 
 def main(argv=None) -> int:
