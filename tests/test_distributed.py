@@ -132,8 +132,10 @@ def test_barrier_timeout_names_the_missing_process():
 def test_single_process_without_launcher_only_sets_devices_and_topology():
   code = ("import jaxring, jaxring.distributed as d; t = d.initialize(local_device_count=3); "
           "import jax; print(t.names, t.size, jax.device_count(), d.is_initialized(), "
-          "jaxring.default_topology() == t)")
+          "jaxring.default_topology() == t, dict(d.process_mesh().shape), "
+          "[dv.id for dv in d.process_mesh().devices.flat])")
   results = mp.spawn(1, lambda i: [sys.executable, "-c", code], lambda i: mp.clean_env(),
                      timeout=50)
   mp.assert_all_ok(results)
-  assert results[0].stdout.strip() == "('local',) 3 3 False True", mp.report(results)
+  assert results[0].stdout.strip() == (
+      "('local',) 3 3 False True {'node': 1, 'local': 3} [0, 1, 2]"), mp.report(results)

@@ -10,11 +10,10 @@ import jaxring.distributed
 jaxring.distributed.initialize()
 import jax, jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 me, nproc = jax.process_index(), jax.process_count()
-devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-per = len(devices) // nproc
-mesh = Mesh(np.array(devices).reshape(nproc, per), ("node", "local"), axis_types=(AxisType.Explicit,)*2)
+mesh = jaxring.distributed.process_mesh()
+per = mesh.shape["local"]
 axes = ("node", "local")
 n = 4 * (1 << 20) // 4   # 4 MiB per device per ppermute
 sh = NamedSharding(mesh, P(axes))

@@ -9,14 +9,13 @@ import jaxring.distributed
 jaxring.distributed.initialize()
 import jax, jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxring
 from jaxring import codecs
 
 me, nproc = jax.process_index(), jax.process_count()
-devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-per = len(devices) // nproc
-mesh = Mesh(np.array(devices).reshape(nproc, per), ("node", "local"), axis_types=(AxisType.Explicit,)*2)
+mesh = jaxring.distributed.process_mesh()
+per = mesh.shape["local"]
 axes = ("node", "local")
 MIB = int(os.environ.get("MIB", "32"))
 n = MIB * (1 << 20) // 4

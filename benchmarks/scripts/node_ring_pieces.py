@@ -15,15 +15,14 @@ import jaxring.distributed
 jaxring.distributed.initialize()
 import jax, jax.numpy as jnp
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxring import codecs
 from jaxring._src.algorithms import ring as R
 from jaxring._src.transport.xla import XLA
 from jaxring._src.transport.groups import whole_group
 me, nproc = jax.process_index(), jax.process_count()
-devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-per = len(devices) // nproc
-mesh = Mesh(np.array(devices).reshape(nproc, per), ("node", "local"), axis_types=(AxisType.Explicit,)*2)
+mesh = jaxring.distributed.process_mesh()
+per = mesh.shape["local"]
 axes = ("node", "local")
 n = int(os.environ.get("MIB", "16")) * (1 << 20) // 4
 sh = NamedSharding(mesh, P(axes))

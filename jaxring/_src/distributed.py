@@ -359,6 +359,35 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   return topo
 
 
+def process_mesh(axis_names: tuple[str, str] = ("node", "local")) -> jax.sharding.Mesh:
+  """The global mesh with one row per process and that process's devices along the row.
+
+  The shape that :func:`initialize`'s Topology describes in JAX's model (one process per node
+  driving all its devices): the first axis crosses processes, the second stays inside one.
+  Both axes are ``Explicit``.
+
+  Raises:
+    ValueError: the processes have different numbers of devices.
+
+  Example:
+    >>> jaxring.distributed.initialize()  # doctest: +SKIP
+    >>> mesh = jaxring.distributed.process_mesh()  # doctest: +SKIP
+    >>> mesh.shape  # doctest: +SKIP
+    {'node': 4, 'local': 2}
+  """
+  import numpy as np
+  from jax.sharding import AxisType, Mesh
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  nproc = jax.process_count()
+  if len(devices) % nproc or any(
+      sum(d.process_index == i for d in devices) != len(devices) // nproc for i in range(nproc)):
+    counts = [sum(d.process_index == i for d in devices) for i in range(nproc)]
+    raise ValueError(f"jaxring.distributed.process_mesh: processes have different numbers of "
+                     f"devices {counts}; the mesh needs the same number in every process")
+  return Mesh(np.array(devices).reshape(nproc, len(devices) // nproc), tuple(axis_names),
+              axis_types=(AxisType.Explicit,) * 2)
+
+
 def shutdown() -> None:
   """Leaves the job cleanly: peers stop watching this process, then ``jax.distributed`` shuts down.
 

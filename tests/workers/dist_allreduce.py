@@ -38,13 +38,11 @@ def main() -> int:
   topo = jaxring.distributed.initialize()   # everything from JAXRING_* variables
 
   import jax
-  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
 
   me, nproc = jax.process_index(), jax.process_count()
-  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  per_proc = len(devices) // nproc
-  mesh = Mesh(np.array(devices).reshape(nproc, per_proc), ("node", "local"),
-              axis_types=(AxisType.Explicit,) * 2)
+  mesh = jaxring.distributed.process_mesh()
+  per_proc = mesh.shape["local"]
   axes = ("node", "local")
   sharding = NamedSharding(mesh, P(axes))
   print(f"process {me}/{nproc}: {per_proc} devices, topology {topo.names} "

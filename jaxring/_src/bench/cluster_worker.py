@@ -56,15 +56,13 @@ def run_jax(args) -> int:
   jaxring.distributed.initialize()
   import jax
   import jax.numpy as jnp
-  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding, PartitionSpec as P
   import jaxring
 
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
-  me, nproc = jax.process_index(), jax.process_count()
-  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-  per_proc = len(devices) // nproc
-  mesh = Mesh(np.array(devices).reshape(nproc, per_proc), ("node", "local"),
-              axis_types=(AxisType.Explicit,) * 2)
+  me = jax.process_index()
+  mesh = jaxring.distributed.process_mesh()
+  per_proc = mesh.shape["local"]
   axes = ("node", "local")
   n = args.mib * (1 << 20) // 4
   sharding = NamedSharding(mesh, P(axes))
