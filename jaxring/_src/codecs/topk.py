@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import operator
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxring._src.codecs import kernels
@@ -31,6 +33,11 @@ from jaxring._src.codecs.base import Codec, for_dtype, is_float
 
 _F32 = jnp.dtype(jnp.float32)
 _NORM_BYTES = 4
+# The packed buffer of chosen chunks is k * chunk_size values however small the gradient, so a
+# chunk_size beyond the largest buffer JAX indexes in its default 32-bit mode can only be a typo;
+# left unchecked, a huge one reaches XLA as a shape whose byte size overflows int64, and XLA
+# aborts the process instead of raising.
+_MAX_CHUNK_SIZE = 2**31 - 1
 
 
 def _chunk_ops(dtype):
@@ -47,7 +54,7 @@ class TopKChunks(Codec):
 
   Attributes:
     density: fraction of chunks sent, in (0, 1]; at least one chunk is always sent.
-    chunk_size: values per chunk (a positive integer).
+    chunk_size: values per chunk, an integer in [1, 2**31 - 1].
     inner: per-hop codec of the dense buffer of chosen chunks (None: its own dtype, lossless).
   """
 
@@ -60,20 +67,24 @@ class TopKChunks(Codec):
   per_hop = False
 
   def __post_init__(self):
-    if isinstance(self.density, bool) or not isinstance(self.density, (int, float)) or not (
-        0.0 < float(self.density) <= 1.0):
-      raise ValueError(f"topk_chunks: density must be a number in (0, 1], got {self.density!r}")
+    density = self.density
+    if (isinstance(density, (bool, np.bool_)) or not isinstance(density, numbers.Real)
+        or not 0.0 < float(density) <= 1.0):  # nan and inf fail the range test too
+      raise ValueError(f"topk_chunks: density must be a number in (0, 1], got {density!r}")
     try:
+      if isinstance(self.chunk_size, (bool, np.bool_)):
+        raise TypeError
       cs = operator.index(self.chunk_size)
     except TypeError:
       raise ValueError(f"topk_chunks: chunk_size must be a positive integer, got "
                        f"{self.chunk_size!r}") from None
-    if cs < 1:
-      raise ValueError(f"topk_chunks: chunk_size must be a positive integer, got {cs}")
+    if not 1 <= cs <= _MAX_CHUNK_SIZE:
+      raise ValueError(f"topk_chunks: chunk_size must be an integer in [1, {_MAX_CHUNK_SIZE}], "
+                       f"got {cs}")
     if self.inner is not None and (not isinstance(self.inner, Codec) or not self.inner.per_hop):
       raise ValueError(f"topk_chunks: inner must be None or a per-hop codec (none, bf16, fp16, "
                        f"int8), got {self.inner!r}")
-    object.__setattr__(self, "density", float(self.density))
+    object.__setattr__(self, "density", float(density))
     object.__setattr__(self, "chunk_size", cs)
 
   def applies_to(self, dtype) -> bool:
@@ -155,8 +166,8 @@ def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | No
     The codec, for ``compression=`` of ``psum``/``pmean`` and ``jaxring.reduce_gradients``.
 
   Raises:
-    ValueError: ``density`` outside (0, 1], ``chunk_size`` not a positive integer, or ``inner``
-      not a per-hop codec.
+    ValueError: ``density`` not a number in (0, 1] (nan, inf and bools included), ``chunk_size``
+      not an integer in [1, 2**31 - 1], or ``inner`` not a per-hop codec.
 
   Example:
     >>> tx = jaxring.reduce_gradients("data", compression=jaxring.codecs.topk_chunks(0.01))

@@ -22,6 +22,10 @@ __all__ = ["num_chunks", "chunk_norms", "gather_chunks", "scatter_add_chunks"]
 
 _F32 = jnp.dtype(jnp.float32)
 _GATHER_DTYPES = (_F32, jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.int8))
+# XLA computes an array's byte size in int64 and aborts the process (SIGABRT, "overflow in static
+# extent product") when it overflows, before any Python error can be raised: shapes are checked
+# against this here, while a ValueError is still possible.
+_MAX_ARRAY_BYTES = 2**63 - 1
 
 
 def num_chunks(n: int, chunk_size: int) -> int:
@@ -32,6 +36,23 @@ def num_chunks(n: int, chunk_size: int) -> int:
       3
   """
   return -(-n // chunk_size)
+
+
+def _chunk_size(value) -> int:
+  if isinstance(value, (bool, np.bool_)):  # operator.index(True) == 1: a flag, not a size
+    raise TypeError(f"chunk_size must be a static Python int, got {value!r}")
+  return positive_int("chunk_size", value)
+
+
+def _check_packed_size(k: int, chunk_size: int, dtype) -> None:
+  """Raises if ``k`` chunks of ``chunk_size`` values of ``dtype`` exceed XLA's largest array."""
+  nbytes = k * chunk_size * jnp.dtype(dtype).itemsize
+  if nbytes > _MAX_ARRAY_BYTES:
+    raise ValueError(
+        f"{k} chunks of chunk_size={chunk_size} {jnp.dtype(dtype).name} values need {nbytes} "
+        f"bytes, more than the largest array XLA can describe ({_MAX_ARRAY_BYTES} bytes); "
+        "chunk_size is far too large"
+    )
 
 
 def _check_idx(idx, n: int, chunk_size: int) -> jax.Array:
@@ -62,7 +83,10 @@ def _chunk_norms_fwd(x, chunk_size):
 def _chunk_norms_bwd(chunk_size, res, ct):
   x, norms = res
   per_chunk = jnp.where(norms > 0, ct / jnp.where(norms > 0, norms, 1.0), 0.0)
-  return (x * jnp.repeat(per_chunk, chunk_size)[: x.shape[0]],)
+  # A chunk longer than x is one chunk of x.shape[0]: the padded chunks * chunk_size shape is never
+  # built, which for a huge chunk_size would not fit an XLA shape.
+  n = x.shape[0]
+  return (x * jnp.repeat(per_chunk, min(chunk_size, n))[:n],)
 
 
 _chunk_norms.defvjp(_chunk_norms_fwd, _chunk_norms_bwd)
@@ -87,7 +111,7 @@ def chunk_norms(x: ArrayLike, chunk_size: int) -> jax.Array:
       [5.0, 12.0, 5.0]
   """
   x = flat("x", x, (_F32,))
-  return _chunk_norms(x, positive_int("chunk_size", chunk_size))
+  return _chunk_norms(x, _chunk_size(chunk_size))
 
 
 def _shape_residual(x: jax.Array) -> jax.Array:
@@ -123,13 +147,19 @@ def gather_chunks(x: ArrayLike, idx: ArrayLike, chunk_size: int) -> jax.Array:
   Returns:
     ``[k * chunk_size]`` array of ``x.dtype``; a partial last chunk is padded with zeros.
 
+  Raises:
+    ValueError: an index out of range, a non-positive ``chunk_size``, or a result too large for
+      an XLA array (``k * chunk_size`` values over 2**63 - 1 bytes).
+
   Example:
       >>> gather_chunks(jnp.arange(5.0), jnp.array([2, 0], jnp.int32), 2).tolist()
       [4.0, 0.0, 0.0, 1.0]
   """
   x = flat("x", x, _GATHER_DTYPES)
-  cs = positive_int("chunk_size", chunk_size)
-  return _gather(x, _check_idx(idx, x.shape[0], cs), cs)
+  cs = _chunk_size(chunk_size)
+  idx = _check_idx(idx, x.shape[0], cs)
+  _check_packed_size(idx.shape[0], cs, x.dtype)
+  return _gather(x, idx, cs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -170,7 +200,7 @@ def scatter_add_chunks(x: ArrayLike, idx: ArrayLike, packed: ArrayLike,
       [0.0, 0.0, 0.0, 0.0, 1.0]
   """
   x = flat("x", x, (_F32,))
-  cs = positive_int("chunk_size", chunk_size)
+  cs = _chunk_size(chunk_size)
   idx = _check_idx(idx, x.shape[0], cs)
   packed = flat("packed", packed, (_F32,))
   if packed.shape[0] != idx.shape[0] * cs:
