@@ -5,14 +5,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 export PATH := $(abspath $(VENV))/bin:$(PATH)
-# CUDA toolkit root (folder whose include/ has cuda_runtime.h); mpi4jax's build needs it when nvcc exists.
-CUDA_ROOT ?= $(shell d=$$(dirname $$(dirname $$(readlink -f $$(command -v nvcc 2>/dev/null) 2>/dev/null) 2>/dev/null) 2>/dev/null); [ -f "$$d/include/cuda_runtime.h" ] && echo $$d)
+# CUDA: tools/cuda_root.py finds a usable toolkit (headers + a working nvcc) whatever the layout
+# (nvcc a symlink, a wrapper script, or absent from PATH) and honours CUDA_ROOT/CUDA_PATH/CUDA_HOME.
+# JAXRING_CUDA=auto|on|off: jaxring's CUDA kernels. MPI4JAX_CUDA=off|auto|on: mpi4jax's CUDA
+# bridge; off by default because jaxring hands MPI host buffers only (docs/install.md).
+CUDA_ROOT := $(shell python3 tools/cuda_root.py)
+JAXRING_CUDA ?= auto
+MPI4JAX_CUDA ?= off
+export JAXRING_CUDA
+# Locally built packages never come from pip's wheel cache: a stale wheel would hide a broken build.
+NO_CACHE := --no-cache-dir
 DEPS_STAMP := $(VENV)/.deps-stamp
 EXT_STAMP := $(VENV)/.ext-stamp
 EXT_SOURCES := pyproject.toml CMakeLists.txt $(shell find xla_ext -type f 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean bench
+.PHONY: demo test install clean bench doctor tcmalloc gpu-check
 demo: install
 	$(PY) -m jaxring demo
 
@@ -29,17 +37,41 @@ $(PY):
 $(DEPS_STAMP): requirements.txt | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
-	MPI4JAX_BUILD_MPICC=$(abspath $(VENV))/bin/mpicc CUDA_ROOT=$(CUDA_ROOT) \
-	  $(PIP) install -q --no-build-isolation "mpi4jax>=0.9,<0.10"
+	root=$$(python3 tools/cuda_root.py --mpi4jax $(MPI4JAX_CUDA) --empty-dir $(VENV)/.no-cuda) && \
+	  MPI4JAX_BUILD_MPICC=$(abspath $(VENV))/bin/mpicc CUDA_ROOT=$$root CUDA_PATH= \
+	  $(PIP) install -q $(NO_CACHE) --no-build-isolation "mpi4jax>=0.9,<0.10"
+	$(PY) -c "import mpi4jax; print('mpi4jax', mpi4jax.__version__, 'built with its CUDA bridge' \
+	  if mpi4jax.has_cuda_support() else 'built CPU-only (MPI4JAX_CUDA=$(MPI4JAX_CUDA))')"
 	touch $@
 
 # jaxring itself, editable, with its C++/CUDA extension built by scikit-build-core.
 $(EXT_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
-	$(PIP) install -q --no-build-isolation --no-deps -e .
+	$(if $(filter-out off,$(JAXRING_CUDA)),$(if $(CUDA_ROOT),CUDACXX=$(CUDA_ROOT)/bin/nvcc)) \
+	  $(PIP) install -q $(NO_CACHE) --no-build-isolation --no-deps -e .
+	$(PY) -m jaxring doctor --brief
 	touch $@
 
 bench: install
 	$(PY) -m jaxring bench collectives
+
+doctor: install
+	$(PY) -m jaxring doctor
+
+# Opt-in: tcmalloc, which XLA:CPU collectives need to be fast (docs/install.md); the benchmarks
+# preload it when present and print the allocator they ran with either way.
+tcmalloc:
+	@if ls /usr/lib/*/libtcmalloc_minimal.so* >/dev/null 2>&1; then echo "tcmalloc already installed"; \
+	elif command -v apt-get >/dev/null; then $(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y libtcmalloc-minimal4; \
+	else echo "no apt-get: install gperftools' tcmalloc with your package manager" >&2; exit 1; fi
+
+# The GPU half on a machine with an NVIDIA GPU: CUDA kernels built (JAXRING_CUDA=on), then
+# doctor, pytest -m gpu, bench kernels and bench resnet50 in one JSON (jaxring/_src/bench/gpu_check.py).
+# Uses the venv when there is one, else python3 with its packages installed (e.g. a GPU image).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(if $(CUDA_ROOT),CUDACXX=$(CUDA_ROOT)/bin/nvcc) JAXRING_CUDA=on \
+	  $(GPU_PY) -m pip install -q $(NO_CACHE) --no-build-isolation --no-deps -e .
+	$(GPU_PY) -m jaxring._src.bench.gpu_check
 
 clean:
 	rm -rf build $(VENV)

@@ -16,7 +16,24 @@ from jaxring._src.topology import set_default_topology as set_default_topology
 from jaxring._src.topology import use_topology as use_topology
 
 __version__ = "0.1.0"
+
+import importlib as _importlib
+
 from jaxring.train.grad import grad as grad
 from jaxring.train.grad import value_and_grad as value_and_grad
 from jaxring.train.state import TrainState as TrainState
 from jaxring.train.step import train_step as train_step
+
+# Submodules with heavier imports (MPI, the input pipeline, benchmarks) load on first attribute
+# access, so that `import jaxring as jr; jr.distributed.initialize()` works as written.
+_LAZY_SUBMODULES = ("bench", "data", "distributed")
+
+
+def __getattr__(name: str):
+  if name in _LAZY_SUBMODULES:
+    return _importlib.import_module(f"jaxring.{name}")
+  raise AttributeError(f"module 'jaxring' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -1,7 +1,6 @@
-"""The ``jaxring`` command: ``bench``, ``cluster``, ``demo``, ``train``."""
+"""The ``jaxring`` command: ``bench``, ``cluster``, ``demo``, ``doctor``, ``train``."""
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
@@ -21,6 +20,7 @@ commands:
   bench {%s} [args]   benchmarks: print tables, write JSON under benchmarks/results/
   cluster {up,down,run,status} [args]   the emulated multi-node cluster (root)
   demo [args]          the README's main job
+  doctor [--require mpi,cuda,gpu,tcmalloc]   versions, kernels self-test, MPI, allocator: a report
   train <recipe> [--config.name=value ...]   a recipe of recipes/ (imagenet_resnet50, small_cpu)
 """ % ",".join(BENCHES)
 
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     return bench_main(rest)
   if cmd == "cluster":
     return _cluster(rest)
+  if cmd == "doctor":
+    return _module_main("jaxring._src.doctor", rest)
   if cmd == "demo":
     return _module_main("jaxring._src.demo", rest)
   if cmd == "train":

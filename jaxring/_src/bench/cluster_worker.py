@@ -55,7 +55,6 @@ def run_jax(args) -> int:
   import jaxring.distributed
   jaxring.distributed.initialize()
   import jax
-  import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
   import jaxring
 

@@ -1,18 +1,17 @@
 """What every benchmark shares: emulated devices, allocator, timing, tables and JSON results."""
 from __future__ import annotations
 
-import glob
 import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 
+from jaxring._src.allocator import allocator_in_use as allocator  # noqa: F401 (re-export)
+from jaxring._src.allocator import maybe_reexec_with_tcmalloc  # noqa: F401 (re-export)
+
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "results")
-_TCMALLOC_GLOBS = ("/usr/lib/*/libtcmalloc_minimal.so*", "/usr/lib/*/libtcmalloc.so*",
-                   "/usr/lib/libtcmalloc*.so*")
 
 
 def set_cpu_devices(n: int) -> None:
@@ -22,26 +21,6 @@ def set_cpu_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
   import jax
   jax.config.update("jax_num_cpu_devices", n)
-
-
-def allocator() -> str:
-  pre = os.environ.get("LD_PRELOAD", "")
-  return f"tcmalloc ({pre})" if "tcmalloc" in pre else "glibc malloc"
-
-
-def maybe_reexec_with_tcmalloc(argv: Sequence[str]) -> None:
-  """Re-executes this process with tcmalloc preloaded when it is installed and not yet loaded.
-
-  XLA:CPU collectives are dominated by allocating fresh output buffers; glibc malloc makes every
-  contender 4-5x slower and noisier (../shared/ENVIRONMENT.md). Set JAXRING_NO_TCMALLOC=1 to opt out.
-  """
-  if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or os.environ.get("JAXRING_NO_TCMALLOC"):
-    return
-  libs = sorted(p for g in _TCMALLOC_GLOBS for p in glob.glob(g))
-  if not libs:
-    return
-  env = dict(os.environ, LD_PRELOAD=libs[0])
-  os.execve(sys.executable, [sys.executable, "-m", "jaxring", *argv], env)
 
 
 def median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> tuple[float, list[float]]:

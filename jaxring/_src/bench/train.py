@@ -22,8 +22,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import glob
-import os
 import statistics
 import sys
 
@@ -167,17 +165,6 @@ def run(args) -> dict:
           "warmup": args.warmup, "machine": common.machine(), "rows": rows}
 
 
-def _maybe_tcmalloc(argv) -> None:
-  """Re-executes with tcmalloc preloaded (XLA:CPU collectives are allocator-bound; see
-  ENVIRONMENT.md); ``--no-tcmalloc`` or JAXRING_NO_TCMALLOC=1 keeps glibc malloc."""
-  if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or os.environ.get("JAXRING_NO_TCMALLOC"):
-    return
-  libs = sorted(p for g in common._TCMALLOC_GLOBS for p in glob.glob(g))
-  if libs:
-    env = dict(os.environ, LD_PRELOAD=libs[0])
-    os.execve(sys.executable, [sys.executable, "-m", "jaxring._src.bench.train", *argv], env)
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jaxring._src.bench.train", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,7 +183,8 @@ def main(argv=None) -> int:
   if args.reps < 5:
     ap.error("--reps must be at least 5 (medians of fewer are noise on a shared machine)")
   if not args.no_tcmalloc:
-    _maybe_tcmalloc(sys.argv[1:] if argv is None else list(argv))
+    common.maybe_reexec_with_tcmalloc(sys.argv[1:] if argv is None else list(argv),
+                                      module="jaxring._src.bench.train")
   common.set_cpu_devices(args.devices)
 
   result = run(args)

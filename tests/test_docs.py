@@ -1,0 +1,88 @@
+"""Every Python block of README.md and docs/*.md runs as written, in a fresh process.
+
+A block's first line may say how a user runs it, and the test does the same: ``# mpirun -n 4
+python example.py`` runs it under the venv's ``mpirun``; ``XLA_FLAGS=...`` in that line is put in
+the environment. Where a block prints a result, the test checks the value the text promises.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import sys
+
+import numpy as np
+import pytest
+
+import multiproc
+
+REPO = pathlib.Path(multiproc.REPO)
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+
+
+def python_blocks() -> list[tuple[str, int, str]]:
+  """``(file, line, code)`` of every fenced ```python block."""
+  blocks = []
+  for path in DOC_FILES:
+    text = path.read_text()
+    for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
+      line = text.count("\n", 0, m.start()) + 1
+      blocks.append((str(path.relative_to(REPO)), line, m.group(1)))
+  return blocks
+
+
+def _floats(line: str) -> np.ndarray:
+  return np.array([float(v) for v in re.findall(r"-?\d+\.?\d*(?:e-?\d+)?", line)])
+
+
+def _check_output(code: str, stdout: str) -> None:
+  """The values the prose around each block promises."""
+  lines = stdout.strip().splitlines()
+  if "def allreduce" in code:
+    np.testing.assert_allclose(_floats(lines[-1]), 8.0)
+  if "bind_mpi_axis" in code:
+    arrays = re.findall(r"\[([^\]]*)\]", stdout)   # ranks print at once: lines interleave
+    assert len(arrays) == 4, stdout
+    for a in arrays:   # int8 on the slow level rounds within 1%
+      np.testing.assert_allclose(_floats(a), 1.5, rtol=1e-2)
+  if "@jr.train_step" in code:
+    assert float(lines[-1]) < 1e-3, stdout
+  if "ImageLoader" in code:
+    assert lines[0].startswith("(256, 224, 224, 3)"), stdout
+
+
+@pytest.fixture(scope="module")
+def imagenet_dir(tmp_path_factory) -> str:
+  from jaxring import data
+  root = tmp_path_factory.mktemp("imagenet")
+  data.write_image_folder(root, num_classes=4, train_per_class=64, val_per_class=1, image_size=48)
+  return str(root)
+
+
+BLOCKS = python_blocks()
+
+
+def test_the_docs_have_python_blocks():
+  assert len(BLOCKS) >= 4, [b[:2] for b in BLOCKS]
+
+
+@pytest.mark.parametrize("where,code", [(f"{f}:{line}", code) for f, line, code in BLOCKS],
+                         ids=[f"{f}:{line}" for f, line, _ in BLOCKS])
+def test_block_runs_as_written(where, code, tmp_path, imagenet_dir):
+  first = code.splitlines()[0]
+  script = tmp_path / "example.py"
+  script.write_text(code)
+  extra = dict(re.findall(r"\b(XLA_FLAGS)=(\S+)", first))
+  env = multiproc.clean_env(IMAGENET_DIR=imagenet_dir, **extra)
+  cmd = [sys.executable, str(script)]
+  m = re.search(r"mpirun -n (\d+)", first)
+  if m:
+    if not os.path.exists(MPIRUN):
+      pytest.skip("no mpirun next to this interpreter (pip install mpich)")
+    cmd = [MPIRUN, "-n", m.group(1), *cmd]
+  [done] = multiproc.spawn(1, lambda _: cmd, lambda _: env, timeout=240)
+  assert done.returncode == 0, f"{where} failed as written ({shlex.join(cmd)}):\n" + \
+      multiproc.report([done])
+  _check_output(code, done.stdout)
