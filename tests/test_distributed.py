@@ -139,3 +139,59 @@ def test_single_process_without_launcher_only_sets_devices_and_topology():
   mp.assert_all_ok(results)
   assert results[0].stdout.strip() == (
       "('local',) 3 3 False True {'node': 1, 'local': 3} [0, 1, 2]"), mp.report(results)
+
+
+# Start-up: jax's own client ends the process with SIGABRT ("Terminating process because the JAX
+# distributed service detected fatal errors") when a peer never comes; it must raise instead.
+STARTUP_TIMEOUT = 5.0
+
+
+def _startup(n: int, started: list[int], port: int):
+  """Runs the start-up worker as processes ``started`` of ``n``; returns their results."""
+  env = _env(n, port, 1)
+  return mp.spawn(len(started), lambda i: mp.python_worker(
+      "dist_startup.py", "--timeout", str(STARTUP_TIMEOUT)), lambda i: env(started[i]),
+                  timeout=STARTUP_TIMEOUT + 40)
+
+
+def _assert_raised_in_time(r, pattern: str, results) -> None:
+  assert r.returncode == 1, f"expected exit 1 (an uncaught exception)\n" + mp.report(results)
+  assert "StartupTimeoutError" in r.stderr and re.search(pattern, r.stderr), mp.report(results)
+  assert "Terminating process" not in r.stderr, mp.report(results)
+  assert r.seconds < STARTUP_TIMEOUT + 20, mp.report(results)   # python start-up included
+
+
+@pytest.mark.timeout(90)
+def test_startup_names_a_process_that_never_comes():
+  port = mp.free_port()
+  results = _startup(2, [0], port)
+  _assert_raised_in_time(
+      results[0], rf"process 1 of 2 did not arrive within 5 s at the coordinator "
+      rf"127\.0\.0\.1:{port} \(process 0\)", results)
+
+
+@pytest.mark.timeout(90)
+def test_startup_names_a_coordinator_that_never_comes():
+  port = mp.free_port()
+  results = _startup(2, [1], port)
+  _assert_raised_in_time(
+      results[0], rf"process 0 \(the coordinator, 127\.0\.0\.1:{port}\) did not answer within "
+      rf"5 s; process 1 of 2", results)
+
+
+@pytest.mark.timeout(90)
+def test_startup_tells_the_arrived_which_process_is_missing():
+  port = mp.free_port()
+  results = _startup(3, [0, 1], port)   # process 2 never starts
+  for r in results:
+    _assert_raised_in_time(r, rf"process 2 of 3 did not arrive within 5 s at the coordinator "
+                              rf"127\.0\.0\.1:{port}", results)
+
+
+@pytest.mark.timeout(90)
+def test_startup_with_everyone_present_reuses_the_port_for_jax():
+  port = mp.free_port()
+  results = _startup(3, [2, 0, 1], port)   # the coordinator is not the first to start
+  mp.assert_all_ok(results)
+  for r, pid in zip(results, [2, 0, 1]):
+    assert f"STARTED {pid} of 3" in r.stdout, mp.report(results)

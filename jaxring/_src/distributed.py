@@ -26,6 +26,8 @@ from typing import Any
 import jax
 
 from jaxring._src import topology as topology_lib
+from jaxring._src.rendezvous import StartupTimeoutError as StartupTimeoutError
+from jaxring._src.rendezvous import roll_call
 
 ENV_COORDINATOR = "JAXRING_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXRING_NUM_PROCESSES"
@@ -271,6 +273,15 @@ def _at_exit() -> None:
   shutdown()
 
 
+def _check_ids(num_processes, process_id) -> None:
+  if not isinstance(num_processes, int) or not isinstance(process_id, int):
+    raise TypeError(f"jaxring.distributed.initialize: num_processes and process_id must be ints, "
+                    f"got {num_processes!r} and {process_id!r}")
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"jaxring.distributed.initialize: process_id must be in [0, num_processes), "
+                     f"got process_id={process_id}, num_processes={num_processes}")
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_count: int | None = None,
                interface: str | None = None, timeout_s: float = 300.0,
@@ -289,7 +300,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     local_device_count: CPU devices this process emulates (``jax_num_cpu_devices``); must be
       given before anything has started a JAX backend.
     interface: network interface gloo binds to (e.g. the veth inside a network namespace).
-    timeout_s: how long start-up waits for every process to connect.
+    timeout_s: how long start-up waits for every process to connect. Before
+      ``jax.distributed`` starts, every process checks in with process 0 on the coordinator's
+      port, so that a process that never comes is named instead of ending the others with
+      jax's fatal abort.
     failure_timeout_s: seconds without a heartbeat after which a peer is declared dead and every
       other process exits naming it (default ``JAXRING_FAILURE_TIMEOUT`` or 120 s; ``0`` turns the
       watchdog off). JAX's own heartbeat timeout is set above it, as a backstop.
@@ -298,6 +312,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   Returns:
     The :class:`~jaxring._src.topology.Topology` built from the processes, also installed with
     :func:`~jaxring._src.topology.set_default_topology`.
+
+  Raises:
+    StartupTimeoutError: (a ``TimeoutError``) some processes did not arrive within ``timeout_s``;
+      its ``missing`` lists their ids and the message names them and the coordinator address.
+    ValueError: processes disagree on ``num_processes`` or two claim the same ``process_id``.
 
   Example:
     >>> import jaxring.distributed
@@ -339,6 +358,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       process_id = int(os.environ["PMI_RANK"])
       num_processes = num_processes or _env_int("PMI_SIZE")
     jax_heartbeat = max(100, math.ceil(2 * failure_timeout_s + 5)) if failure_timeout_s else 100
+    if None not in (coordinator_address, num_processes, process_id):
+      _check_ids(num_processes, process_id)
+      # jax's own start-up ends the process with SIGABRT when a peer never comes: find out first
+      roll_call(coordinator_address, num_processes, process_id, timeout_s)
     if interface is not None:
       _use_gloo_interface(interface)
     jax.distributed.initialize(
