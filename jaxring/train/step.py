@@ -15,6 +15,8 @@ insert a native ``psum`` of every gradient behind jaxring's back.)
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -233,6 +235,17 @@ class TrainStep:
     return new, metrics
 
 
+def _validate_bucket_bytes(bucket_bytes) -> int:
+  # a float such as 25e6 is a byte count too; a bool is not, though Python calls it an int
+  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Real):
+    raise TypeError(f"train_step: bucket_bytes must be a number of bytes (an int such as "
+                    f"25 << 20), got {bucket_bytes!r} of type {type(bucket_bytes).__name__}")
+  if not math.isfinite(bucket_bytes) or bucket_bytes < 1:
+    raise ValueError(f"train_step: bucket_bytes must be a positive number of bytes, got "
+                     f"{bucket_bytes!r}")
+  return int(bucket_bytes)
+
+
 def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: Any = "auto",
                compression: Any = None, error_feedback: bool = True, bucket_bytes: int = 25 << 20,
                overlap: bool = True, donate: bool = True, precision: Any = None):
@@ -269,10 +282,8 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
   if mesh is not None and not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "
                      f"{mesh.axis_names}")
-  if bucket_bytes <= 0:
-    raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-  config = ReduceConfig(axes, algorithm, compression, error_feedback, int(bucket_bytes), overlap,
-                        as_policy(precision))
+  config = ReduceConfig(axes, algorithm, compression, error_feedback,
+                        _validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision))
 
   def decorate(fn: Callable) -> TrainStep:
     return TrainStep(fn, mesh, config, donate)

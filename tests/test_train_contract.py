@@ -1,0 +1,89 @@
+"""jaxring.value_and_grad / grad and @train_step reject what jax rejects, with jax's own errors.
+
+Every expected error is produced by jax itself on the same function, never written out by hand.
+"""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxring.train as jt
+
+PARAMS = {"w": jnp.arange(4, dtype=jnp.float32)}
+BATCH = {"x": np.arange(32, dtype=np.float32).reshape(8, 4)}
+
+
+def _int_loss(params, x):
+  return jnp.sum(params["w"] * x).astype(jnp.int32)
+
+
+def _scalar_loss(params, x):
+  return jnp.sum(params["w"] * x)
+
+
+def _vector_loss(params, x):
+  return params["w"] * x
+
+
+def _complex_loss(params, x):
+  return jnp.sum(params["w"] * x).astype(jnp.complex64)
+
+
+def _jax_error(fun, **kwargs) -> TypeError:
+  with pytest.raises(TypeError) as info:
+    jax.value_and_grad(fun, **kwargs)(PARAMS, BATCH["x"][0])
+  return info.value
+
+
+def _run(fun, grad_fn, **kwargs):
+  state = jt.TrainState.create(apply_fn=None, params=PARAMS, tx=optax.sgd(0.1))
+
+  @jt.train_step(donate=False)
+  def step(state, batch):
+    out = grad_fn(fun, **kwargs)(state.params, batch["x"][0])
+    grads = out[1] if grad_fn is jt.value_and_grad else out
+    grads = grads[0] if kwargs.get("has_aux") and grad_fn is jt.grad else grads
+    return state.apply_gradients(grads=grads), {}
+
+  return step(state, BATCH)
+
+
+@pytest.mark.parametrize("grad_fn", [jt.value_and_grad, jt.grad])
+@pytest.mark.parametrize("fun", [_int_loss, _vector_loss, _complex_loss])
+def test_a_loss_jax_cannot_differentiate_raises_jax_type_error(fun, grad_fn):
+  # an int32 loss used to train silently with zero gradients
+  want = _jax_error(fun)
+  with pytest.raises(TypeError, match=re.escape(str(want))):
+    _run(fun, grad_fn)
+
+
+@pytest.mark.parametrize("grad_fn", [jt.value_and_grad, jt.grad])
+def test_has_aux_with_a_scalar_output_raises_jax_type_error(grad_fn):
+  want = str(_jax_error(_scalar_loss, has_aux=True))
+  # jax's message ends with the value it got (a tracer of jax's own trace): compare up to there
+  head = want[:want.index("but got")]
+  assert head, want
+  with pytest.raises(TypeError, match=re.escape(head)):
+    _run(_scalar_loss, grad_fn, has_aux=True)
+
+
+def test_outside_a_train_step_the_errors_are_jax_errors():
+  want = _jax_error(_int_loss)
+  with pytest.raises(TypeError, match=re.escape(str(want))):
+    jt.value_and_grad(_int_loss)(PARAMS, BATCH["x"][0])
+
+
+@pytest.mark.parametrize("bad, error", [("25MB", TypeError), (None, TypeError), (True, TypeError),
+                                        (0, ValueError), (-1, ValueError),
+                                        (float("nan"), ValueError)])
+def test_a_bad_bucket_bytes_is_named_in_the_error(bad, error):
+  with pytest.raises(error, match="bucket_bytes"):
+    jt.train_step(bucket_bytes=bad)
+
+
+def test_a_float_bucket_bytes_is_a_byte_count():
+  step = jt.train_step(bucket_bytes=25e6)(lambda state, batch: (state, {}))
+  assert step.config.bucket_bytes == 25_000_000
