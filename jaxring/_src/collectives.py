@@ -1,9 +1,11 @@
 """psum / pmean / psum_scatter / all_gather: jax.lax's contract, jaxring's algorithms.
 
-Argument handling mirrors ``jax.lax`` (pytrees, Python constants, bool -> int32, tuple axis names,
-``NameError`` for an unbound axis, lax's shape errors); then each dtype's leaves are fused into one
-flat buffer and reduced by the planned algorithm: ``xla`` (the native collective), ``ring`` or
-``hierarchical`` (jaxring._src.algorithms), with ``compression`` deciding what travels.
+Argument handling mirrors ``jax.lax`` (pytrees, Python constants, bool -> int32 for the reductions
+and bool kept by all_gather, tuple axis names, ``NameError`` for an unbound axis, ``ValueError``
+for a repeated one, lax's shape errors); then each dtype's leaves are fused into one flat buffer
+and reduced by the planned algorithm: ``xla`` (the native collective), ``ring`` or
+``hierarchical`` (jaxring._src.algorithms), with ``compression`` deciding what travels. Whatever
+the algorithm and codec, derivatives are lax's (jaxring._src.algorithms.linear).
 
 An axis name is bound by ``shard_map``/``pmap`` (XLA collectives move the bytes) or, outside them,
 to an MPI communicator by ``jaxring.distributed.mpi_axis`` (one process per device; mpi4jax moves
@@ -21,15 +23,29 @@ import numpy as np
 from jax import lax
 
 from jaxring._src import mpi_axis
-from jaxring._src.algorithms import hierarchical, ring
+from jaxring._src.algorithms import hierarchical, linear, ring, scatter_gather
 from jaxring._src.algorithms.planner import Plan, make_plan, validate_algorithm
 from jaxring._src.codecs.base import Codec, accum_dtype
 
 AxisName = Any
 
 
-def _axes(axis_name) -> tuple:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+def _axes(axis_name, op: str) -> tuple:
+  """The axis names as a tuple, refused as lax refuses them (with lax's message in ours)."""
+  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  for a in axes:
+    if isinstance(a, (int, np.integer)):
+      # lax reads an int as a positional array dimension (a vmap-style reduction), which no
+      # mesh collective can implement; lax.all_gather/psum_scatter fail on it with this message
+      raise ValueError(f"jaxring.{op}: axis name {a!r} is an int; jaxring's collectives take the "
+                       "names of axes bound by `jax.shard_map`/`jax.pmap` (or an MPI axis), not "
+                       "positional array dimensions: reduce those with jnp.sum first (lax: axis "
+                       f"{a} is out of bounds for array of dimension 0)")
+  repeated = sorted({str(a) for a in axes if axes.count(a) > 1})
+  if repeated:
+    raise ValueError(f"jaxring.{op}: axis_name {axis_name!r} names {', '.join(repeated)} more than "
+                     "once; each axis may appear once (lax: repeated axis in `source` argument)")
+  return axes
 
 
 def _sizes(axes: tuple, op: str) -> tuple[int, ...]:
@@ -38,9 +54,11 @@ def _sizes(axes: tuple, op: str) -> tuple[int, ...]:
     try:
       sizes.append(int(lax.axis_size(a)))
     except NameError:
-      raise NameError(f"Found an unbound axis name: {a}. To fix this, please call jaxring.{op} "
-                      "under `jax.shard_map` or `jax.pmap`, or bind the name to an MPI "
-                      "communicator with `jaxring.distributed.mpi_axis`.") from None
+      # lax's own wording first: code written against lax.psum matches on it
+      raise NameError(f"Found an unbound axis name: {a}. To fix this, please call {op} under "
+                      f"`jax.shard_map`. (jaxring.{op} also runs under `jax.pmap`, and over a "
+                      "name bound to an MPI communicator by `jaxring.distributed.mpi_axis`.)"
+                      ) from None
   return tuple(sizes)
 
 
@@ -169,16 +187,21 @@ def psum(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", co
     >>> f(jnp.arange(8.0))
     Array([28.], dtype=float32)
   """
+  return _psum(x, axis_name, axis_index_groups, algorithm, compression, "psum")
+
+
+def _psum(x, axis_name, axis_index_groups, algorithm, compression, op: str):
+  """:func:`psum`, with errors naming ``op`` (the public function called)."""
   validate_algorithm(algorithm)
   _validate_compression(compression)
-  axes = _axes(axis_name)
+  axes = _axes(axis_name, op)
   if not axes:
     return x
   if axis_index_groups is not None:
-    _check_groups(algorithm, compression, "psum", axes)
+    _check_groups(algorithm, compression, op, axes)
     return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
   leaves, treedef = _prep(x)
-  sizes, mpi = _bind(axes, "psum")
+  sizes, mpi = _bind(axes, op)
   if mpi is not None:
     return jax.tree_util.tree_unflatten(treedef, _mpi_psum(leaves, axes, mpi, algorithm,
                                                            compression))
@@ -219,7 +242,10 @@ def _psum_by_dtype(leaves, out, by_dtype, axes, sizes, mpi, algorithm, compressi
       continue
     acc = accum_dtype(dtype)
     flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in idxs])
-    total, _ = all_reduce_flat(flat, dtype, axes, plan)
+    reduce = lambda v, plan=plan, dtype=dtype: all_reduce_flat(v, dtype, axes, plan)[0]
+    if mpi is None and linear.differentiable(dtype):
+      reduce = linear.psum(reduce, axes)  # over MPI the inputs are stop_gradient'ed: no tangents
+    total = reduce(flat)
     offset = 0
     for i in idxs:
       size = np.size(leaves[i])
@@ -242,9 +268,8 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", c
     >>> f(jnp.arange(8.0))
     Array([3.5], dtype=float32)
   """
-  s = psum(x, axis_name, axis_index_groups=axis_index_groups, algorithm=algorithm,
-           compression=compression)
-  n = _group_size(_axes(axis_name), axis_index_groups)
+  s = _psum(x, axis_name, axis_index_groups, algorithm, compression, "pmean")
+  n = _group_size(_axes(axis_name, "pmean"), axis_index_groups)
   return jax.tree_util.tree_map(lambda v: v / n, s)
 
 
@@ -291,7 +316,7 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
     >>> f(jnp.ones(16))  # each member holds 2 elements of the sum
     Array([8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32)
   """
-  axes = _axes(axis_name)
+  axes = _axes(axis_name, "psum_scatter")
   if _native_only("psum_scatter", axes, algorithm, compression, axis_index_groups):
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                             axis_index_groups=axis_index_groups, tiled=tiled)
@@ -317,37 +342,18 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
     if mpi is not None:
       plan = _mpi_plan(plan, axes, sizes, mpi, nbytes, dtype, "psum_scatter")
       leaf = jnp.asarray(leaf)
-      block = _reduce_scatter_leaf(lax.stop_gradient(leaf), d, tiled, p, dtype, plan)
+      block = scatter_gather.reduce_scatter_leaf(lax.stop_gradient(leaf), d, tiled, p, dtype, plan)
       out.append(mpi_axis.not_differentiable("psum_scatter")(leaf, lax.stop_gradient(block)))
       continue
     if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
       out.append(lax.psum_scatter(leaf, axis_name, scatter_dimension=d, tiled=tiled))
       continue
-    out.append(_reduce_scatter_leaf(jnp.asarray(leaf), d, tiled, p, dtype, plan))
+    scatter = lambda v, d=d, dtype=dtype, plan=plan: scatter_gather.reduce_scatter_leaf(v, d, tiled, p, dtype,
+                                                                           plan)
+    if linear.differentiable(dtype):
+      scatter = linear.psum_scatter(scatter, axes, d, tiled)
+    out.append(scatter(jnp.asarray(leaf)))
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
-  moved = jnp.moveaxis(leaf, d, 0)
-  rest = moved.shape[1:]
-  rows = moved.reshape(p, -1).astype(accum_dtype(dtype))
-  m = rows.shape[1]
-  m_pad = -(-max(m, 1) // plan.align) * plan.align
-  rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
-  if plan.kind == "ring":
-    if plan.member_order is not None:
-      rows = rows[np.asarray(plan.member_order)]
-    shard, _ = ring.reduce_scatter(rows.reshape(-1), plan.groups[0], plan.codecs[0], dtype,
-                                   plan.transport, pieces=plan.pieces[0])
-  else:
-    rows = rows[np.asarray(hierarchical.chunk_permutation(list(plan.groups), list(plan.strides)))]
-    shard = hierarchical.reduce_scatter(rows.reshape(-1), list(plan.groups), list(plan.codecs),
-                                        list(plan.algos), dtype, plan.transport,
-                                        pieces=list(plan.pieces))
-  block = shard[:m].astype(dtype)
-  if tiled:
-    return jnp.moveaxis(block.reshape((moved.shape[0] // p,) + tuple(rest)), 0, d)
-  return block.reshape(rest)
 
 
 def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
@@ -360,15 +366,20 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
     >>> f(jnp.arange(8.0)).shape
     (64,)
   """
-  axes = _axes(axis_name)
+  axes = _axes(axis_name, "all_gather")
   if _native_only("all_gather", axes, algorithm, compression, axis_index_groups):
     return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled)
   sizes, mpi = _bind(axes, "all_gather")
   p = math.prod(sizes)
-  leaves, treedef = _prep(x)
+  leaves, treedef = jax.tree_util.tree_flatten(x)
   out = []
   for leaf in leaves:
     leaf = jnp.asarray(leaf)
+    if leaf.dtype == np.bool_:  # lax gathers bools as bools; the wire carries them as bytes
+      gathered = all_gather(leaf.astype(np.uint8), axis_name, axis=axis, tiled=tiled,
+                            algorithm=algorithm, compression=compression)
+      out.append(gathered.astype(np.bool_))
+      continue
     ndim = leaf.ndim
     ax = _canon_dim(axis, ndim if tiled else ndim + 1, "axis")
     if tiled and ndim == 0:
@@ -382,43 +393,16 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
       held = lax.stop_gradient(leaf)
       if plan.kind == "xla":
         rows = plan.transport.all_gather((jnp.ravel(held),), plan.whole)[0]
-        gathered = _place_rows(rows.reshape((p,) + leaf.shape), ax, tiled)
+        gathered = scatter_gather.place_rows(rows.reshape((p,) + leaf.shape), ax, tiled)
       else:
-        gathered = _all_gather_leaf(held, ax, tiled, p, dtype, plan)
+        gathered = scatter_gather.all_gather_leaf(held, ax, tiled, p, dtype, plan)
       out.append(mpi_axis.not_differentiable("all_gather")(leaf, lax.stop_gradient(gathered)))
       continue
     if plan.kind == "xla" or p == 1 or leaf.size == 0:
       out.append(lax.all_gather(leaf, axis_name, axis=ax, tiled=tiled))
       continue
-    out.append(_all_gather_leaf(leaf, ax, tiled, p, dtype, plan))
+    gather = lambda v, ax=ax, dtype=dtype, plan=plan: scatter_gather.all_gather_leaf(v, ax, tiled, p, dtype, plan)
+    if linear.differentiable(dtype):
+      gather = linear.all_gather(gather, axes, ax, tiled)
+    out.append(gather(leaf))
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
-  # each value crosses every level once; one codec (the slowest level's) encodes it
-  codec = plan.codecs[-1]
-  n = leaf.size
-  flat = _pad_to(jnp.ravel(leaf).astype(accum_dtype(dtype)), plan.align)
-  payload = codec.encode(flat, dtype)
-  if plan.kind == "ring":
-    gathered = ring.ring_all_gather_payload(payload, plan.groups[0], plan.transport)
-    rows = codec.decode(gathered, dtype).reshape(p, -1)
-    if plan.member_order is not None:
-      rows = rows[np.argsort(np.asarray(plan.member_order))]
-  else:
-    gathered = hierarchical.all_gather(payload, list(plan.groups), plan.transport)
-    rows = codec.decode(gathered, dtype).reshape(p, -1)
-    perm = hierarchical.chunk_permutation(list(plan.groups), list(plan.strides))
-    rows = rows[np.argsort(np.asarray(perm))]
-  return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
-
-
-def _place_rows(stacked, ax, tiled):
-  """``stacked[i]`` is member i's value: lax.all_gather's layout along ``ax``."""
-  moved = jnp.moveaxis(stacked, 0, ax)  # (..., p, d_ax, ...)
-  if not tiled:
-    return moved
-  shape = list(stacked.shape[1:])
-  shape[ax] *= stacked.shape[0]
-  return moved.reshape(shape)
-

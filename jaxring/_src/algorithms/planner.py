@@ -154,11 +154,12 @@ def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm
 
 def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, groups, levels,
           strides, whole, transport) -> Plan:
-  if isinstance(compression, dict):
-    unknown = set(compression) - {g.name for g in groups}
+  for what, arg in (("compression", compression), ("algorithm", algorithm)):
+    # a size-1 axis is no level, yet a per-level dict over several axes may name it
+    unknown = set(arg) - {g.name for g in groups} - set(axes) if isinstance(arg, dict) else ()
     if unknown:
-      raise ValueError(f"compression names levels {sorted(unknown)} that are not among the levels "
-                       f"{[g.name for g in groups]} of axes {axes}")
+      raise ValueError(f"{what} names levels {sorted(map(str, unknown))} that are not among the "
+                       f"levels {[g.name for g in groups]} of axes {axes}")
   codecs = [_codec_for(compression, g.name, dtype) for g in groups]
   lossy = any(c.lossy for c in codecs)
   kind = algorithm if isinstance(algorithm, str) else "hierarchical"
