@@ -39,7 +39,7 @@ $(DEPS_STAMP): requirements.txt | $(PY)
 	$(PIP) install -q -r requirements.txt
 	root=$$(python3 tools/cuda_root.py --mpi4jax $(MPI4JAX_CUDA) --empty-dir $(VENV)/.no-cuda) && \
 	  MPI4JAX_BUILD_MPICC=$(abspath $(VENV))/bin/mpicc CUDA_ROOT=$$root CUDA_PATH= \
-	  $(PIP) install -q $(NO_CACHE) --no-build-isolation "mpi4jax>=0.9,<0.10"
+	  $(PIP) install -q $(NO_CACHE) --no-build-isolation --force-reinstall --no-deps "mpi4jax>=0.9,<0.10"
 	$(PY) -c "import mpi4jax; print('mpi4jax', mpi4jax.__version__, 'built with its CUDA bridge' \
 	  if mpi4jax.has_cuda_support() else 'built CPU-only (MPI4JAX_CUDA=$(MPI4JAX_CUDA))')"
 	touch $@
