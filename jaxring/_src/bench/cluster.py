@@ -1,4 +1,4 @@
-"""``jaxring bench cluster``: the all-reduce of issue 5 on the emulated multi-node cluster (root).
+"""``jaxring bench cluster``: gloo, MPICH and jaxring all-reduces on the emulated cluster (root).
 
 All contenders run in one invocation, on the same shaped links, one after the other:
 
