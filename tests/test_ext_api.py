@@ -36,6 +36,13 @@ def idx(*values):
         (lambda: ext.quantize_int8(Z((2, 4))), ValueError, "x must be a flat 1-D array"),
         (lambda: ext.quantize_int8(Z(4), 0), ValueError, "block_size must be a positive"),
         (lambda: ext.quantize_int8(Z(4), 2.5), TypeError, "block_size must be a static"),
+        # was an int64 overflow in the handler's block count, or an MLIR TypeError from 2**63
+        (lambda: ext.quantize_int8(Z(4), 2**63 - 1), ValueError, "block_size must be at most"),
+        (lambda: ext.quantize_int8(Z(4), 2**63), ValueError, "block_size must be at most"),
+        (lambda: ext.dequantize_int8(Z(4, I8), Z(1), 2**40), ValueError,
+         "block_size must be at most"),
+        (lambda: ext.ring_hop_int8(Z(4, I8), Z(1), Z(4), 2**62), ValueError,
+         "block_size must be at most"),
         (lambda: ext.quantize_int8(Z(4), seed=Z(2, jnp.uint32)), TypeError, "seed must be"),
         (lambda: ext.dequantize_int8(Z(4), Z(1), 4), TypeError, "q must have dtype int8"),
         (lambda: ext.dequantize_int8(Z(5, I8), Z(1), 4), ValueError,

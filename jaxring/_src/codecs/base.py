@@ -11,6 +11,10 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+# The largest block a blockwise codec takes: a block count of any buffer then fits every index
+# type the kernels use, and a block (the ring's chunk alignment) stays a sane size.
+MAX_BLOCK_SIZE = 2**31 - 1
+
 _NARROW_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

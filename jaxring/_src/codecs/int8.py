@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring._src.codecs import kernels
-from jaxring._src.codecs.base import Codec, accum_dtype, is_float
+from jaxring._src.codecs.base import MAX_BLOCK_SIZE, Codec, accum_dtype, is_float
 
 _F32 = jnp.dtype(jnp.float32)
 _SCALE_BYTES = 4
@@ -57,8 +57,9 @@ class Int8(Codec):
     except TypeError:
       raise ValueError(f"int8: block_size must be a positive integer, got {self.block_size!r}"
                        ) from None
-    if bs < 1:
-      raise ValueError(f"int8: block_size must be a positive integer, got {bs}")
+    if not 1 <= bs <= MAX_BLOCK_SIZE:
+      raise ValueError(f"int8: block_size must be a positive integer of at most {MAX_BLOCK_SIZE} "
+                       f"(2**31 - 1), got {bs}")
     if not isinstance(self.stochastic, bool):
       raise ValueError(f"int8: stochastic must be True or False, got {self.stochastic!r}")
     object.__setattr__(self, "block_size", bs)

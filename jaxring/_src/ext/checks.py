@@ -19,14 +19,23 @@ require_extension()  # the kernels and chunks modules need the FFI targets regis
 __all__ = ["positive_int", "flat", "same_length", "call"]
 
 
+# The largest block or chunk size the kernels take. The C++ handlers count blocks as
+# (n + size - 1) / size in int64, which overflows for sizes near 2**63 (and sizes from 2**63 on
+# do not fit the i64 attribute at all); any size from n on is one block anyway.
+MAX_SIZE = 2**31 - 1
+
+
 def positive_int(name: str, value) -> int:
-  """Returns ``value`` as a Python int, or raises if it is not a static positive integer."""
+  """Returns ``value`` as a Python int, or raises if it is not a static integer in
+  ``[1, MAX_SIZE]``."""
   try:
     v = operator.index(value)
   except TypeError:
     raise TypeError(f"{name} must be a static Python int, got {value!r}") from None
   if v <= 0:
     raise ValueError(f"{name} must be a positive integer, got {v}")
+  if v > MAX_SIZE:
+    raise ValueError(f"{name} must be at most {MAX_SIZE} (2**31 - 1), got {v}")
   return v
 
 
