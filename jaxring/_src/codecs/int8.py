@@ -10,6 +10,11 @@ on their way round the ring are ``S_1 .. S_p`` (``S_p`` the total, encoded once 
 all-gather) therefore ends within ``sum_j max|S_j over its block| / 254`` of the exact sum (plus f32
 rounding): the error grows with the number of hops, not with the magnitude of what is summed.
 Non-finite values are never hidden: a block holding inf/nan decodes to nan.
+
+Small values: within a block, a value below ``max|x_block| / 254`` rounds to 0 (the code's
+resolution). A block whose largest magnitude is below ``2**-64`` gets scale 0 and decodes to
+zeros, on every hop (measured: ``2**-64`` is kept, ``2**-64.5`` is not); scale gradients up (loss
+scaling) before reducing values that small.
 """
 from __future__ import annotations
 
@@ -113,15 +118,17 @@ class Int8(Codec):
 def int8(block_size: int = 256, stochastic: bool = False) -> Int8:
   """Blockwise int8 on the wire (~0.25 of f32 with 256-value blocks), f32 partial sums.
 
+  Blocks whose largest magnitude is below ``2**-64`` are sent as zeros (module docstring).
+
   Args:
-    block_size: values per f32 scale (a positive integer).
+    block_size: values per f32 scale (a positive integer, at most ``2**31 - 1``).
     stochastic: unbiased stochastic rounding instead of round-half-to-even.
 
   Returns:
     The codec, for ``compression=`` of the collectives and ``jaxring.reduce_gradients``.
 
   Raises:
-    ValueError: ``block_size`` is not a positive integer.
+    ValueError: ``block_size`` is not a positive integer, or too large.
 
   Example:
     >>> jaxring.psum(g, ("node", "local"), algorithm="hierarchical",
