@@ -1,13 +1,19 @@
 """``TrainState``: Flax's train state plus what data-parallel training with jaxring carries.
 
-Fields added to :class:`flax.training.train_state.TrainState`:
+Fields added to :class:`flax.training.train_state.TrainState` (keyword-only, so a subclass may
+still add fields without defaults, as Flax's examples do):
 
 * ``batch_stats``: BatchNorm's mutable statistics (averaged over the replicas after every step);
 * ``rng``: a PRNG key; :meth:`TrainState.step_rng` derives this step's (and this replica's) key;
-* ``residuals``: error-feedback residuals, one set per replica: an array of shape
-  ``(replicas, *param.shape)`` per parameter, sharded over the data axis (each replica's compression
-  error is its own; it is not replicated like the rest of the state);
+* ``residuals``: error-feedback residuals, one set per replica, as :class:`Residuals`;
 * ``loss_scale``: a :class:`~jaxring.train.DynamicLossScale` for fp16.
+
+Every pytree leaf of the state is replicated. The residuals are not (each replica's compression
+error is its own), so they sit in a ``pytree_node=False`` field, out of sight of code written for
+replicated states: ``jax.pmap(eval_step, in_axes=(None, 0))(state, batch)``, ``jax.jit``,
+``flax.jax_utils.replicate``, a ``tree_map`` over the leaves. Checkpointers that save the leaves
+(orbax, ``flax.training.checkpoints``) do not save them either: :class:`jaxring.train.Checkpointer`
+does, and a train_step warns when it is handed a state past step 0 whose residuals were lost.
 
 The decorator fills ``residuals`` and ``loss_scale`` when it first sees a state (``prepare``).
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from flax import struct
 from flax.training import train_state
 from jax import lax
 
@@ -23,20 +30,105 @@ from jaxring.train.grad import current_context
 from jaxring.train.precision import DynamicLossScale
 
 
+class Residuals:
+  """Each replica's error-feedback residuals: a tree like the parameters whose leaves have shape
+  ``(replicas, *param.shape)``, sharded over the data axis.
+
+  Kept as static metadata of the state (see the module docstring), so two ``Residuals`` are equal
+  when their trees have the same structure, shapes, dtypes and shardings: a jitted evaluation of
+  the state compiles once, not once per step. It is also a pytree itself, so
+  ``jax.tree.leaves(state.residuals)`` and ``jax.device_get(state.residuals)`` read the arrays.
+
+  Attributes:
+    tree: the residual arrays.
+    fresh: zeros made by ``prepare``, not yet carried through a step (a state past step 0 holding
+      fresh residuals has lost the ones it trained with).
+
+  Example:
+    >>> state, _ = step(state, batch)  # a train_step with a lossy codec
+    >>> state.residuals["dense"]["kernel"].shape  # (replicas, *kernel.shape)
+  """
+
+  __slots__ = ("tree", "fresh")
+
+  def __init__(self, tree: Any, *, fresh: bool = False):
+    self.tree = tree.tree if isinstance(tree, Residuals) else tree
+    self.fresh = fresh
+
+  def _signature(self) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(self.tree)
+    return treedef, tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x))),
+                           getattr(x, "sharding", None)) for x in leaves)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Residuals) and self._signature() == other._signature()
+
+  def __hash__(self) -> int:
+    return hash(self._signature())
+
+  def __getitem__(self, key):
+    return self.tree[key]
+
+  def __repr__(self) -> str:
+    shapes = jax.tree_util.tree_map(lambda x: getattr(x, "shape", x), self.tree)
+    return f"Residuals({shapes}{', fresh' if self.fresh else ''})"
+
+
+jax.tree_util.register_pytree_node(
+    Residuals, lambda r: ((r.tree,), r.fresh), lambda fresh, c: Residuals(c[0], fresh=fresh))
+
+
+def residual_tree(state) -> Any:
+  """The residual arrays of ``state`` (a tree like its parameters), or None.
+
+  Example:
+    >>> tree = residual_tree(state)  # what a checkpoint must save besides the state's leaves
+  """
+  res = getattr(state, "residuals", None)
+  return res.tree if isinstance(res, Residuals) else res
+
+
+def with_residual_tree(state, tree: Any, *, fresh: bool = False):
+  """``state`` holding ``tree`` as its residuals (``state`` itself when ``tree`` is None).
+
+  Example:
+    >>> state = with_residual_tree(state, restored_tree)
+  """
+  if tree is None:
+    return state
+  return state.replace(residuals=Residuals(tree, fresh=fresh))
+
+
+def _optional(pytree_node: bool = True):
+  # keyword-only, so that a subclass may add fields without defaults; a default_factory rather
+  # than a default, which would stay behind as a class attribute that a subclass redeclaring the
+  # field without a default (Flax's ImageNet example: `batch_stats: Any`) inherits as its default
+  return struct.field(pytree_node=pytree_node, default_factory=lambda: None, kw_only=True)
+
+
 class TrainState(train_state.TrainState):
   """Flax ``TrainState`` with batch statistics, an RNG key, residuals and a loss scale.
+
+  The added fields are keyword-only with defaults, so a subclass can add its own fields (with or
+  without defaults) as with Flax's ``TrainState``. To give your own Flax ``TrainState`` subclass
+  error-feedback residuals instead, add this one line to it (a ``train_step`` fills it)::
+
+    residuals: Any = flax.struct.field(pytree_node=False, default=None, kw_only=True)
 
   Example:
     >>> variables = model.init(jax.random.PRNGKey(0), x, train=False)
     >>> state = jaxring.TrainState.create(apply_fn=model.apply, params=variables["params"],
     ...                                   tx=optax.sgd(0.1), batch_stats=variables["batch_stats"],
     ...                                   rng=jax.random.PRNGKey(1))
+    >>> class MyState(jaxring.TrainState):  # Flax's ImageNet example's state, rebased
+    ...   batch_stats: Any
+    ...   dynamic_scale: Any
   """
 
-  batch_stats: Any = None
-  rng: Any = None
-  residuals: Any = None
-  loss_scale: DynamicLossScale | None = None
+  batch_stats: Any = _optional()
+  rng: Any = _optional()
+  residuals: Residuals | None = _optional(pytree_node=False)
+  loss_scale: DynamicLossScale | None = _optional()
 
   def variables(self, params=None) -> dict:
     """``{"params": ..., "batch_stats": ...}`` for ``apply_fn`` (``params`` defaults to own)."""

@@ -2,7 +2,8 @@
 
 The decorated ``step(state, batch) -> (state, metrics)`` is written as for one device. The
 decorator runs it under ``jax.shard_map`` over every device of every process: the batch is split
-along its leading axis, the state is replicated, gradients from :func:`jaxring.value_and_grad` are
+along its leading axis, the state is replicated (its per-replica error-feedback residuals travel
+beside it, sharded: jaxring.train.state), gradients from :func:`jaxring.value_and_grad` are
 averaged inside the backward pass (jaxring.train.grad), BatchNorm statistics and metrics are
 averaged after the step, and with fp16 a step whose gradients overflowed on any replica is skipped
 on all of them.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -31,6 +33,7 @@ from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import _validate_compression
 from jaxring.train.grad import ReduceConfig, StepContext, step_context
 from jaxring.train.precision import DynamicLossScale, as_policy, select_tree
+from jaxring.train.state import Residuals, residual_tree, with_residual_tree
 
 
 def _axes(axis_name) -> tuple:
@@ -99,7 +102,7 @@ class TrainStep:
     self._mesh = mesh
     self.config = config
     self.buckets = None
-    self._jitted = jax.jit(self._spmd, donate_argnums=(0,) if donate else ())
+    self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
 
   @property
   def mesh(self) -> Mesh:
@@ -111,12 +114,9 @@ class TrainStep:
   def num_replicas(self) -> int:
     return int(np.prod([self.mesh.shape[a] for a in self.config.axes]))
 
-  def _state_specs(self, state):
-    specs = jax.tree_util.tree_map(lambda _: P(), state)
-    if getattr(state, "residuals", None) is not None:
-      specs = specs.replace(residuals=jax.tree_util.tree_map(
-          lambda _: P(self.config.axis_name), state.residuals))
-    return specs
+  @property
+  def _residual_sharding(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P(self.config.axis_name))
 
   def prepare(self, state):
     """Puts ``state`` on the mesh: residuals and loss scale created if needed, the rest replicated.
@@ -125,29 +125,36 @@ class TrainStep:
       >>> state = step.prepare(state)  # optional: the first call does it
     """
     cfg = self.config
-    if cfg.uses_residuals and getattr(state, "residuals", None) is None:
+    residuals = residual_tree(state)
+    fresh = isinstance(getattr(state, "residuals", None), Residuals) and state.residuals.fresh
+    if cfg.uses_residuals and residuals is None:
       if not hasattr(state, "residuals"):
-        raise TypeError("train_step: error feedback keeps residuals in the state; use "
-                        "jaxring.TrainState (or pass error_feedback=False)")
-      state = state.replace(residuals=self._zero_residuals(state.params))
+        raise TypeError(
+            "train_step: error feedback keeps each replica's residuals in the state, which has no "
+            "`residuals` field: use jaxring.TrainState, or add to your TrainState class `residuals:"
+            " Any = flax.struct.field(pytree_node=False, default=None, kw_only=True)` (or pass "
+            "error_feedback=False)")
+      residuals, fresh = self._zero_residuals(state.params), True
     if cfg.policy is not None and cfg.policy.loss_scaling and getattr(state, "loss_scale",
                                                                       None) is None:
       if not hasattr(state, "loss_scale"):
         raise TypeError("train_step: fp16 loss scaling keeps the scale in the state; use "
                         "jaxring.TrainState")
       state = state.replace(loss_scale=DynamicLossScale.create())
-    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s),
-                                       self._state_specs(state))
-    return jax.tree_util.tree_map(_place, state, shardings)
+    state = _without_residuals(state)
+    replicated = NamedSharding(self.mesh, P())
+    state = jax.tree_util.tree_map(lambda x: _place(x, replicated), state)
+    if residuals is not None:
+      residuals = jax.tree_util.tree_map(lambda x: _place(x, self._residual_sharding), residuals)
+    return with_residual_tree(state, residuals, fresh=fresh)
 
   def _zero_residuals(self, params):
     r = self.num_replicas
-    sharding = NamedSharding(self.mesh, P(self.config.axis_name))
     shapes = jax.tree_util.tree_map(lambda p: ((r,) + tuple(np.shape(p)), accum_dtype(p.dtype)),
                                     params, is_leaf=lambda x: hasattr(x, "dtype"))
     make = jax.jit(lambda: jax.tree_util.tree_map(lambda sd: jnp.zeros(*sd), shapes,
                                                   is_leaf=lambda x: isinstance(x, tuple)),
-                   out_shardings=jax.tree_util.tree_map(lambda _: sharding, params))
+                   out_shardings=jax.tree_util.tree_map(lambda _: self._residual_sharding, params))
     return make()
 
   def shard_batch(self, batch):
@@ -169,12 +176,16 @@ class TrainStep:
 
   def _needs_prepare(self, state) -> bool:
     cfg = self.config
-    if cfg.uses_residuals and getattr(state, "residuals", None) is None:
+    residuals = residual_tree(state)
+    if cfg.uses_residuals and residuals is None:
       return True
     if (cfg.policy is not None and cfg.policy.loss_scaling
         and getattr(state, "loss_scale", None) is None):
       return True
-    leaves = jax.tree_util.tree_leaves(state)
+    if any(not (isinstance(r, jax.Array) and r.sharding == self._residual_sharding)
+           for r in jax.tree_util.tree_leaves(residuals)):
+      return True  # e.g. read back from a checkpoint as NumPy arrays
+    leaves = jax.tree_util.tree_leaves(_without_residuals(state))
     return bool(leaves) and not (isinstance(leaves[0], jax.Array)
                                  and isinstance(leaves[0].sharding, NamedSharding)
                                  and leaves[0].sharding.mesh == self.mesh)
@@ -182,41 +193,51 @@ class TrainStep:
   def __call__(self, state, batch):
     if self._needs_prepare(state):
       state = self.prepare(state)
-    return self._jitted(state, self.shard_batch(batch))
+    residuals = residual_tree(state)
+    if residuals is not None:
+      _check_residuals(state)
+    new_state, residuals, metrics = self._jitted(_without_residuals(state), residuals,
+                                                 self.shard_batch(batch))
+    return with_residual_tree(new_state, residuals), metrics
 
   def lower(self, state, batch):
     """``jax.jit(...).lower`` of the SPMD step (e.g. to read its compiled HLO)."""
-    return self._jitted.lower(self.prepare(state), self.shard_batch(batch))
+    state = self.prepare(state)
+    return self._jitted.lower(_without_residuals(state), residual_tree(state),
+                              self.shard_batch(batch))
 
-  def _spmd(self, state, batch):
-    specs = self._state_specs(state)
-    body = jax.shard_map(self._per_replica, mesh=self.mesh,
-                         in_specs=(specs, P(self.config.axis_name)), out_specs=(specs, P()),
-                         check_vma=False)
-    return body(state, batch)
+  def _spmd(self, state, residuals, batch):
+    data = P(self.config.axis_name)
+    specs = jax.tree_util.tree_map(lambda _: P(), state)
+    res_specs = jax.tree_util.tree_map(lambda _: data, residuals)
+    body = jax.shard_map(self._per_replica, mesh=self.mesh, in_specs=(specs, res_specs, data),
+                         out_specs=(specs, res_specs, P()), check_vma=False)
+    return body(state, residuals, batch)
 
-  def _per_replica(self, state, batch):
+  def _per_replica(self, state, residuals, batch):
     cfg = self.config
-    has_res = getattr(state, "residuals", None) is not None
-    if has_res:
-      state = state.replace(residuals=jax.tree_util.tree_map(lambda r: r[0], state.residuals))
+    if residuals is not None:  # this replica's row of every (replicas, *shape) residual
+      residuals = jax.tree_util.tree_map(lambda r: r[0], residuals)
     scaling = cfg.policy is not None and cfg.policy.loss_scaling
-    ctx = StepContext(cfg, residuals=state.residuals if has_res else None,
+    ctx = StepContext(cfg, residuals=residuals,
                       loss_scale=state.loss_scale.scale if scaling else None)
     with step_context(ctx):
       new_state, metrics = self._fn(state, batch)
     self.buckets = ctx.buckets
-    if has_res and ctx.new_residuals is not None:
-      new_state = new_state.replace(residuals=ctx.new_residuals)
+    new_state = _without_residuals(new_state)
+    new_residuals = residuals
+    if residuals is not None and ctx.new_residuals is not None:
+      new_residuals = ctx.new_residuals
     if getattr(new_state, "batch_stats", None) is not None:
       new_state = new_state.replace(batch_stats=_mean_over(new_state.batch_stats, cfg.axis_name))
     metrics = _mean_over(metrics, cfg.axis_name)
     if scaling:
       new_state, metrics = self._skip_on_overflow(state, new_state, metrics, ctx.finite)
-    if has_res:
-      new_state = new_state.replace(
-          residuals=jax.tree_util.tree_map(lambda r: r[None], new_state.residuals))
-    return new_state, metrics
+      if residuals is not None:
+        new_residuals = select_tree(_finite(ctx.finite), new_residuals, residuals)
+    if residuals is not None:
+      new_residuals = jax.tree_util.tree_map(lambda r: r[None], new_residuals)
+    return new_state, new_residuals, metrics
 
   @staticmethod
   def _skip_on_overflow(old, new, metrics, finite):
@@ -224,8 +245,8 @@ class TrainStep:
 
     ``finite`` is the result of an all-reduce (jaxring.train.grad), so every replica decides alike.
     """
-    finite = jnp.asarray(True) if finite is None else finite
-    fields = [f for f in ("params", "opt_state", "batch_stats", "residuals")
+    finite = _finite(finite)
+    fields = [f for f in ("params", "opt_state", "batch_stats")
               if getattr(new, f, None) is not None]
     new = new.replace(**{f: select_tree(finite, getattr(new, f), getattr(old, f)) for f in fields},
                       loss_scale=old.loss_scale.adjust(finite))
@@ -233,6 +254,39 @@ class TrainStep:
       metrics = dict(metrics, loss_scale=old.loss_scale.scale,
                      grads_finite=finite.astype(jnp.float32))
     return new, metrics
+
+
+def _finite(finite):
+  return jnp.asarray(True) if finite is None else finite
+
+
+def _without_residuals(state):
+  """``state`` with no residuals: what the jitted step and the user's function see."""
+  if getattr(state, "residuals", None) is None:
+    return state
+  return state.replace(residuals=None)
+
+
+def _check_residuals(state) -> None:
+  """Fails loudly, before the step runs, where the residuals are not this state's own."""
+  res = state.residuals
+  if any(isinstance(r, jax.Array) and r.is_deleted() for r in jax.tree_util.tree_leaves(res)):
+    raise RuntimeError(
+        "train_step: state.residuals were already consumed (donated) by an earlier step: this "
+        "state is stale. Carry on with the state the last step returned. (The residuals are "
+        "static metadata of the state, not leaves, so a jax.jit function that returns the state "
+        "returns the residuals it was traced with; give its result the current ones with "
+        "`out.replace(residuals=state.residuals)`.)")
+  if isinstance(res, Residuals) and res.fresh and (step := int(jax.device_get(state.step))) > 0:
+    warnings.warn(
+        f"train_step: the state is at step {step} but its error-feedback residuals are zeros: "
+        "the residuals it trained with were lost. They are per replica and kept out of the "
+        "state's pytree leaves (so that code written for replicated states, such as "
+        "jax.pmap(eval_step, in_axes=(None, 0)), works), so orbax or flax.training.checkpoints "
+        "saving the state's leaves does not save them: jaxring.train.Checkpointer does (or save "
+        "jaxring.train.state.residual_tree(state) beside the state and restore it with "
+        "jaxring.train.state.with_residual_tree).", stacklevel=3)
+    state.residuals.fresh = False  # warned once
 
 
 def _validate_bucket_bytes(bucket_bytes) -> int:
