@@ -38,6 +38,9 @@ class Residuals:
   when their trees have the same structure, shapes, dtypes and shardings: a jitted evaluation of
   the state compiles once, not once per step. It is also a pytree itself, so
   ``jax.tree.leaves(state.residuals)`` and ``jax.device_get(state.residuals)`` read the arrays.
+  Being metadata, they pass through a ``jax.jit`` function that returns the state as they were
+  when it was traced: carry on with the train step's own output state (a step handed residuals
+  that an earlier step already donated raises).
 
   Attributes:
     tree: the residual arrays.
