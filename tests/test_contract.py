@@ -163,6 +163,18 @@ def test_all_gather_of_bool_is_bool(algorithm, codec, check_vma):
   np.testing.assert_array_equal(np.asarray(got)[0], x)
 
 
+@pytest.mark.parametrize("algorithm", ["xla", "ring", "hierarchical", "auto"])
+def test_psum_scatter_of_bool_is_refused_as_lax_refuses_it(algorithm):
+  mesh = mesh_of((8,), ("i",))
+  mk = lambda fn: jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P("i"),
+                                        out_specs=P("i")))
+  x = jnp.asarray(np.random.RandomState(7).rand(8, 16) > 0.5)
+  with pytest.raises(Exception) as info:
+    mk(lambda v: lax.psum_scatter(v, "i", tiled=True))(x)
+  with pytest.raises(info.type, match=re.escape(str(info.value))):
+    mk(lambda v: jaxring.psum_scatter(v, "i", tiled=True, algorithm=algorithm))(x)
+
+
 # --- item 3 and friends: errors ----------------------------------------------------------------
 
 

@@ -322,7 +322,12 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
                             axis_index_groups=axis_index_groups, tiled=tiled)
   sizes, mpi = _bind(axes, "psum_scatter")
   p = math.prod(sizes)
-  leaves, treedef = _prep(x)
+  leaves, treedef = jax.tree_util.tree_flatten(x)
+  if any(jnp.result_type(leaf) == np.bool_ for leaf in leaves):
+    # unlike psum, lax.psum_scatter does not sum bools as int32: it refuses them
+    raise TypeError("jaxring.psum_scatter: add does not accept dtype bool at position 0. Accepted "
+                    "dtypes at position 0 are subtypes of integer, floating, complexfloating. "
+                    "(as lax.psum_scatter: cast bools to an integer dtype first)")
   out = []
   for leaf in leaves:
     shape = np.shape(leaf)
