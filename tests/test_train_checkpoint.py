@@ -133,3 +133,158 @@ def _worker_state():
   finally:
     sys.path.pop(0)
   return train_checkpoint_kill.make_state()
+
+
+# Corruption: a checkpoint whose bytes changed on disk is refused with a named error, and fit
+# resumes from the previous one.
+
+def _largest_file(directory) -> str:
+  """The largest of the data files orbax wrote under ``directory`` (OCDBT keeps them in d/)."""
+  files = [p for p in glob.glob(os.path.join(str(directory), "**", "d", "*"), recursive=True)
+           if os.path.isfile(p)]
+  return max(files, key=os.path.getsize)
+
+
+def _flip_middle_bit(path: str) -> None:
+  data = bytearray(open(path, "rb").read())
+  data[len(data) // 2] ^= 0x08
+  with open(path, "wb") as f:
+    f.write(bytes(data))
+
+
+@pytest.fixture()
+def saved(tmp_path):
+  """A committed step 1 of the kill worker's state (a 1024x1024 f32 array, 4 MiB on disk)."""
+  state = _worker_state()
+  ckpt = jt.Checkpointer(tmp_path / "ckpt", async_save=False)
+  ckpt.save(state, step=1)
+  ckpt.close()
+  return state, tmp_path / "ckpt"
+
+
+def _silent_flip(state_dir, template) -> float:
+  """Flips one bit near the middle of the largest data file so that orbax reads it back without
+  error (zstd has no checksum: most flips inside its literals decode to wrong values); returns
+  how much params['big'] then differs."""
+  import orbax.checkpoint as ocp
+  path = _largest_file(state_dir)
+  pristine = open(path, "rb").read()
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      if isinstance(x, jax.Array) else x, template)
+  for k in range(40):
+    data = bytearray(pristine)
+    data[len(data) // 2 + 101 * k] ^= 0x08
+    with open(path, "wb") as f:
+      f.write(bytes(data))
+    try:
+      got = ocp.StandardCheckpointer().restore(str(state_dir), abstract)
+    except Exception:  # noqa: BLE001 - this flip broke the zstd stream: orbax notices, try another
+      continue
+    diff = float(np.abs(np.asarray(got.params["big"]) - np.asarray(template.params["big"])).max())
+    if diff > 0:
+      return diff
+  pytest.fail("no flip near the middle of the file was silent")
+
+
+def test_a_flipped_bit_in_an_array_file_is_refused(saved):
+  state, directory = saved
+  assert os.path.getsize(_largest_file(directory / "1" / "state")) > 1 << 20
+  assert _silent_flip(directory / "1" / "state", state) > 0  # plain orbax: a wrong value, no error
+  with pytest.raises(jt.checkpoint.CheckpointCorruptError) as info:
+    jt.Checkpointer(directory).restore(state)
+  err = info.value
+  assert isinstance(err, OSError) and err.step == 1 and err.path == str(directory / "1")
+  assert f"checkpoint step 1 at {directory / '1'} is corrupt" in str(err)
+  assert "params['big']" in err.reason and "crc32" in err.reason, err.reason
+
+
+def test_a_flip_that_breaks_the_compressed_stream_is_named(saved):
+  state, directory = saved
+  _flip_middle_bit(_largest_file(directory / "1" / "state"))
+  with pytest.raises(jt.checkpoint.CheckpointCorruptError, match=r"step 1 at .*/1 is corrupt: "):
+    jt.Checkpointer(directory).restore(state)
+
+
+def test_a_deleted_metadata_file_is_named(saved):
+  state, directory = saved
+  os.remove(directory / "1" / "state" / "_METADATA")
+  with pytest.raises(jt.checkpoint.CheckpointCorruptError,
+                     match=r"step 1 at .*/1 is corrupt: state/_METADATA is missing"):
+    jt.Checkpointer(directory).restore(state)
+
+
+def test_a_truncated_file_is_named_in_one_line(saved):
+  state, directory = saved
+  data_file = _largest_file(directory / "1" / "state")
+  with open(data_file, "r+b") as f:
+    f.truncate(os.path.getsize(data_file) // 2)
+  with pytest.raises(jt.checkpoint.CheckpointCorruptError) as info:
+    jt.Checkpointer(directory).restore(state)
+  reason = info.value.reason
+  assert reason.startswith("orbax could not read it: ") and "\n" not in reason, reason
+  assert "params.big" in reason and len(reason) < 600, reason  # tensorstore's words, not its spec
+
+
+def test_a_different_template_is_a_value_error_not_corruption(saved):
+  state, directory = saved
+  other = state.replace(params={**state.params, "small": jnp.zeros(8, jnp.float32)})
+  with pytest.raises(ValueError, match=r"different state than the template: "
+                                       r"\.params\['small'\]: checkpoint float32\[7\], template "
+                                       r"float32\[8\]") as info:
+    jt.Checkpointer(directory).restore(other)
+  assert not isinstance(info.value, jt.checkpoint.CheckpointCorruptError)
+
+
+def test_fit_skips_a_corrupt_checkpoint_and_resumes_from_the_previous(step, tmp_path, caplog):
+  straight = jt.fit(step, _fresh_state(), _batches(), num_steps=7, progress=False)
+  first = jt.Checkpointer(tmp_path / "ckpt", max_to_keep=3)
+  jt.fit(step, _fresh_state(), _batches(), num_steps=4, checkpointer=first, checkpoint_every=2,
+         progress=False)
+  first.close()
+  _flip_middle_bit(_largest_file(tmp_path / "ckpt" / "4" / "state"))
+
+  second = jt.Checkpointer(tmp_path / "ckpt", max_to_keep=3)
+  metrics = tmp_path / "m.jsonl"
+  with caplog.at_level("WARNING", logger="jaxring.train.loop"):
+    resumed = jt.fit(step, _fresh_state(), _batches(), num_steps=7, checkpointer=second,
+                     checkpoint_every=2, log_every=1, metrics_path=str(metrics), progress=False)
+  second.close()
+
+  skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+  assert len(skipped) == 1 and f"step 4 at {tmp_path / 'ckpt' / '4'}" in skipped[0], skipped
+  assert "4.corrupt" in skipped[0], skipped
+  assert [json.loads(l)["step"] for l in metrics.read_text().splitlines()] == [3, 4, 5, 6, 7]
+  assert os.path.isdir(tmp_path / "ckpt" / "4.corrupt")  # kept for inspection, not a step
+  assert jt.Checkpointer(tmp_path / "ckpt").all_steps() == [4, 6, 7]  # 4 redone from step 2
+  for g, w in zip(_leaves(resumed), _leaves(straight)):
+    np.testing.assert_array_equal(g, w)
+
+
+def _run_two_processes(directory, steps: int):
+  import multiproc as mp
+  port = mp.free_port()
+  results = mp.spawn(2, lambda i: mp.python_worker(
+      "train_checkpoint_dist.py", "--dir", str(directory), "--steps", str(steps)),
+                     lambda i: mp.clean_env(JAXRING_COORDINATOR=f"127.0.0.1:{port}",
+                                            JAXRING_NUM_PROCESSES=2, JAXRING_PROCESS_ID=i,
+                                            JAXRING_LOCAL_DEVICE_COUNT=2), timeout=200)
+  mp.assert_all_ok(results)
+  return results, mp.report(results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_two_processes_skip_a_corrupt_checkpoint_together(tmp_path):
+  straight, report = _run_two_processes(tmp_path / "straight", 6)
+  final = {r.stdout.split("FINAL ")[1].split()[0] for r in straight}
+  assert len(final) == 1, report
+
+  _run_two_processes(tmp_path / "ckpt", 4)
+  assert jt.Checkpointer(tmp_path / "ckpt").all_steps() == [2, 4]
+  _flip_middle_bit(_largest_file(tmp_path / "ckpt" / "4" / "residuals"))  # one process's shard
+  results, report = _run_two_processes(tmp_path / "ckpt", 6)
+  for r in results:
+    assert "RESUMED 2" in r.stdout and "RESUMED 4" not in r.stdout, report
+    assert "skipping checkpoint step 4" in r.stderr, report
+    assert r.stdout.split("FINAL ")[1].split()[0] in final, report  # bit-identical to straight

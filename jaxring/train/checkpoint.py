@@ -10,13 +10,53 @@ only after every file is written (the rename is atomic on POSIX file systems), s
 middle of a save leaves a temporary directory that is never read (and is removed on the next
 start), and the last committed checkpoint is intact. ``max_to_keep`` deletes older steps only after
 a newer one has been committed.
+
+A restore is verified: every save also records a CRC32 of each array (shard by shard, see
+:mod:`jaxring.train.checksums`) and of the data position, in a third item committed with the
+others. A checkpoint whose bytes no longer match, or that orbax cannot read although the template
+matches what was saved (a deleted or damaged file), raises :class:`CheckpointCorruptError` naming
+the step, its path and what is wrong; :func:`jaxring.train.fit` then falls back to the previous
+committed step. Checkpoints written before checksums were recorded restore unverified, with a
+warning.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import jax
+import numpy as np
+
+from jaxring.train import checksums
+from jaxring.train.state import residual_tree, with_residual_tree
+
+log = logging.getLogger(__name__)
+
+_CHECKSUMS = "checksums"           # the orbax item holding the record
+_MARK = "jaxring_checksums"        # in the step's custom metadata: a record was written
+_RESIDUALS = "residuals"           # per replica, so not among the state's leaves (train/state.py)
+# Files orbax's StandardCheckpointHandler cannot restore without (it names none of them when one
+# is gone: a missing _METADATA surfaces as a pytree-structure mismatch).
+_REQUIRED_STATE_FILES = ("_METADATA",)
+
+
+class CheckpointCorruptError(OSError):
+  """A committed checkpoint cannot be restored as it was saved.
+
+  Raised when an array's bytes differ from the CRC32 recorded at save, or when orbax fails to read
+  a checkpoint whose recorded structure matches the template (a file deleted, truncated or
+  damaged). An ``OSError`` like :class:`gzip.BadGzipFile`: the data on disk is bad.
+
+  Attributes:
+    step: the checkpoint's step.
+    path: its directory.
+    reason: what is wrong, in one or a few lines.
+  """
+
+  def __init__(self, step: int, path: str, reason: str):
+    super().__init__(f"checkpoint step {step} at {path} is corrupt: {reason}")
+    self.step, self.path, self.reason = step, path, reason
 
 
 def _ocp():
@@ -28,6 +68,32 @@ def _abstract(x):
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   return x
+
+
+def _root_cause(exc: BaseException) -> str:
+  """The first line of the innermost exception: tensorstore's own words, not orbax's wrapping."""
+  seen = set()
+  while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+    seen.add(id(exc))
+    exc = inner
+  text = str(exc).strip()
+  return f"{type(exc).__name__}: {text.splitlines()[0][:400] if text else ''}"
+
+
+def _checked_record(step: int, path: str, record) -> dict:
+  if not isinstance(record, dict) or not isinstance(record.get("arrays"), dict):
+    raise CheckpointCorruptError(step, path, f"its checksums ({_CHECKSUMS}/) are not a checksum "
+                                 f"record: {str(record)[:200]}")
+  return record
+
+
+def _processes_with_problems(count: int) -> list[int]:
+  """The processes that found problems (all processes learn the same list)."""
+  if jax.process_count() == 1:
+    return [0] if count else []
+  from jax.experimental import multihost_utils
+  counts = np.asarray(multihost_utils.process_allgather(np.asarray([count], np.int32)))
+  return [int(p) for p in np.flatnonzero(counts.reshape(-1))]
 
 
 class Checkpointer:
@@ -53,21 +119,38 @@ class Checkpointer:
         max_to_keep=max_to_keep, save_interval_steps=save_every, create=True,
         cleanup_tmp_directories=True, enable_async_checkpointing=async_save)
     self.directory = os.fspath(os.path.abspath(directory))
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # Handlers named up front: reading a step's metadata then needs no guessing (and no warning
+    # per item).
+    handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                _CHECKSUMS: ocp.JsonCheckpointHandler(),
+                _RESIDUALS: ocp.StandardCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def save(self, state, *, data_state: dict | None = None, step: int | None = None,
            force: bool = False) -> bool:
     """Saves ``state`` (and the data position) as ``step`` (default ``state.step``).
+
+    The CRC32s of the arrays are computed here, before the write starts (a collective in a
+    multi-process job: every process calls ``save``, as orbax requires anyway).
 
     Returns:
       Whether a save was started (``save_every`` may skip it).
     """
     if step is None:
       step = int(jax.device_get(state.step))
+    if not force and not self._manager.should_save(step):
+      return False
     ocp = _ocp()
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              data=ocp.args.JsonSave(dict(data_state or {})))
-    return self._manager.save(step, args=args, force=force)
+    data = dict(data_state or {})
+    residuals = residual_tree(state)
+    record = {"arrays": checksums.record(state), "data": checksums.crc32_json(data)}
+    items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data)}
+    if residuals is not None:
+      items[_RESIDUALS] = ocp.args.StandardSave(residuals)
+      record[_RESIDUALS] = checksums.record(residuals)
+    items[_CHECKSUMS] = ocp.args.JsonSave(record)
+    args = ocp.args.Composite(**items)
+    return self._manager.save(step, args=args, force=True, custom_metadata={_MARK: 1})
 
   @property
   def latest_step(self) -> int | None:
@@ -77,21 +160,131 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self._manager.all_steps())
 
+  def step_path(self, step: int) -> str:
+    """The directory of a committed ``step``."""
+    return os.path.join(self.directory, str(step))
+
   def restore(self, template, *, step: int | None = None) -> tuple[Any, dict]:
     """Reads ``step`` (default: the latest) into arrays shaped and sharded like ``template``.
 
     Returns:
       ``(state, data_state)``; ``data_state`` is ``{}`` when none was saved.
+
+    Raises:
+      FileNotFoundError: no committed checkpoint.
+      CheckpointCorruptError: the checkpoint's bytes differ from those saved, or a file of it is
+        missing or unreadable.
+      ValueError: ``template`` does not have the leaves (paths, shapes, dtypes) that were saved.
     """
     if step is None:
       step = self.latest_step
     if step is None:
       raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
     abstract = jax.tree_util.tree_map(_abstract, template)
+    recorded = self._has_record(step)
     ocp = _ocp()
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-    return restored["state"], dict(restored["data"] or {})
+    items = dict(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
+    if recorded:
+      items[_CHECKSUMS] = ocp.args.JsonRestore()
+    residuals = residual_tree(template)
+    abstract_residuals = None
+    if residuals is not None and os.path.isdir(os.path.join(self.step_path(step), _RESIDUALS)):
+      abstract_residuals = jax.tree_util.tree_map(_abstract, residuals)
+      items[_RESIDUALS] = ocp.args.StandardRestore(abstract_residuals)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as exc:  # noqa: BLE001 - orbax/tensorstore raise many kinds
+      if not recorded:
+        raise  # nothing recorded: a damaged file and a template mismatch look alike
+      self._raise_mismatch(step, abstract, abstract_residuals, self._read_record(step))
+      raise CheckpointCorruptError(step, self.step_path(step), self._explain(step, exc)) from exc
+    state, data = restored["state"], dict(restored["data"] or {})
+    if recorded:
+      record = _checked_record(step, self.step_path(step), restored[_CHECKSUMS])
+      self._raise_mismatch(step, abstract, abstract_residuals, record)
+      self._verify(step, state, restored[_RESIDUALS] if _RESIDUALS in items else None,
+                   data, record)
+    if _RESIDUALS in items:
+      state = with_residual_tree(state, restored[_RESIDUALS])
+    return state, data
+
+  def _has_record(self, step: int) -> bool:
+    """Whether ``step`` was saved with checksums (False: by a jaxring before they existed)."""
+    path = self.step_path(step)
+    try:
+      marked = bool((self._manager.metadata(step).custom_metadata or {}).get(_MARK))
+    except Exception as exc:  # noqa: BLE001
+      raise CheckpointCorruptError(step, path, f"orbax could not read its metadata: "
+                                   f"{_root_cause(exc)}") from exc
+    if not marked and not os.path.isdir(os.path.join(path, _CHECKSUMS)):
+      log.warning("checkpoint step %d at %s has no checksums (written by an older jaxring): "
+                  "restored unverified", step, path)
+      return False
+    return True
+
+  def _read_record(self, step: int) -> dict:
+    ocp = _ocp()
+    try:
+      record = self._manager.restore(step, args=ocp.args.Composite(
+          **{_CHECKSUMS: ocp.args.JsonRestore()}))[_CHECKSUMS]
+    except Exception as exc:  # noqa: BLE001
+      raise CheckpointCorruptError(step, self.step_path(step), f"its checksums ({_CHECKSUMS}/) "
+                                   f"are missing or unreadable: {_root_cause(exc)}") from exc
+    return _checked_record(step, self.step_path(step), record)
+
+  def _raise_mismatch(self, step: int, abstract, abstract_residuals, record: dict) -> None:
+    diff = checksums.mismatch(abstract, record["arrays"])
+    if not diff and abstract_residuals is not None and _RESIDUALS in record:
+      diff = checksums.mismatch(abstract_residuals, record[_RESIDUALS])
+    if diff:
+      raise ValueError(f"checkpoint step {step} at {self.step_path(step)} holds a different state "
+                       f"than the template: {diff}")
+
+  def _explain(self, step: int, exc: BaseException) -> str:
+    path = self.step_path(step)
+    missing = [f"state/{name}" for name in _REQUIRED_STATE_FILES
+               if not os.path.exists(os.path.join(path, "state", name))]
+    if missing:
+      return f"{', '.join(missing)} is missing"
+    return f"orbax could not read it: {_root_cause(exc)}"
+
+  def _verify(self, step: int, state, residuals, data: dict, record: dict) -> None:
+    problems, unverified = checksums.verify(state, record["arrays"])
+    if residuals is not None and _RESIDUALS in record:
+      more, more_unverified = checksums.verify(residuals, record[_RESIDUALS])
+      problems += [f"residuals{p}" for p in more]
+      unverified += more_unverified
+    if checksums.crc32_json(data) != record.get("data"):
+      problems.append("the data position differs from the one saved")
+    if unverified:
+      log.warning("checkpoint step %d: %d array regions were restored split across processes "
+                  "and could not be checked", step, unverified)
+    bad = _processes_with_problems(len(problems))
+    if problems or bad:
+      reason = "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)"
+                                          if len(problems) > 5 else "")
+      if not problems:
+        reason = f"process(es) {bad} found arrays whose bytes differ from the saved checksums"
+      raise CheckpointCorruptError(step, self.step_path(step), reason)
+
+  def set_aside(self, step: int) -> str:
+    """Renames a corrupt ``step`` to ``<step>.corrupt`` (kept for inspection, no longer a step).
+
+    Returns:
+      The new path.
+    """
+    src, dst = self.step_path(step), self.step_path(step) + ".corrupt"
+    n = 1
+    while os.path.exists(dst):
+      n += 1
+      dst = f"{self.step_path(step)}.corrupt{n}"
+    if jax.process_index() == 0:
+      os.rename(src, dst)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"jaxring-checkpoint-set-aside-{step}")
+    self._manager.reload()
+    return dst
 
   def wait_until_finished(self) -> None:
     self._manager.wait_until_finished()

@@ -1,22 +1,26 @@
 """``fit``: one explicit training loop, readable top to bottom (big_vision's habit).
 
-Resume from the newest checkpoint (state and data position), step, log every ``log_every`` steps
-(progress bar + JSON lines, process 0 only), raise on a non-finite loss, checkpoint every
-``checkpoint_every`` steps and at the end.
+Resume from the newest checkpoint that restores intact (state and data position; a corrupt one is
+logged, set aside and the previous one tried), step, log every ``log_every`` steps (progress bar +
+JSON lines, process 0 only), raise on a non-finite loss, checkpoint every ``checkpoint_every``
+steps and at the end.
 
 Metrics stay on the devices between log points: reading a value forces the host to wait for the
 step that produced it, and waiting every step would serialize dispatch with compute.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Callable, Iterator
 
 import jax
 
-from jaxring.train.checkpoint import Checkpointer
+from jaxring.train.checkpoint import CheckpointCorruptError, Checkpointer
 from jaxring.train.metrics import JsonlWriter, Progress, to_python
+
+log = logging.getLogger(__name__)
 
 
 def _global_batch_size(batch) -> int:
@@ -54,6 +58,8 @@ def fit(step: Callable, state: Any, batches: Iterator, *, num_steps: int,
 
   Raises:
     FloatingPointError: the loss became non-finite.
+    CheckpointCorruptError: every committed checkpoint is corrupt (each one found corrupt is
+      logged and renamed ``<step>.corrupt``; the newest intact one is resumed from).
 
   Example:
     >>> state = jaxring.train.fit(step, state, batches, num_steps=1000,
@@ -63,7 +69,7 @@ def fit(step: Callable, state: Any, batches: Iterator, *, num_steps: int,
   if hasattr(step, "prepare"):
     state = step.prepare(state)
   if checkpointer is not None and checkpointer.latest_step is not None:
-    state, data_state = checkpointer.restore(state)
+    state, data_state = _resume(checkpointer, state)
     if data_state and hasattr(batches, "set_state"):
       batches.set_state(data_state)
   start = int(jax.device_get(state.step))
@@ -99,6 +105,25 @@ def fit(step: Callable, state: Any, batches: Iterator, *, num_steps: int,
     if checkpointer is not None:
       checkpointer.wait_until_finished()
   return state
+
+
+def _resume(checkpointer: Checkpointer, template) -> tuple[Any, dict]:
+  """Restores the newest intact checkpoint; corrupt ones are logged and set aside."""
+  skipped = []
+  for step in sorted(checkpointer.all_steps(), reverse=True):
+    try:
+      return checkpointer.restore(template, step=step)
+    except CheckpointCorruptError as exc:
+      # Set aside, not deleted: the next save of this step would collide with it, and whoever
+      # investigates the corruption wants the files.
+      moved = checkpointer.set_aside(step)
+      log.warning("skipping checkpoint step %d at %s: %s (moved to %s); trying the previous one",
+                  exc.step, exc.path, exc.reason, moved)
+      skipped.append(exc)
+  raise CheckpointCorruptError(
+      skipped[-1].step, checkpointer.directory,
+      "every committed checkpoint is corrupt: " + "; ".join(
+          f"step {e.step}: {e.reason}" for e in skipped))
 
 
 def _position(batches) -> dict:
