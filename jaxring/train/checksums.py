@@ -9,8 +9,8 @@ its global shape), so no process needs bytes it does not hold: in a multi-proces
 each shard computes its CRC and the small vector of CRCs is all-gathered, so that the record,
 written by process 0, is complete. On restore each process checks the regions it holds; a region
 recorded as one shard but restored split across the devices of several processes (a finer
-sharding than at save) cannot be checked locally and is counted as unverified. Typed PRNG keys are checked through
-their key data. Python scalars (a plain ``int`` step) are recorded by value.
+sharding than at save) cannot be checked locally and is counted as unverified. Typed PRNG keys
+are checked through their key data. Python scalars (a plain ``int`` step) are recorded by value.
 """
 from __future__ import annotations
 
