@@ -4,6 +4,7 @@
 the same objects, re-exported at the top level.
 """
 from jaxring.train.buckets import Bucket as Bucket
+from jaxring.train.checkpoint import CheckpointCorruptError as CheckpointCorruptError
 from jaxring.train.checkpoint import Checkpointer as Checkpointer
 from jaxring.train.data import BatchIterator as BatchIterator
 from jaxring.train.grad import grad as grad
