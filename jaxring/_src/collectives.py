@@ -14,6 +14,7 @@ the bytes, and the binding's topology gives the levels).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -353,8 +354,8 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
     if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
       out.append(lax.psum_scatter(leaf, axis_name, scatter_dimension=d, tiled=tiled))
       continue
-    scatter = lambda v, d=d, dtype=dtype, plan=plan: scatter_gather.reduce_scatter_leaf(v, d, tiled, p, dtype,
-                                                                           plan)
+    scatter = functools.partial(scatter_gather.reduce_scatter_leaf, d=d, tiled=tiled, p=p,
+                                dtype=dtype, plan=plan)
     if linear.differentiable(dtype):
       scatter = linear.psum_scatter(scatter, axes, d, tiled)
     out.append(scatter(jnp.asarray(leaf)))
@@ -406,7 +407,8 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
     if plan.kind == "xla" or p == 1 or leaf.size == 0:
       out.append(lax.all_gather(leaf, axis_name, axis=ax, tiled=tiled))
       continue
-    gather = lambda v, ax=ax, dtype=dtype, plan=plan: scatter_gather.all_gather_leaf(v, ax, tiled, p, dtype, plan)
+    gather = functools.partial(scatter_gather.all_gather_leaf, ax=ax, tiled=tiled, p=p,
+                               dtype=dtype, plan=plan)
     if linear.differentiable(dtype):
       gather = linear.all_gather(gather, axes, ax, tiled)
     out.append(gather(leaf))
