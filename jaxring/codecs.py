@@ -1,7 +1,8 @@
 """Codecs for ``compression=``: what crosses a link (re-exported from jaxring._src.codecs).
 
-``none()`` (own dtype), ``bf16()`` / ``fp16()`` (16-bit floats), ``int8(block_size, stochastic)``
-(blockwise int8, re-encoded at every ring hop) and ``topk_chunks(density, chunk_size, inner)``
+``none()`` (own dtype), ``bf16()`` / ``fp16(block_size)`` (16-bit floats; fp16 scaled by a power
+of two per block so that small gradients keep fp16's relative precision),
+``int8(block_size, stochastic)`` (blockwise int8, re-encoded at every ring hop) and ``topk_chunks(density, chunk_size, inner)``
 (coarse-grained sparse all-reduce). Partial sums are always accumulated in f32 or wider.
 """
 from jaxring._src.codecs import Bf16 as Bf16

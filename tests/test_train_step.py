@@ -120,3 +120,34 @@ def test_grad_with_several_argnums_is_the_global_batch_gradient():
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(r))
   assert len(step.buckets) == 2
+
+
+def test_a_loop_without_host_sync_does_not_deadlock_xla_cpu():
+  # XLA:CPU deadlocks (and aborts after 40 s) once ~32 steps with collectives are queued; the step
+  # paces itself. 300 steps dispatched back to back, nothing read until the end, in a fresh process.
+  import subprocess
+  import sys
+  import textwrap
+
+  import multiproc
+  code = textwrap.dedent("""
+      import jax.numpy as jnp, numpy as np, optax, jaxring as jr
+      @jr.train_step(compression=jr.codecs.int8())
+      def step(state, batch):
+          loss, grads = jr.value_and_grad(
+              lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2))(state.params, batch)
+          return state.apply_gradients(grads=grads), {"loss": loss}
+      state = jr.TrainState.create(apply_fn=None, params={"w": jnp.zeros((16, 1))},
+                                   tx=optax.sgd(0.1))
+      x = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+      batch = {"x": x, "y": x @ np.linspace(-1, 1, 16, dtype=np.float32)[:, None]}
+      for _ in range(300):
+          state, _ = step(state, batch)
+      print("W", np.asarray(state.params["w"])[:3, 0].tolist())
+      """)
+  env = multiproc.clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                     timeout=240)
+  assert p.returncode == 0, p.stderr[-3000:]
+  w = np.array(eval(p.stdout.split("W", 1)[1]))
+  np.testing.assert_allclose(w, np.linspace(-1, 1, 16)[:3], atol=1e-3)

@@ -67,8 +67,8 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
   """``(applied, new_residual)`` of one error-feedback step (see the module docstring).
 
   Floating leaves of one dtype are fused into one flat buffer (as :func:`jaxring.psum` does) and
-  reduced by the planned algorithm with ``want_error=True``. Non-finite errors (an fp16 overflow,
-  a nan gradient) are not carried into the next step: the result already shows them.
+  reduced by the planned algorithm with ``want_error=True``. Non-finite errors (an inf or nan
+  gradient) are not carried into the next step: the result already shows them.
   """
   axes = _axes(axis_name)
   leaves, treedef = jax.tree_util.tree_flatten(grads)

@@ -143,7 +143,7 @@ def _next_residual(mean, err, dtype):
   err = jnp.zeros_like(mean) if err is None else err[:-1]
   if jnp.dtype(dtype) != mean.dtype:  # the final rounding to the gradient dtype, once per member
     err = err + (mean - mean.astype(dtype).astype(mean.dtype))
-  # a non-finite error (fp16 overflow, nan gradient) is visible in this step's result; carrying it
+  # a non-finite error (an inf or nan gradient) is visible in this step's result; carrying it
   # would poison every later step
   return jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
 
