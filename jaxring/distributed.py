@@ -7,7 +7,7 @@ from jaxring._src.distributed import initialize as initialize
 from jaxring._src.distributed import is_initialized as is_initialized
 from jaxring._src.distributed import process_mesh as process_mesh
 from jaxring._src.distributed import shutdown as shutdown
-from jaxring._src.mpi_axis import MpiAxis as MpiAxis
-from jaxring._src.mpi_axis import bind_mpi_axis as bind_mpi_axis
-from jaxring._src.mpi_axis import mpi_axis as mpi_axis
-from jaxring._src.mpi_axis import unbind_mpi_axis as unbind_mpi_axis
+from jaxring._src.transport.mpi_axis import MpiAxis as MpiAxis
+from jaxring._src.transport.mpi_axis import bind_mpi_axis as bind_mpi_axis
+from jaxring._src.transport.mpi_axis import mpi_axis as mpi_axis
+from jaxring._src.transport.mpi_axis import unbind_mpi_axis as unbind_mpi_axis

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxring._src import mpi_axis
-from jaxring._src.algorithms import hierarchical, linear, ring, scatter_gather
+from jaxring._src.algorithms import engine, hierarchical, linear, ring
 from jaxring._src.algorithms.planner import Plan, make_plan, validate_algorithm
 from jaxring._src.codecs.base import Codec, accum_dtype
+from jaxring._src.transport import mpi_axis
 
 AxisName = Any
 
@@ -348,13 +348,13 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
     if mpi is not None:
       plan = _mpi_plan(plan, axes, sizes, mpi, nbytes, dtype, "psum_scatter")
       leaf = jnp.asarray(leaf)
-      block = scatter_gather.reduce_scatter_leaf(lax.stop_gradient(leaf), d, tiled, p, dtype, plan)
+      block = engine.reduce_scatter_leaf(lax.stop_gradient(leaf), d, tiled, p, dtype, plan)
       out.append(mpi_axis.not_differentiable("psum_scatter")(leaf, lax.stop_gradient(block)))
       continue
     if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
       out.append(lax.psum_scatter(leaf, axis_name, scatter_dimension=d, tiled=tiled))
       continue
-    scatter = functools.partial(scatter_gather.reduce_scatter_leaf, d=d, tiled=tiled, p=p,
+    scatter = functools.partial(engine.reduce_scatter_leaf, d=d, tiled=tiled, p=p,
                                 dtype=dtype, plan=plan)
     if linear.differentiable(dtype):
       scatter = linear.psum_scatter(scatter, axes, d, tiled)
@@ -399,15 +399,15 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
       held = lax.stop_gradient(leaf)
       if plan.kind == "xla":
         rows = plan.transport.all_gather((jnp.ravel(held),), plan.whole)[0]
-        gathered = scatter_gather.place_rows(rows.reshape((p,) + leaf.shape), ax, tiled)
+        gathered = engine.place_rows(rows.reshape((p,) + leaf.shape), ax, tiled)
       else:
-        gathered = scatter_gather.all_gather_leaf(held, ax, tiled, p, dtype, plan)
+        gathered = engine.all_gather_leaf(held, ax, tiled, p, dtype, plan)
       out.append(mpi_axis.not_differentiable("all_gather")(leaf, lax.stop_gradient(gathered)))
       continue
     if plan.kind == "xla" or p == 1 or leaf.size == 0:
       out.append(lax.all_gather(leaf, axis_name, axis=ax, tiled=tiled))
       continue
-    gather = functools.partial(scatter_gather.all_gather_leaf, ax=ax, tiled=tiled, p=p,
+    gather = functools.partial(engine.all_gather_leaf, ax=ax, tiled=tiled, p=p,
                                dtype=dtype, plan=plan)
     if linear.differentiable(dtype):
       gather = linear.all_gather(gather, axes, ax, tiled)

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from jaxring._src import topology as topo_mod
-from jaxring._src import mpi_watchdog
+from jaxring._src.transport import mpi_watchdog
 from jaxring._src.distributed import DEFAULT_FAILURE_TIMEOUT_S, ENV_FAILURE_TIMEOUT
 from jaxring._src.algorithms.planner import Hierarchy
 from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module
@@ -146,7 +146,7 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
     comm: an ``mpi4py.MPI.Intracomm`` (default ``MPI.COMM_WORLD``); jaxring works on a duplicate.
     topology: the levels, fast -> slow, whose sizes multiply to the communicator's size (ranks
       split row-major); default: ``local`` = ranks of one host, ``node`` = hosts.
-    failure_timeout_s: the peer watchdog's timeout (jaxring._src.mpi_watchdog, a thread that
+    failure_timeout_s: the peer watchdog's timeout (transport/mpi_watchdog.py, a thread that
       heartbeats over a duplicate of ``comm``): a rank silent this long is named (rank, pid, host)
       and every other rank exits instead of hanging. Default ``JAXRING_FAILURE_TIMEOUT``, else
       120 s as for :func:`jaxring.distributed.initialize`; ``0`` turns it off. It needs
