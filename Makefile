@@ -65,13 +65,14 @@ tcmalloc:
 	else echo "no apt-get: install gperftools' tcmalloc with your package manager" >&2; exit 1; fi
 
 # The GPU half on a machine with an NVIDIA GPU: CUDA kernels built (JAXRING_CUDA=on), then
-# doctor, pytest -m gpu, bench kernels and bench resnet50 in one JSON (jaxring/_src/bench/gpu_check.py).
+# doctor, pytest -m gpu, bench kernels and bench resnet50 in one JSON
+# (jaxring/_src/tools/bench/gpu_check.py).
 # Uses the venv when there is one, else python3 with its packages installed (e.g. a GPU image).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(if $(CUDA_ROOT),CUDACXX=$(CUDA_ROOT)/bin/nvcc) JAXRING_CUDA=on \
 	  $(GPU_PY) -m pip install -q $(NO_CACHE) --no-build-isolation --no-deps -e .
-	$(GPU_PY) -m jaxring._src.bench.gpu_check
+	$(GPU_PY) -m jaxring._src.tools.bench.gpu_check
 
 clean:
 	rm -rf build $(VENV)

@@ -1,4 +1,4 @@
 """``python -m jaxring ...`` is the ``jaxring`` command."""
-from jaxring._src.cli import main
+from jaxring._src.tools.cli import main
 
 raise SystemExit(main())

@@ -2,5 +2,5 @@
 if __name__ == "__main__":
   import sys
 
-  from jaxring._src.cli import bench_main
+  from jaxring._src.tools.cli import bench_main
   raise SystemExit(bench_main(sys.argv[1:]))

@@ -26,7 +26,7 @@ import argparse
 import statistics
 import sys
 
-from jaxring._src.bench import common
+from jaxring._src.tools.bench import common
 
 GPU_DEFAULTS = {"batch_size": 256, "image_size": 224, "dtype": "bfloat16"}
 CPU_DEFAULTS = {"batch_size": 16, "image_size": 64, "dtype": "float32"}
@@ -51,11 +51,10 @@ def run(args) -> dict:
 
   import jaxring.train as jt
   from jaxring.data import SyntheticImages
-  from jaxring._src.cli import import_recipe
-  from recipes import optim, train
+  from recipes import imagenet_resnet50, optim, train
 
   config = dataclasses.replace(
-      import_recipe("imagenet_resnet50").get_config(), depth=args.depth, width=args.width,
+      imagenet_resnet50.get_config(), depth=args.depth, width=args.width,
       batch_size=args.batch_size, image_size=args.image_size, dtype=args.dtype,
       compression=args.compression, algorithm=args.algorithm, dataset="synthetic")
   mesh = jt.default_mesh("data")

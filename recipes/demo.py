@@ -9,7 +9,7 @@ only, not run).
 
 Example:
   $ python -m jaxring demo                       # ~2-3 minutes on 2 cores
-  $ python -m jaxring demo --steps 200 --compression bf16
+  $ python -m recipes.demo --steps 200 --compression bf16   # the same, from the checkout
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def demo_config(args: argparse.Namespace):
   """``recipes.small_cpu``'s config with the demo's command-line choices applied."""
-  from jaxring._src.cli import import_recipe
-  config = import_recipe("small_cpu").get_config()
+  from recipes import small_cpu
+  config = small_cpu.get_config()
   changes = {"compression": args.compression, "workdir": args.workdir,
              "progress": not args.no_progress, "cpu_devices": args.devices}
   for name, value in (("num_steps", args.steps), ("batch_size", args.batch_size),
@@ -49,13 +49,13 @@ def demo_config(args: argparse.Namespace):
 def step_wire_bytes(step, state, config) -> dict[str, float]:
   """Bytes one device sends per step: the trained step and the same step uncompressed.
 
-  Both come from compiled HLO (jaxring._src.hlo_bytes); the trained step's compilation is cached
-  from training, the uncompressed one is compiled here and never run.
+  Both come from compiled HLO (jaxring._src.tools.hlo_bytes); the trained step's compilation is
+  cached from training, the uncompressed one is compiled here and never run.
   """
   import numpy as np
   import optax
 
-  from jaxring._src.hlo_bytes import wire_bytes
+  from jaxring._src.tools.hlo_bytes import wire_bytes
   from recipes import train
 
   local = config.batch_size // _process_count()
@@ -106,7 +106,7 @@ def format_report(r: dict) -> str:
   Example:
     >>> print(format_report(run(config)))
   """
-  from jaxring._src.bench.common import fmt_bytes
+  from jaxring._src.tools.bench.common import fmt_bytes
 
   wire = r["wire_bytes"]
   ratio = wire["uncompressed"] / wire["compressed"] if wire["compressed"] else float("nan")
@@ -129,11 +129,11 @@ def format_report(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-  from jaxring._src.bench import common
+  from jaxring._src.tools.bench import common
 
   args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
   # before jax starts: XLA:CPU collectives are allocator-bound (see bench/common.py)
-  common.maybe_reexec_with_tcmalloc(["demo", *(sys.argv[1:] if argv is None else argv)])
+  common.maybe_reexec_with_tcmalloc(sys.argv[1:] if argv is None else argv, module="recipes.demo")
   common.set_cpu_devices(args.devices)
   config = demo_config(args)
   t0 = time.perf_counter()

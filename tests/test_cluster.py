@@ -21,7 +21,7 @@ pytestmark = pytest.mark.netns
 RATE = "100mbit"
 RATE_BYTES = 100e6 / 8
 NAME = f"jrt{os.getpid() % 100000}"
-CLI = [sys.executable, "-m", "jaxring._src.cluster"]
+CLI = [sys.executable, "-m", "jaxring._src.tools.cluster"]
 
 
 def _skip_reason() -> str | None:
@@ -50,7 +50,7 @@ def namespaces() -> set[str]:
 def cluster():
   if reason := _skip_reason():
     pytest.skip(reason)
-  from jaxring._src.cluster import netns
+  from jaxring._src.tools.cluster import netns
   try:
     up = cli("up", "--name", NAME, "--nodes", "2", "--link", RATE)
     assert up.returncode == 0, up.stdout + up.stderr
@@ -82,7 +82,7 @@ def test_up_creates_namespaces_links_and_qdiscs(cluster):
 
 @pytest.mark.timeout(60)
 def test_link_between_namespaces_is_shaped(cluster):
-  from jaxring._src.cluster import netns
+  from jaxring._src.tools.cluster import netns
   nbytes, port = 8 << 20, 23456
   before = netns.interface_counters(f"{NAME}-n0")
   recv = subprocess.Popen(["ip", "netns", "exec", f"{NAME}-n1", *mp.python_worker(
@@ -151,7 +151,7 @@ def test_run_mpi_allreduce_in_namespaces(cluster):
   code = ("from mpi4py import MPI; import numpy as np; c = MPI.COMM_WORLD; "
           "x = np.full(1 << 18, c.rank + 1.0); y = np.empty_like(x); c.Allreduce(x, y); "
           "import sys; sys.stdout.write(f'SUM {c.rank} {c.size} {y.min()} {y.max()}\\n')")
-  from jaxring._src.cluster import netns
+  from jaxring._src.tools.cluster import netns
   before = [c["tx_bytes"] for c in netns.link_counters(NAME)]
   run = cli("run", "--name", NAME, "--transport", "mpi", "--procs-per-node", "2", "--timeout",
             "60", "--", sys.executable, "-c", code, timeout=80)

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring import codecs
-from jaxring._src.bench.wire import wire_table
-from jaxring._src.hlo_bytes import wire_bytes
+from jaxring._src.tools.bench.wire import wire_table
+from jaxring._src.tools.hlo_bytes import wire_bytes
 
 AUTO = jax.sharding.AxisType.Auto
 TOPO = jaxring.Topology((jaxring.Level("local", 4), jaxring.Level("node", 2, 1.25e8, 1e-4)))

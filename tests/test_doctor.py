@@ -16,8 +16,8 @@ import multiproc
 # The editable install's finder would load the installed jaxring whatever sys.path says; drop it
 # so that the copy on sys.path is the package imported.
 _RUN_COPY = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'ScikitBuild' not in "
-             "type(f).__name__]; sys.path.insert(0, {root!r}); from jaxring._src.doctor import "
-             "main; sys.exit(main({argv!r}))")
+             "type(f).__name__]; sys.path.insert(0, {root!r}); "
+             "from jaxring._src.tools.doctor import main; sys.exit(main({argv!r}))")
 
 
 def doctor(*argv: str, env_extra: dict | None = None, code: str | None = None):

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring import codecs
-from jaxring._src.hlo_bytes import compiled_wire_bytes
+from jaxring._src.tools.hlo_bytes import compiled_wire_bytes
 
 AUTO = jax.sharding.AxisType.Auto
 

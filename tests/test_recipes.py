@@ -178,7 +178,7 @@ def test_small_config_trains_on_8_devices_and_resumes(tiny_config, tmp_path):
 
 
 def test_demo_report_has_its_fields(tiny_config):
-  from jaxring._src import demo
+  from recipes import demo
   config = dataclasses.replace(tiny_config, compression="int8", num_steps=3)
   report = demo.run(config)
   assert report["steps"] == 3 and report["devices"] == 8 and report["compression"] == "int8"

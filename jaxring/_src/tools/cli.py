@@ -1,4 +1,13 @@
-"""The ``jaxring`` command: ``bench``, ``cluster``, ``demo``, ``doctor``, ``train``."""
+"""The ``jaxring`` command: ``bench``, ``cluster``, ``demo``, ``doctor``, ``train``.
+
+``demo``, ``train <recipe>`` and ``bench resnet50`` run code of ``recipes/``, the application that
+sits on top of the library in a source checkout (configs, models, the demo, the ResNet-50 bench).
+The library never imports it: those commands replace this process with ``python -m
+recipes.<module> [args]``, run with the checkout that holds this ``jaxring`` on ``PYTHONPATH``
+(the same pid, so a launcher's signals, mpirun's rank environment and the exit status are the
+recipe's own). Where this ``jaxring`` has no ``recipes/`` beside it (a wheel install), they say so
+and exit 2.
+"""
 from __future__ import annotations
 
 import importlib
@@ -6,23 +15,24 @@ import os
 import sys
 
 BENCHES = {
-    "collectives": "jaxring._src.bench.collectives",
-    "kernels": "jaxring._src.bench.kernels",
-    "wire": "jaxring._src.bench.wire",
-    "train": "jaxring._src.bench.train",
-    "train-cluster": "jaxring._src.bench.train_cluster",
-    "cluster": "jaxring._src.bench.cluster",
-    "resnet50": "jaxring._src.bench.resnet50",
+    "collectives": "jaxring._src.tools.bench.collectives",
+    "kernels": "jaxring._src.tools.bench.kernels",
+    "wire": "jaxring._src.tools.bench.wire",
+    "train": "jaxring._src.tools.bench.train",
+    "train-cluster": "jaxring._src.tools.bench.train_cluster",
+    "cluster": "jaxring._src.tools.bench.cluster",
 }
+#: Benchmarks that are recipes (they train the recipes' models): run as ``python -m <module>``.
+RECIPE_BENCHES = {"resnet50": "recipes.bench_resnet50"}
 USAGE = """jaxring <command> [args]
 
 commands:
   bench {%s} [args]   benchmarks: print tables, write JSON under benchmarks/results/
   cluster {up,down,run,status} [args]   the emulated multi-node cluster (root)
-  demo [args]          the README's main job
+  demo [args]          the README's main job (recipes/demo.py)
   doctor [--require mpi,cuda,gpu,tcmalloc]   versions, kernels self-test, MPI, allocator: a report
   train <recipe> [--config.name=value ...]   a recipe of recipes/ (imagenet_resnet50, small_cpu)
-""" % ",".join(BENCHES)
+""" % ",".join([*BENCHES, *RECIPE_BENCHES])
 
 
 def _module_main(module: str, argv: list[str]) -> int:
@@ -36,12 +46,61 @@ def _module_main(module: str, argv: list[str]) -> int:
   return int(mod.main(argv) or 0)
 
 
-def bench_main(argv: list[str]) -> int:
-  if not argv or argv[0] not in BENCHES:
-    print(f"usage: jaxring bench {{{','.join(BENCHES)}}} [args]", file=sys.stderr)
+def recipes_checkout() -> str | None:
+  """The source checkout whose ``recipes/`` folder sits beside this ``jaxring`` package, or None.
+
+  Example:
+    >>> os.path.isdir(os.path.join(recipes_checkout(), "recipes"))  # in a source checkout
+    True
+  """
+  import jaxring
+  root = os.path.dirname(os.path.dirname(os.path.abspath(jaxring.__file__)))
+  return root if os.path.isfile(os.path.join(root, "recipes", "__init__.py")) else None
+
+
+def exec_recipe(module: str, argv: list[str], command: str) -> int:
+  """Replaces this process with ``python -m <module> <argv>`` run from the recipes' checkout.
+
+  Returns 2 (after saying why on stderr) only when there is no ``recipes/`` folder to run.
+
+  Example:
+    >>> exec_recipe("recipes.demo", ["--steps", "20"], "demo")  # doctest: +SKIP
+  """
+  root = recipes_checkout()
+  if root is None:
+    print(f"jaxring {command}: needs the recipes/ folder of a jaxring source checkout (git clone "
+          "the repository, then `make install` or `pip install -e .` there); this jaxring is "
+          "installed without it", file=sys.stderr)
     return 2
-  from jaxring._src.bench import common
+  path = os.path.join(root, *module.split(".")) + ".py"
+  if not os.path.isfile(path) or (command.startswith("train ") and not _is_recipe(path)):
+    names = sorted(f[:-3] for f in os.listdir(os.path.join(root, "recipes"))
+                   if f.endswith(".py") and _is_recipe(os.path.join(root, "recipes", f)))
+    print(f"jaxring {command}: no recipe {module} in {root}; recipes: {', '.join(names)}",
+          file=sys.stderr)
+    return 2
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+  return 0  # not reached
+
+
+def _is_recipe(path: str) -> bool:
+  with open(path, encoding="utf-8") as f:
+    return "def get_config(" in f.read()
+
+
+def bench_main(argv: list[str]) -> int:
+  names = [*BENCHES, *RECIPE_BENCHES]
+  if not argv or argv[0] not in names:
+    print(f"usage: jaxring bench {{{','.join(names)}}} [args]", file=sys.stderr)
+    return 2
+  from jaxring._src.tools.bench import common
   common.maybe_reexec_with_tcmalloc(["bench", *argv])
+  if argv[0] in RECIPE_BENCHES:
+    return exec_recipe(RECIPE_BENCHES[argv[0]], argv[1:], f"bench {argv[0]}")
   return _module_main(BENCHES[argv[0]], argv[1:])
 
 
@@ -56,46 +115,25 @@ def main(argv: list[str] | None = None) -> int:
   if cmd == "cluster":
     return _cluster(rest)
   if cmd == "doctor":
-    return _module_main("jaxring._src.doctor", rest)
+    return _module_main("jaxring._src.tools.doctor", rest)
   if cmd == "demo":
-    return _module_main("jaxring._src.demo", rest)
+    return exec_recipe("recipes.demo", rest, "demo")
   if cmd == "train":
     return _train(rest)
   print(USAGE, file=sys.stderr)
   return 2
 
 
-def import_recipe(name: str):
-  """``recipes.<name>``; the recipes live beside the package in a source checkout (an editable
-  install puts the checkout on ``sys.path``; a plain ``python -m jaxring`` from elsewhere may not).
-
-  Example:
-    >>> import_recipe("small_cpu").get_config().depth
-    18
-  """
-  try:
-    return importlib.import_module(f"recipes.{name}")
-  except ModuleNotFoundError as e:
-    if e.name not in ("recipes", f"recipes.{name}"):
-      raise
-    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if e.name != "recipes" or not os.path.isfile(os.path.join(checkout, "recipes", "__init__.py")):
-      raise ModuleNotFoundError(f"no recipe {name!r}: the recipes are the folder recipes/ of a "
-                                "jaxring source checkout", name=e.name) from e
-    sys.path.insert(0, checkout)
-    return importlib.import_module(f"recipes.{name}")
-
-
 def _train(argv: list[str]) -> int:
-  if not argv or argv[0].startswith("-"):
+  if not argv or argv[0].startswith("-") or not argv[0].isidentifier():
     print("usage: jaxring train <recipe> [--config.name=value ...]   (recipes: "
           "imagenet_resnet50, small_cpu)", file=sys.stderr)
     return 2
-  return int(import_recipe(argv[0]).main(argv[1:]) or 0)
+  return exec_recipe(f"recipes.{argv[0]}", argv[1:], f"train {argv[0]}")
 
 
 def _cluster(argv: list[str]) -> int:
-  mod = importlib.import_module("jaxring._src.cluster")
+  mod = importlib.import_module("jaxring._src.tools.cluster")
   return int(mod.main(argv) or 0)
 
 

@@ -19,7 +19,7 @@ import platform
 import sys
 import time
 
-from jaxring._src import allocator
+from jaxring._src.tools import allocator
 
 REQUIRABLE = ("mpi", "cuda", "gpu", "tcmalloc")
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "mpi4py", "mpi4jax",

@@ -33,9 +33,9 @@ import subprocess
 import sys
 import time
 
-from jaxring._src.bench import common
+from jaxring._src.tools.bench import common
 
-WORKER = "jaxring._src.bench.cluster_worker"
+WORKER = "jaxring._src.tools.bench.cluster_worker"
 MARK = "JRB "
 
 
@@ -92,7 +92,7 @@ def parse_records(text: str) -> list[dict]:
 
 
 def _wire_ratio(codec_name: str) -> float:
-  from jaxring._src.bench import cluster_worker
+  from jaxring._src.tools.bench import cluster_worker
   import jax.numpy as jnp
   codec = cluster_worker.codec_for(codec_name)
   if codec is None:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
   if os.geteuid() != 0:
     print("jaxring bench cluster: skipped: needs root (network namespaces and tc)", file=sys.stderr)
     return 2
-  from jaxring._src.cluster import netns
+  from jaxring._src.tools.cluster import netns
   from jaxring._src import cost_model
 
   name = args.name or "jrb"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from jaxring._src.bench import common
+from jaxring._src.tools.bench import common
 
 DEFAULT_ALGOS = ("lax.psum", "xla", "ring", "hierarchical", "auto")
 CODECS = ("none", "bf16", "fp16", "int8", "topk")

@@ -8,10 +8,11 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from jaxring._src.allocator import allocator_in_use as allocator  # noqa: F401 (re-export)
-from jaxring._src.allocator import maybe_reexec_with_tcmalloc  # noqa: F401 (re-export)
+from jaxring._src.tools.allocator import allocator_in_use as allocator  # noqa: F401 (re-export)
+from jaxring._src.tools.allocator import maybe_reexec_with_tcmalloc  # noqa: F401 (re-export)
 
-RESULTS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "results")
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "benchmarks",
+                           "results")
 
 
 def set_cpu_devices(n: int) -> None:

@@ -9,7 +9,7 @@ its output and the results its benchmark wrote. The exit code is non-zero when a
 
 Example:
     make gpu-check
-    python -m jaxring._src.bench.gpu_check --skip resnet50
+    python -m jaxring._src.tools.bench.gpu_check --skip resnet50
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ import sys
 import tempfile
 import time
 
-from jaxring._src.bench import common
+from jaxring._src.tools.bench import common
 
 STEPS = {
     "doctor": (["-m", "jaxring", "doctor", "--require", "cuda,gpu"], 300),
     "pytest-gpu": (["-m", "pytest", "-q", "-m", "gpu", "tests/test_ext_gpu.py"], 600),
-    "kernels": (["-m", "jaxring._src.bench.kernels", "--sizes", "16", "64", "256"], 600),
-    "resnet50": (["-m", "jaxring._src.bench.resnet50", "--data", "synthetic", "--dtype",
+    "kernels": (["-m", "jaxring._src.tools.bench.kernels", "--sizes", "16", "64", "256"], 600),
+    "resnet50": (["-m", "jaxring", "bench", "resnet50", "--data", "synthetic", "--dtype",
                   "bfloat16"], 900),
 }
 
@@ -57,7 +57,7 @@ def run_step(name: str, args: list[str], timeout: float, out_dir: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(prog="python -m jaxring._src.bench.gpu_check",
+  p = argparse.ArgumentParser(prog="python -m jaxring._src.tools.bench.gpu_check",
                               description=__doc__.split("\n\n")[0])
   p.add_argument("--skip", nargs="*", default=[], choices=list(STEPS), help="steps to leave out")
   p.add_argument("--out-dir", default=None, help="folder for the JSON (default benchmarks/results)")

@@ -1,11 +1,11 @@
 """Benchmark of the FFI kernels: GB/s (bytes read + written) beside a memory copy (``np.copyto`` on a
 CPU, a device-to-device copy on a GPU).
 
-Run ``jaxring bench kernels`` (which preloads tcmalloc when it is installed) or
-``python -m jaxring._src.bench.kernels``. For each size the memory copy (``np.copyto``: n bytes read
-and n written) and each kernel are called in rotation, medians of ``--repeats`` calls after warm-up,
-so that both see the same noise on a shared machine and their ratio is meaningful. The XLA column
-times the kernel's pure-jnp reference, jitted, for comparison. XLA:CPU allocates every output buffer
+Run ``jaxring bench kernels`` (which preloads tcmalloc when it is installed) or ``python -m
+jaxring._src.tools.bench.kernels``. For each size the memory copy (``np.copyto``: n bytes read and n
+written) and each kernel are called in rotation, medians of ``--repeats`` calls after warm-up, so
+that both see the same noise on a shared machine and their ratio is meaningful. The XLA column times
+the kernel's pure-jnp reference, jitted, for comparison. XLA:CPU allocates every output buffer
 afresh, so the allocator matters: it is printed, and ``--glibc-heap`` stops glibc from mmap-ing (and
 page-faulting in) each large buffer. Above glibc's x86_non_temporal_threshold (192 MiB on the
 development machine) np.copyto switches to non-temporal stores and runs ~1.5x faster, while the
@@ -14,7 +14,7 @@ Results go to ``benchmarks/results/kernels-<timestamp>.json``.
 
 Example:
     jaxring bench kernels --sizes 1 16 64 --repeats 7
-    JAXRING_NO_TCMALLOC=1 python -m jaxring._src.bench.kernels --glibc-heap
+    JAXRING_NO_TCMALLOC=1 python -m jaxring._src.tools.bench.kernels --glibc-heap
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from jaxring._src.bench import common
+from jaxring._src.tools.bench import common
 
 MiB = 1 << 20
 INT8_BLOCK = 256

@@ -17,7 +17,7 @@ each repetition's time ratio to the hand-written step. On emulated CPU devices t
 copy: this measures the decorator's overhead, not what overlap buys on a real network.
 
 Example:
-  $ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jaxring._src.bench.train
+  $ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jaxring._src.tools.bench.train
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import argparse
 import statistics
 import sys
 
-from jaxring._src.bench import common
+from jaxring._src.tools.bench import common
 
 
 def _resnet(width: int, num_classes: int = 10):
@@ -166,7 +166,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m jaxring._src.bench.train", description=__doc__,
+  ap = argparse.ArgumentParser(prog="python -m jaxring._src.tools.bench.train", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
   ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     ap.error("--reps must be at least 5 (medians of fewer are noise on a shared machine)")
   if not args.no_tcmalloc:
     common.maybe_reexec_with_tcmalloc(sys.argv[1:] if argv is None else list(argv),
-                                      module="jaxring._src.bench.train")
+                                      module="jaxring._src.tools.bench.train")
   common.set_cpu_devices(args.devices)
 
   result = run(args)

@@ -2,7 +2,7 @@
 gradient all-reduce crosses shaped links.
 
 One process per node drives ``--devices-per-node`` CPU devices (JAX's own shape); the same
-ResNet-18-style step as ``jaxring bench train`` (``jaxring._src.bench.train``) runs as:
+ResNet-18-style step as ``jaxring bench train`` (``jaxring._src.tools.bench.train``) runs as:
 
 * ``hand-written jit(shard_map)+pmean``: ``lax.pmean`` of the gradients (gloo across nodes);
 * ``train_step none``: ``@jaxring.train_step`` uncompressed (``auto``; buckets of ``--bucket-mib``);
@@ -26,9 +26,9 @@ import os
 import statistics
 import sys
 
-from jaxring._src.bench import common
+from jaxring._src.tools.bench import common
 
-WORKER = "jaxring._src.bench.train_cluster"
+WORKER = "jaxring._src.tools.bench.train_cluster"
 BASE = "train_step none"
 
 
@@ -43,7 +43,7 @@ def worker(args) -> int:
 
   import jaxring
   import jaxring.train as jt
-  from jaxring._src.bench import cluster_worker, train
+  from jaxring._src.tools.bench import cluster_worker, train
 
   me = jax.process_index()
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     print("jaxring bench train-cluster: skipped: needs root (network namespaces and tc)",
           file=sys.stderr)
     return 2
-  from jaxring._src.bench import cluster
-  from jaxring._src.cluster import netns
+  from jaxring._src.tools.bench import cluster
+  from jaxring._src.tools.cluster import netns
 
   name = "jrt"
   if netns.load_state(name) is not None:

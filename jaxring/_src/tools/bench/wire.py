@@ -1,12 +1,12 @@
-"""Bytes on the wire per codec, read from compiled HLO: ``python -m jaxring._src.bench.wire``.
+"""Bytes on the wire per codec, read from compiled HLO: ``python -m jaxring._src.tools.bench.wire``.
 
 One all-reduce of an ``n_bytes`` f32 buffer per member over ``p`` members, compiled (never run) for
 each codec; the bytes one member sends are summed over the program's collectives
-(jaxring._src.hlo_bytes) and compared with the uncompressed f32 ring's. ``predicted`` is the
+(jaxring._src.tools.hlo_bytes) and compared with the uncompressed f32 ring's. ``predicted`` is the
 codec's own ``compression_ratio`` (its ``wire_bytes``), the number the cost model uses.
 
 Example:
-  $ python -m jaxring._src.bench.wire --mib 32 --devices 8 --json wire.json
+  $ python -m jaxring._src.tools.bench.wire --mib 32 --devices 8 --json wire.json
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def wire_table(n_bytes: int = 32 << 20, p: int = 8) -> list[dict]:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxring._src.hlo_bytes import wire_bytes
+  from jaxring._src.tools.hlo_bytes import wire_bytes
 
   if jax.device_count() < p:
     raise RuntimeError(f"wire_table needs {p} devices, found {jax.device_count()}; on CPU set "

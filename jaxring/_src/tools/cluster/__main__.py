@@ -1,6 +1,6 @@
-"""``python -m jaxring._src.cluster ...`` until the ``jaxring`` CLI dispatches to it."""
+"""``python -m jaxring._src.tools.cluster ...`` until the ``jaxring`` CLI dispatches to it."""
 import sys
 
-from jaxring._src.cluster.cli import main
+from jaxring._src.tools.cluster.cli import main
 
 sys.exit(main())

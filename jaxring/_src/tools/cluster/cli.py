@@ -13,7 +13,7 @@ import json
 import signal
 import sys
 
-from jaxring._src.cluster import launch, netns
+from jaxring._src.tools.cluster import launch, netns
 
 
 def _parser() -> argparse.ArgumentParser:

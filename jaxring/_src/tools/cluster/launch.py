@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxring._src import distributed as dist_env
-from jaxring._src.cluster.netns import ClusterError, ClusterState, sh
+from jaxring._src.tools.cluster.netns import ClusterError, ClusterState, sh
 
 EXIT_TIMEOUT = 124
 
