@@ -4,6 +4,7 @@
 of two per block so that small gradients keep fp16's relative precision),
 ``int8(block_size, stochastic)`` (blockwise int8, re-encoded at every ring hop) and ``topk_chunks(density, chunk_size, inner)``
 (coarse-grained sparse all-reduce). Partial sums are always accumulated in f32 or wider.
+``parse("int8:256")`` reads a codec from its command-line spelling.
 """
 from jaxring._src.codecs import Bf16 as Bf16
 from jaxring._src.codecs import CastCodec as CastCodec
@@ -16,3 +17,4 @@ from jaxring._src.codecs import fp16 as fp16
 from jaxring._src.codecs import int8 as int8
 from jaxring._src.codecs import none as none
 from jaxring._src.codecs import topk_chunks as topk_chunks
+from jaxring._src.codecs.base import parse as parse

@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                   help="compute dtype (GPU bfloat16, CPU float32)")
   ap.add_argument("--depth", type=int, default=50, help="ResNet depth (18, 34, 50, 101, 152)")
   ap.add_argument("--width", type=int, default=64, help="channels of the first stage")
-  ap.add_argument("--compression", default="none", help="none, bf16, fp16, int8, topk[:density]")
+  ap.add_argument("--compression", default="none",
+                  help="none, bf16, fp16, int8[:block], topk[:density] (jaxring.codecs.parse)")
   ap.add_argument("--algorithm", default="auto", help="auto, xla, ring, hierarchical")
   ap.add_argument("--devices", type=int, default=0,
                   help="emulated CPU devices (CPU only; default: 1)")

@@ -46,7 +46,7 @@ class Config:
   label_smoothing: float = 0.1
   lars_trust_coefficient: float = 0.001
   # gradient reduction
-  compression: str = "none"          # "none", "bf16", "fp16", "int8", "topk" (1% chunks)
+  compression: str = "none"          # jaxring.codecs.parse: "none", "bf16", "int8:256", "topk:0.01"
   algorithm: str = "auto"            # "auto", "xla", "ring", "hierarchical"
   mesh: str = "flat"                 # "flat": one axis "data"; "hierarchical": (node, local)
   bucket_mib: float = 25.0

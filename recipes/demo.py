@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--steps", type=int, default=None, help="training steps (default: the config's)")
   ap.add_argument("--compression", default="int8",
-                  help="none, bf16, fp16, int8, topk[:density] (default int8)")
+                  help="none, bf16, fp16, int8[:block], topk[:density] (jaxring.codecs.parse; "
+                  "default int8)")
   ap.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
   ap.add_argument("--batch-size", type=int, default=None, help="global batch")
   ap.add_argument("--data-dir", default=None, help="where the generated data set is cached")

@@ -107,18 +107,6 @@ def train_step_fn(schedule: optax.Schedule, label_smoothing: float) -> Callable:
   return step
 
 
-def codec(name: str):
-  """``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"``, ``"topk"`` or ``"topk:<density>"`` -> codec."""
-  if name == "none":
-    return None
-  if name.startswith("topk"):
-    _, _, density = name.partition(":")
-    return jaxring.codecs.topk_chunks(float(density) if density else 0.01)
-  if name in ("bf16", "fp16", "int8"):
-    return getattr(jaxring.codecs, name)()
-  raise ValueError(f"compression must be none, bf16, fp16, int8 or topk[:density], got {name!r}")
-
-
 def axis_name(config: Config):
   return ("node", "local") if config.mesh == "hierarchical" else "data"
 
@@ -129,7 +117,8 @@ def make_train_step(config: Config, schedule: optax.Schedule, mesh=None,
   return jt.train_step(
       mesh if mesh is not None else jt.default_mesh(axis_name(config)),
       axis_name=axis_name(config), algorithm=config.algorithm,
-      compression=codec(config.compression if compression is None else compression),
+      compression=jaxring.codecs.parse(config.compression if compression is None
+                                       else compression),
       error_feedback=config.error_feedback, bucket_bytes=int(config.bucket_mib * (1 << 20)))(
           train_step_fn(schedule, config.label_smoothing))
 

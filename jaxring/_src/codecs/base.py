@@ -91,3 +91,59 @@ def for_dtype(codec: Codec | None, dtype) -> Codec:
   if codec is None or not codec.applies_to(dtype):
     return Codec()
   return codec
+
+
+_GRAMMAR = ("none, bf16, fp16[:block_size], int8[:block_size[:stochastic]] or "
+            "topk[:density[:chunk_size]][+bf16|+fp16|+int8...]")
+
+
+def parse(spec: str | Codec | None) -> Codec | None:
+  """The codec a command line or a config names: ``"int8:256"`` -> ``int8(256)``.
+
+  The one spelling of codecs as strings (benchmarks, the cluster worker, the recipes and the demo
+  all read it here): ``none`` (None: no compression), ``bf16``, ``fp16[:block_size]``,
+  ``int8[:block_size[:stochastic]]`` and ``topk[:density[:chunk_size]]`` (``topk_chunks``, 1% by
+  default), optionally ``+<codec>`` for the chosen chunks' per-hop codec. A ``Codec`` or None is
+  returned as it is.
+
+  Args:
+    spec: the codec's name and arguments, colon-separated.
+
+  Returns:
+    The codec, or None for ``"none"``.
+
+  Raises:
+    ValueError: an unknown name or malformed arguments (the message lists the spellings).
+
+  Example:
+    >>> jaxring.codecs.parse("int8:128:stochastic")
+    Int8(block_size=128, stochastic=True)
+    >>> jaxring.codecs.parse("topk:0.05+int8").inner
+    Int8(block_size=256, stochastic=False)
+  """
+  if spec is None or isinstance(spec, Codec):
+    return spec
+  # The codec modules import this one: read them at call time.
+  from jaxring._src.codecs.cast import bf16, fp16
+  from jaxring._src.codecs.int8 import int8
+  from jaxring._src.codecs.topk import topk_chunks
+  name, _, inner = str(spec).strip().partition("+")
+  name, *args = name.split(":")
+  try:
+    if name == "none" and not args and not inner:
+      return None
+    if name in ("topk", "topk_chunks") and len(args) <= 2:
+      density = float(args[0]) if args else 0.01
+      chunk_size = int(args[1]) if len(args) > 1 else 4096
+      return topk_chunks(density, chunk_size, parse(inner) if inner else None)
+    if inner:
+      raise ValueError("only topk takes a +<codec>")
+    if name == "bf16" and not args:
+      return bf16()
+    if name == "fp16" and len(args) <= 1:
+      return fp16(*map(int, args))
+    if name == "int8" and len(args) <= 2 and args[1:] in ([], ["stochastic"]):
+      return int8(*map(int, args[:1]), stochastic=args[1:] == ["stochastic"])
+  except ValueError as e:
+    raise ValueError(f"bad codec {spec!r}: {e} (spellings: {_GRAMMAR})") from e
+  raise ValueError(f"unknown codec {spec!r}; spellings: {_GRAMMAR}")

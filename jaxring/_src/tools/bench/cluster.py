@@ -92,15 +92,12 @@ def parse_records(text: str) -> list[dict]:
 
 
 def _wire_ratio(codec_name: str) -> float:
-  from jaxring._src.tools.bench import cluster_worker
+  """The codec's own wire-size arithmetic (``compression_ratio`` of its ``wire_bytes``)."""
   import jax.numpy as jnp
-  codec = cluster_worker.codec_for(codec_name)
-  if codec is None:
-    return 1.0
-  try:
-    return float(codec.compression_ratio(jnp.float32, 1 << 23))
-  except Exception:  # noqa: BLE001 - a codec still being finished
-    return {"bf16": 0.5, "int8": 0.2578125, "topk": 0.01}.get(codec_name, 1.0)
+
+  from jaxring import codecs
+  codec = codecs.parse(codec_name)
+  return 1.0 if codec is None else float(codec.compression_ratio(jnp.float32, 1 << 23))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "tx_mib": sum(tx) / len(tx) / (1 << 20), "tx_mib_max": max(tx) / (1 << 20),
         "wire_ratio": ratio,
         "t_min_ms": cost_model.link_bound(nbytes, nodes, bandwidth, ratio) * 1e3,
-        "rel_err": r0.get("rel_err"), "times_ms": [t * 1e3 for t in r0["times"]], "nodes_reported": len(rs)})
+        "rel_err": r0.get("rel_err"), "times_ms": [t * 1e3 for t in r0["times"]],
+        "nodes_reported": len(rs)})
   base = [r["ms"] for r in rows if "ms" in r and not r["contender"].startswith("jaxring")]
   for r in rows:
     if "ms" in r:

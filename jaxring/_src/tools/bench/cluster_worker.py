@@ -38,19 +38,6 @@ def emit(**rec) -> None:
   sys.stdout.flush()
 
 
-def codec_for(name: str):
-  from jaxring import codecs
-  if name == "none":
-    return None
-  if name == "bf16":
-    return codecs.bf16()
-  if name == "int8":
-    return codecs.int8()
-  if name.startswith("topk"):
-    return codecs.topk_chunks(0.01)
-  raise ValueError(name)
-
-
 def run_jax(args) -> int:
   import jaxring.distributed
   jaxring.distributed.initialize()
@@ -74,7 +61,7 @@ def run_jax(args) -> int:
     if kind == "gloo":
       body = lambda v: jax.lax.psum(v, axes)
     else:
-      codec = codec_for(codec_name)
+      codec = jaxring.codecs.parse(codec_name)
       comp = None if codec is None else {"node": codec}
       body = lambda v: jaxring.psum(v, axes, algorithm="hierarchical", compression=comp)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P()))
@@ -171,7 +158,7 @@ def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
   x = jax.device_put(send)
   shard = jax.device_put(send[: send.shape[0] // local])
   for codec_name in args.codecs.split(","):
-    codec = codec_for(codec_name)
+    codec = jaxring.codecs.parse(codec_name)
     comp = None if codec is None else {"node": codec}
     f = jax.jit(lambda v, comp=comp: jaxring.psum(v, "mpi", algorithm="hierarchical",
                                                   compression=comp))
@@ -181,8 +168,8 @@ def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
               lambda f=f: jax.block_until_ready(f(x)), args, comm, iface, node,
               head=lambda got=got: got[:4].tolist(), rel_err=rel)
   for codec_name in args.codecs.split(","):
-    g = jax.jit(lambda v, c=codec_for(codec_name): jaxring.psum(v, "node", algorithm="ring",
-                                                                compression=c))
+    g = jax.jit(lambda v, c=jaxring.codecs.parse(codec_name): jaxring.psum(
+        v, "node", algorithm="ring", compression=c))
     jax.block_until_ready(g(shard))
     _time_mpi(f"jaxring node-ring {codec_name} (inter-node step alone, MPI transport)",
               lambda g=g: jax.block_until_ready(g(shard)), args, comm, iface, node,

@@ -12,7 +12,6 @@ import math
 from jaxring._src.tools.bench import common
 
 DEFAULT_ALGOS = ("lax.psum", "xla", "ring", "hierarchical", "auto")
-CODECS = ("none", "bf16", "fp16", "int8", "topk")
 
 
 def _parse_size(s: str) -> int:
@@ -24,14 +23,12 @@ def _parse_size(s: str) -> int:
   return int(s)
 
 
-def _codec(name: str):
-  if name in ("none", None):
-    return None
+def _codec(spec: str):
   from jaxring import codecs
-  ctor = {"bf16": "bf16", "fp16": "fp16", "int8": "int8", "topk": "topk_chunks"}.get(name)
-  if ctor is None or not hasattr(codecs, ctor):
-    raise SystemExit(f"unknown or unavailable codec {name!r}; choose from {CODECS}")
-  return getattr(codecs, ctor)()
+  try:
+    return codecs.parse(spec)
+  except ValueError as e:
+    raise SystemExit(f"jaxring bench collectives: {e}") from e
 
 
 def _programs(mesh, axes, algos, compressions):
@@ -50,7 +47,8 @@ def _programs(mesh, axes, algos, compressions):
       if algo == "lax.psum":
         body = lambda v: lax.psum(v, axes)
       else:
-        body = (lambda a, c: lambda v: jaxring.psum(v, axes, algorithm=a, compression=c))(algo, codec)
+        body = (lambda a, c: lambda v: jaxring.psum(v, axes, algorithm=a, compression=c))(
+            algo, codec)
       name = algo if comp == "none" else f"{algo}+{comp}"
       progs[name] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=P()))
   return progs
@@ -133,7 +131,8 @@ def main(argv=None) -> int:
   ap.add_argument("--sizes", default=None, help="comma-separated sizes, overrides min/max")
   ap.add_argument("--algorithms", default=",".join(DEFAULT_ALGOS))
   ap.add_argument("--compression", default="none",
-                  help=f"comma-separated codecs among {CODECS} (ring/hierarchical/auto only)")
+                  help="comma-separated codecs: none, bf16, fp16, int8:256, topk:0.01, ... "
+                  "(jaxring.codecs.parse; ring/hierarchical/auto only)")
   ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
   ap.add_argument("--out-dir", default=None, help="where the JSON goes (benchmarks/results)")
   args = ap.parse_args(argv)
