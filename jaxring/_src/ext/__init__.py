@@ -53,9 +53,28 @@ else:
 #: Whether the CUDA kernels were compiled into the extension (JAXRING_CUDA=auto|on at build).
 CUDA_BUILT: bool = _ext is not None and bool(_ext.build_info()["cuda"])
 
-KERNELS = ("quantize_int8", "dequantize_int8", "fake_quantize_int8", "ring_hop_int8",
-           "ring_hop_int8_last", "ring_hop_cast", "ring_hop_cast_last", "chunk_norms",
-           "gather_chunks", "scatter_add_chunks", "num_blocks", "num_chunks")
+#: The one table of kernels: each public wrapper of :mod:`.kernels` (the reference in
+#: :mod:`.reference` has the same name) and whether it is an FFI target ``jaxring_<name>`` of the
+#: extension (False: computed in Python around the targets). Every list of kernel names (the
+#: package's attributes, ``jaxring doctor``'s self-test and target check) is derived from it.
+KERNEL_TABLE: dict[str, bool] = {
+    "quantize_int8": True,
+    "dequantize_int8": True,
+    "fake_quantize_int8": False,   # quantize then dequantize, with a straight-through gradient
+    "ring_hop_int8": True,
+    "ring_hop_int8_last": True,
+    "ring_hop_cast": True,
+    "ring_hop_cast_last": True,
+    "chunk_norms": True,
+    "gather_chunks": True,
+    "scatter_add_chunks": True,
+    "num_blocks": False,           # block counts: integer arithmetic on static shapes
+    "num_chunks": False,
+}
+KERNELS = tuple(KERNEL_TABLE)
+#: The kernels that are FFI targets, and the targets' registered names.
+FFI_KERNELS = tuple(name for name, is_target in KERNEL_TABLE.items() if is_target)
+FFI_TARGETS = tuple(f"jaxring_{name}" for name in FFI_KERNELS)
 
 
 def require_extension() -> None:
@@ -77,15 +96,6 @@ def __getattr__(name: str):
 from jaxring._src.ext import reference as reference  # noqa: E402
 
 if LOAD_ERROR is None:
-  from jaxring._src.ext.kernels import chunk_norms as chunk_norms
-  from jaxring._src.ext.kernels import dequantize_int8 as dequantize_int8
-  from jaxring._src.ext.kernels import fake_quantize_int8 as fake_quantize_int8
-  from jaxring._src.ext.kernels import gather_chunks as gather_chunks
-  from jaxring._src.ext.kernels import num_blocks as num_blocks
-  from jaxring._src.ext.kernels import num_chunks as num_chunks
-  from jaxring._src.ext.kernels import quantize_int8 as quantize_int8
-  from jaxring._src.ext.kernels import ring_hop_cast as ring_hop_cast
-  from jaxring._src.ext.kernels import ring_hop_cast_last as ring_hop_cast_last
-  from jaxring._src.ext.kernels import ring_hop_int8 as ring_hop_int8
-  from jaxring._src.ext.kernels import ring_hop_int8_last as ring_hop_int8_last
-  from jaxring._src.ext.kernels import scatter_add_chunks as scatter_add_chunks
+  from jaxring._src.ext import kernels as _kernels  # noqa: E402
+
+  globals().update({name: getattr(_kernels, name) for name in KERNELS})
