@@ -1,9 +1,11 @@
 """Training and evaluation of a ResNet recipe, data-parallel through ``@jaxring.train_step``.
 
-One explicit loop, readable top to bottom (big_vision's habit): resume from the newest checkpoint
-(state and data position), step, read the metrics every ``log_every`` steps (progress bar and JSON
-lines from process 0 only; a non-finite loss raises), evaluate top-1/top-5 every
-``eval_every_epochs``, checkpoint every ``checkpoint_every`` steps and at the end.
+The loop is the library's, :func:`jaxring.train.fit`: resume from the newest checkpoint (state and
+data position), step, read the metrics every ``log_every`` steps (progress bar and JSON lines from
+process 0 only; a non-finite loss raises), evaluate top-1/top-5 every ``eval_every_epochs``,
+checkpoint every ``checkpoint_every`` steps and at the end; throughput in the steady state (the
+compiling first step, evaluation and checkpointing left out). This module supplies the model, the
+optimizer, the steps and the evaluation.
 
 The per-replica step is the single-device step: ``jaxring.value_and_grad`` averages the gradients
 inside the backward pass with the configured algorithm and codec, and the decorator averages the
@@ -11,11 +13,8 @@ BatchNorm statistics and the metrics over the replicas.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 import os
-import time
 from typing import Any, Callable
 
 import jax
@@ -29,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 import jaxring.train as jt
 from jaxring.data import prefetch_to_device
-from jaxring.train.metrics import to_python
+from jaxring.train.loop import FitSummary
 from recipes import input_pipeline, models, optim
 from recipes.config import Config
 
@@ -162,48 +161,6 @@ def evaluate(eval_step, step: jt.TrainStep, state, batches, num_batches: int) ->
           "eval_loss": totals["loss"] / n, "eval_images": int(totals["count"])}
 
 
-class _Throughput:
-  """Images per second of the training steps alone: the first (compiling) step, evaluation and
-  checkpointing are not counted."""
-
-  def __init__(self, batch_size: int):
-    self.batch_size = batch_size
-    self.compile_s = None
-    self.images, self.seconds = 0, 0.0
-    self._tick = time.perf_counter()
-
-  def first_step_done(self) -> None:
-    now = time.perf_counter()
-    self.compile_s, self._tick = now - self._tick, now
-
-  def add(self, steps: int) -> float:
-    """Counts ``steps`` finished steps since the last call; returns their images/s."""
-    now = time.perf_counter()
-    elapsed = max(now - self._tick, 1e-9)
-    self.images += steps * self.batch_size
-    self.seconds += elapsed
-    self._tick = now
-    return steps * self.batch_size / elapsed
-
-  @contextlib.contextmanager
-  def paused(self, state):
-    jax.block_until_ready(state)  # the steps dispatched so far belong to the timed interval
-    start = time.perf_counter()
-    yield
-    self._tick += time.perf_counter() - start
-
-  @property
-  def images_per_s(self) -> float | None:
-    return self.images / self.seconds if self.seconds else None
-
-
-def _check_finite(records: list[dict]) -> None:
-  for record in records:
-    loss = record.get("loss")
-    if isinstance(loss, str) or (isinstance(loss, float) and not math.isfinite(loss)):
-      raise FloatingPointError(f"non-finite loss {loss} at step {record['step']}")
-
-
 def _log(message: str) -> None:
   if jax.process_index() == 0:
     from tqdm.auto import tqdm
@@ -240,61 +197,34 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                             trust_coefficient=config.lars_trust_coefficient)
   model = create_model(config)
   step = make_train_step(config, schedule, mesh)
-  state = step.prepare(create_train_state(config, model, tx))
+  state = create_train_state(config, model, tx)   # fit prepares it for the step
   eval_step = make_eval_step(mesh, axis)
   eval_every = int(round(config.eval_every_epochs * steps_per_epoch))
   eval_count = config.eval_steps or (1 if config.dataset == "synthetic"
                                       else eval_batches.batches_per_epoch)
 
+  def evaluate_and_log(state) -> dict:
+    result = evaluate(eval_step, step, state, eval_batches, eval_count)
+    _log(f"step {int(jax.device_get(state.step))}: top-1 {result['eval_top1']:.4f}, top-5 "
+         f"{result['eval_top5']:.4f}, loss {result['eval_loss']:.4f} on "
+         f"{result['eval_images']} images")
+    return result
+
   ckpt = jt.Checkpointer(os.path.join(config.workdir, "checkpoints")) if config.workdir else None
-  if ckpt is not None and ckpt.latest_step is not None:
-    state, data_state = ckpt.restore(state)
-    if data_state and hasattr(batches, "set_state"):
-      batches.set_state(data_state)
-  start = int(jax.device_get(state.step))
-  writer = jt.JsonlWriter(os.path.join(config.workdir, "metrics.jsonl") if config.workdir
-                          else None)
-  bar = jt.Progress(total=total_steps, initial=start, enabled=config.progress)
-  meter = _Throughput(config.batch_size)
-  pending, shown, final = [], start, None
+  fitted = FitSummary()
   try:
-    for done in range(start + 1, total_steps + 1):
-      state, metrics = step(state, next(batches))
-      pending.append((done, metrics))
-      if meter.compile_s is None:  # the first step compiles: keep it out of the throughput
-        jax.block_until_ready(metrics)
-        meter.first_step_done()
-        pending = []
-      if pending and (done % config.log_every == 0 or done == total_steps):
-        records = [dict(to_python(m), step=s) for s, m in pending]  # waits for the steps
-        rate = meter.add(len(pending))
-        for record in records:
-          writer.write(dict(record, images_per_s=rate))
-        _check_finite(records)
-        bar.update(done - shown, dict(records[-1], images_per_s=rate))
-        pending, shown = [], done
-      at_eval = done == total_steps or (eval_every and done % eval_every == 0)
-      at_save = ckpt is not None and (done % config.checkpoint_every == 0
-                                      or done == total_steps)
-      if at_eval or at_save:
-        with meter.paused(state):
-          if at_eval:
-            final = dict(evaluate(eval_step, step, state, eval_batches, eval_count), step=done)
-            writer.write(final)
-            _log(f"step {done}: top-1 {final['eval_top1']:.4f}, top-5 {final['eval_top5']:.4f},"
-                 f" loss {final['eval_loss']:.4f} on {final['eval_images']} images")
-          if at_save:
-            data_state = batches.get_state() if hasattr(batches, "get_state") else {}
-            ckpt.save(state, data_state=data_state, step=done, force=True)
-    if final is None:  # resumed at the last step
-      final = dict(evaluate(eval_step, step, state, eval_batches, eval_count), step=start)
+    state = jt.fit(step, state, batches, num_steps=total_steps, checkpointer=ckpt,
+                   checkpoint_every=config.checkpoint_every, log_every=config.log_every,
+                   metrics_path=(os.path.join(config.workdir, "metrics.jsonl") if config.workdir
+                                 else None), progress=config.progress,
+                   evaluate=evaluate_and_log, eval_every=eval_every, steady_state=True,
+                   summary=fitted)
   finally:
-    bar.close()
-    writer.close()
     if ckpt is not None:
-      ckpt.close()  # waits for the last save to commit
-  return {"steps": total_steps, "start_step": start, "final": final, "state": state,
-          "train_images_per_s": meter.images_per_s, "compile_s": meter.compile_s,
+      ckpt.close()
+  return {"steps": total_steps, "start_step": fitted.start_step, "final": fitted.last_eval,
+          "state": state, "train_images_per_s": fitted.images_per_s,
+          "compile_s": fitted.compile_s,
           "global_batch": config.batch_size, "devices": mesh.size,
           "params": sum(int(np.size(p)) for p in jax.tree_util.tree_leaves(state.params)),
           "step_fn": step, "config": dataclasses.asdict(config)}

@@ -8,6 +8,7 @@ import pytest
 
 import jaxring.train as jt
 from jaxring.train import metrics as metrics_mod
+from jaxring.train.loop import FitSummary
 
 
 def _state():
@@ -81,3 +82,42 @@ def test_batch_iterator_resumes_at_its_position():
   assert sorted(np.concatenate(seen[:2])) != list(range(8))  # shuffled, 2 left out per epoch
   halves = [jt.BatchIterator(data, 4, seed=5, process_index=k, process_count=2) for k in (0, 1)]
   np.testing.assert_array_equal(np.concatenate([next(h)["i"] for h in halves]), np.sort(seen[0]))
+
+
+def test_fit_evaluates_on_its_cadence_and_at_the_end(step, tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  seen = []
+
+  def evaluate(state):
+    seen.append(int(state.step))
+    return {"eval_w0": float(state.params["w"][0, 0])}
+  summary = FitSummary()
+  jt.fit(step, _state(), jt.BatchIterator(_data(), 16, shuffle=False), num_steps=7, log_every=2,
+         metrics_path=str(path), progress=False, evaluate=evaluate, eval_every=3,
+         summary=summary)
+  assert seen == [3, 6, 7]
+  records = [json.loads(l) for l in path.read_text().splitlines()]
+  evals = [r for r in records if "eval_w0" in r]
+  assert [r["step"] for r in evals] == [3, 6, 7]
+  assert summary.last_eval == evals[-1] and summary.start_step == 0
+  assert summary.images_per_s > 0 and summary.compile_s is None
+
+
+def test_steady_state_times_the_first_step_apart_and_resumes(step, tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  ckpt = jt.Checkpointer(tmp_path / "ckpt")
+  summary = FitSummary()
+  jt.fit(step, _state(), jt.BatchIterator(_data(), 16, shuffle=False), num_steps=5, log_every=2,
+         metrics_path=str(path), progress=False, evaluate=lambda s: {"e": 1.0},
+         steady_state=True, checkpointer=ckpt, checkpoint_every=4, summary=summary)
+  losses = [json.loads(l) for l in path.read_text().splitlines()]
+  assert [r["step"] for r in losses if "loss" in r] == [2, 3, 4, 5]  # step 1 compiled: not logged
+  assert summary.compile_s > 0 and summary.images_per_s > 0
+  assert sorted(ckpt.all_steps()) == [4, 5]
+  again = FitSummary()  # resumed at the last step: nothing to train, evaluated once
+  state = jt.fit(step, _state(), jt.BatchIterator(_data(), 16, shuffle=False), num_steps=5,
+                 progress=False, evaluate=lambda s: {"e": 2.0}, checkpointer=ckpt,
+                 summary=again)
+  ckpt.close()
+  assert int(state.step) == 5 and again.start_step == 5
+  assert again.last_eval == {"e": 2.0, "step": 5}

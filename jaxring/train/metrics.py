@@ -6,9 +6,11 @@ write every line N times and draw N progress bars over each other (big_vision's 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import time
 from typing import Any
 
 import jax
@@ -89,3 +91,49 @@ class Progress:
     if self._bar is not None:
       self._bar.close()
       self._bar = None
+
+
+class Throughput:
+  """Examples per second of the training steps: per log interval and over the run.
+
+  ``first_step_done()`` keeps the first (compiling) step out and records its time as
+  ``compile_s``; ``paused(state)`` keeps evaluation and checkpointing out.
+
+  Example:
+    >>> meter = Throughput()
+    >>> state, metrics = step(state, batch); jax.block_until_ready(metrics)
+    >>> meter.first_step_done()
+    >>> ...; meter.add(10 * 256)  # 10 steps of 256 images since: their images/s
+  """
+
+  def __init__(self):
+    self.compile_s: float | None = None
+    self.examples, self.seconds = 0, 0.0
+    self._tick = time.perf_counter()
+
+  def first_step_done(self) -> None:
+    now = time.perf_counter()
+    self.compile_s, self._tick = now - self._tick, now
+
+  def add(self, examples: int) -> float:
+    """Counts ``examples`` processed since the last call; returns their rate per second."""
+    now = time.perf_counter()
+    elapsed = max(now - self._tick, 1e-9)
+    self.examples += examples
+    self.seconds += elapsed
+    self._tick = now
+    return examples / elapsed
+
+  @contextlib.contextmanager
+  def paused(self, state):
+    """Time spent inside is not counted (the steps dispatched before it are: waits for them)."""
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._tick += time.perf_counter() - start
+
+  @property
+  def examples_per_s(self) -> float | None:
+    return self.examples / self.seconds if self.seconds else None
