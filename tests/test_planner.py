@@ -75,7 +75,7 @@ def test_cross_process_levels_never_use_native_reduce_scatter():
 
 def test_mpi_slow_level_uses_the_ring_not_mpi_allreduce():
   # MPICH's MPI_Allreduce lost to the Sendrecv ring on the node level (docs/design.md)
-  from jaxring._src.algorithms.planner import Hierarchy
+  from jaxring._src.transport.groups import Hierarchy
   from jaxring._src.transport.groups import Group
   from jaxring._src.transport.mpi import MPI_TRANSPORT
   from jaxring._src.transport.xla import XLA

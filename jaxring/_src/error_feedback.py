@@ -2,7 +2,7 @@
 
 Each member keeps a residual ``r_i`` (its share of what did not make it onto the wire). A step
 reduces ``g_i + r_i`` with the codec, which reports the error ``e_i`` each member introduced
-(jaxring._src.collectives.all_reduce_flat, ``want_error=True``; the members' errors sum to the
+(jaxring._src.algorithms.engine.all_reduce_flat, ``want_error=True``; the members' errors sum to the
 total error exactly once), and keeps ``e_i`` as the next residual:
 
   applied = (sum_i (g_i + r_i) - sum_i e_i) / p,        r_i <- e_i
@@ -17,7 +17,6 @@ its own.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -27,10 +26,10 @@ import optax
 from jax import lax
 
 from jaxring._src import vma
+from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype, is_float
-from jaxring._src.collectives import (_bind, _plan_for, _validate_compression, all_reduce_flat,
-                                      pmean)
+from jaxring._src.collectives import pmean, validate_compression
 
 
 class ReduceGradientsState(NamedTuple):
@@ -73,8 +72,8 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
   axes = _axes(axis_name)
   leaves, treedef = jax.tree_util.tree_flatten(grads)
   res_leaves = treedef.flatten_up_to(residual)
-  sizes, mpi = _bind(axes, "reduce_gradients")   # shard_map's axes, or an MPI-bound name
-  p = math.prod(sizes)
+  binding = engine.bind(axes, "reduce_gradients")   # shard_map's axes, or an MPI-bound name
+  p = binding.size
   applied, new_res = list(leaves), list(res_leaves)
   by_dtype: dict[Any, list[int]] = {}
   for i, g in enumerate(leaves):
@@ -87,14 +86,10 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
     acc = accum_dtype(dtype)
     flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) + jnp.ravel(res_leaves[i]).astype(acc)
                             for i in idxs])
-    plan = _plan_for(axes, sizes, mpi, flat.shape[0] * dtype.itemsize, dtype, algorithm,
-                     compression)
-    if plan.kind == "xla":
-      total = (lax.psum(flat, axes if len(axes) > 1 else axes[0]) if mpi is None
-               else plan.transport.all_reduce(flat, plan.whole))
+    total, err = engine.all_reduce_flat(flat, dtype, binding, algorithm, compression,
+                                        want_error=True)
+    if err is None:  # a native all-reduce: exact
       err = jnp.zeros_like(flat)
-    else:
-      total, err = all_reduce_flat(flat, dtype, axes, plan, want_error=True)
     mean = total / jnp.asarray(p, acc)
     out = mean.astype(dtype)
     if dtype != acc:  # the final rounding to the gradient's dtype: each member carries it once
@@ -139,7 +134,7 @@ def reduce_gradients(axis_name, *, algorithm="auto", compression=None,
     ...   updates, opt_state = tx.update(grads, opt_state, params)
   """
   validate_algorithm(algorithm)
-  _validate_compression(compression)
+  validate_compression(compression)
   axes = _axes(axis_name)
 
   def init_fn(params):

@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring._src.algorithms.planner import make_plan
+from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import Codec, accum_dtype
-from jaxring._src.collectives import all_reduce_flat
 from jaxring.train.buckets import Bucket, make_buckets, use_order
 from jaxring.train.precision import Policy
 
@@ -97,12 +96,8 @@ def replica_count(axes: tuple) -> int:
 
 
 def _all_reduce(flat, dtype, cfg: ReduceConfig, want_error: bool):
-  sizes = tuple(int(lax.axis_size(a)) for a in cfg.axes)
-  plan = make_plan(cfg.axes, sizes, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype,
-                   cfg.algorithm, cfg.compression)
-  if plan.kind == "xla":
-    return lax.psum(flat, cfg.axis_name), None
-  return all_reduce_flat(flat, dtype, cfg.axes, plan, want_error=want_error)
+  return engine.all_reduce_flat(flat, dtype, engine.bind(cfg.axes, "value_and_grad"),
+                                cfg.algorithm, cfg.compression, want_error=want_error)
 
 
 def _split(flat, like: Sequence, dtype=None):

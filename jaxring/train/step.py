@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype
-from jaxring._src.collectives import _validate_compression
+from jaxring._src.collectives import validate_compression
 from jaxring.train.grad import ReduceConfig, StepContext, step_context
 from jaxring.train.precision import DynamicLossScale, as_policy, select_tree
 from jaxring.train.state import Residuals, residual_tree, with_residual_tree
@@ -350,7 +350,7 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
   if callable(mesh) and not isinstance(mesh, Mesh):  # bare @train_step
     return train_step()(mesh)
   validate_algorithm(algorithm)
-  _validate_compression(compression)
+  validate_compression(compression)
   axes = _axes(axis_name)
   if mesh is not None and not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "

@@ -1,18 +1,44 @@
-"""psum_scatter and all_gather of one array by a ring or hierarchical plan, in lax's layout.
+"""The reduction engine: all-reduce, reduce-scatter and all-gather by a plan, over any transport.
 
-The ring and hierarchical algorithms work on flat buffers of ``p`` equal chunks; these functions
-move one array's scatter dimension (or gather axis) to the front, pad its rows to the codecs'
-alignment, permute them into the order the plan hands chunks out, and put the result back where
-``lax.psum_scatter`` / ``lax.all_gather`` would.
+The planner (jaxring._src.algorithms.planner) decides; this module executes. It is the one place
+that switches on a plan's kind: ``xla`` (the transport's native collective), ``ring`` or
+``hierarchical``, with ``topk_chunks`` wrapping a whole all-reduce. The axes arrive bound
+(jaxring._src.transport.binding): names bound by ``shard_map``/``pmap`` move their bytes with XLA
+collectives and take lax's derivatives (jaxring._src.algorithms.linear); a name bound to an MPI
+communicator moves them with mpi4jax, runs on stop_gradient'ed inputs and carries the MPI rules.
+
+The ring and hierarchical algorithms work on flat accumulator-dtype buffers of ``p`` equal chunks.
+Per leaf, reduce-scatter and all-gather move the scatter dimension (or gather axis) to the front,
+pad its rows to the codecs' alignment, permute them into the order the plan hands chunks out, and
+put the result back where ``lax.psum_scatter`` / ``lax.all_gather`` would.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxring._src.algorithms import hierarchical, ring
-from jaxring._src.algorithms.planner import Plan
+from jaxring._src.algorithms import hierarchical, linear, ring
+from jaxring._src.algorithms.planner import Plan, make_plan
 from jaxring._src.codecs.base import accum_dtype
+from jaxring._src.transport.binding import bind as bind
+from jaxring._src.transport.groups import axis_arg
+
+
+def lax_suffices(axes: tuple, algorithm, op: str) -> bool:
+  """Whether lax's own collective is the whole call: ``algorithm="xla"`` over names lax binds."""
+  return algorithm == "xla" and bind(axes, op).lax_bound
+
+
+def plan_for(binding, nbytes: int, dtype, algorithm, compression) -> Plan:
+  """The planner's plan for ``nbytes`` of ``dtype`` over ``binding``'s axes and levels."""
+  return make_plan(binding.axes, binding.sizes, nbytes, dtype, algorithm, compression,
+                   hierarchy=binding.hierarchy)
 
 
 def _pad_to(flat, multiple: int):
@@ -21,7 +47,190 @@ def _pad_to(flat, multiple: int):
   return jnp.pad(flat, (0, m - n)) if m != n else flat
 
 
-def reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
+def _is_traced(leaf) -> bool:
+  return isinstance(leaf, jax.core.Tracer)
+
+
+def _native_all_reduce(x, axes: tuple, plan: Plan):
+  """The transport's own all-reduce over every member (``lax.psum`` over mesh axes)."""
+  if plan.whole is None:
+    return lax.psum(x, axis_arg(axes))
+  return plan.transport.all_reduce(x, plan.whole)
+
+
+def _check_per_hop(plan: Plan, op: str) -> None:
+  bad = [c for c in plan.codecs if not c.per_hop]
+  if bad:
+    raise NotImplementedError(
+        f"jaxring.{op}: {bad[0].name} wraps a whole all-reduce and has no reduce-scatter or "
+        "all-gather form; use it with psum, pmean or reduce_gradients")
+
+
+def _check_block_order(plan: Plan, binding, op: str) -> None:
+  if plan.kind == "hierarchical" and not binding.contiguous:
+    raise NotImplementedError(
+        f"jaxring.{op} with a hierarchical plan over MPI axis {binding.axes[0]!r}: the ranks are "
+        "not laid out host by host (rank = local rank + local size * node), so blocks would not go "
+        "in rank order; use algorithm='ring', or bind the axis with an explicit topology")
+
+
+# --- all-reduce ----------------------------------------------------------------------------------
+
+
+def _all_reduce_planned(flat, dtype, axes: tuple, plan: Plan, want_error: bool):
+  """Reduces a flat accumulator-dtype buffer by a ring or hierarchical plan: (sum, error)."""
+  wrapper = next((c for c in plan.codecs if not c.per_hop), None)
+  if wrapper is not None:  # topk_chunks: chooses what to send, then runs the plan on that
+    dense = dataclasses.replace(plan, codecs=tuple(
+        c.dense_codec(dtype) if not c.per_hop else c for c in plan.codecs))
+    return wrapper.all_reduce(
+        flat, dtype, reduce_norms=lambda v: _native_all_reduce(v, axes, plan),
+        reduce_dense=lambda buf, err: _all_reduce_planned(buf, dtype, axes, dense, err),
+        want_error=want_error)
+  n = flat.shape[0]
+  buf = _pad_to(flat, plan.size * plan.align)
+  if plan.kind == "ring":
+    out, err = ring.all_reduce(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
+                               want_error=want_error, pieces=plan.pieces[0])
+  else:
+    out, err = hierarchical.all_reduce(buf, list(plan.groups), list(plan.codecs), list(plan.algos),
+                                       dtype, plan.transport, want_error=want_error,
+                                       pieces=list(plan.pieces))
+  out = out[:n]
+  if plan.whole is None:
+    covered = {a for g in plan.groups for a in g.axes}
+    trivial = tuple(a for a in axes if a not in covered)
+    if trivial:  # size-1 axes: a no-op all-reduce, but it types the result invariant over them
+      out = lax.psum(out, trivial)
+  return out, (None if err is None else err[:n])
+
+
+def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error: bool = False):
+  """Sum of a flat accumulator-dtype buffer over ``binding``, by the planned algorithm.
+
+  Args:
+    flat: this member's buffer (the accumulator dtype of ``dtype``).
+    dtype: the values' own dtype (the codec's wire format may depend on it).
+    binding: the bound axes (:func:`bind`).
+    algorithm: as in :func:`jaxring.psum`.
+    compression: as in :func:`jaxring.psum`.
+    want_error: also return this member's compression error, laid out like ``flat``.
+
+  Returns:
+    ``(sum, error)``; ``error`` is None unless asked for, and None after a native all-reduce
+    (exact: nothing to carry). No derivative rule is attached (error feedback runs on gradients).
+
+  Example:
+    >>> total, err = all_reduce_flat(flat, jnp.bfloat16, bind(("data",), "psum"), "ring",
+    ...                              jaxring.codecs.int8(), want_error=True)  # doctest: +SKIP
+  """
+  plan = plan_for(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype, algorithm,
+                  compression)
+  if plan.kind == "xla":
+    return _native_all_reduce(flat, binding.axes, plan), None
+  return _all_reduce_planned(flat, dtype, binding.axes, plan, want_error)
+
+
+def all_reduce(leaves: list, binding, algorithm, compression) -> list:
+  """The sum of every leaf over ``binding``: the leaves of one dtype fused, one plan per dtype.
+
+  Over mesh axes a constant (untraced) leaf is lax's to fold (size * x) and the result has
+  lax.psum's derivative. Over MPI every process's values are reduced (constants too: unlike
+  shard_map's members, processes hold different ones), on stop_gradient'ed inputs, and
+  :func:`linear.summed` gives the result lax.psum's derivative.
+  """
+  if binding.lax_bound:
+    return _sum_by_dtype(leaves, binding, algorithm, compression)
+  leaves = [jnp.asarray(leaf) for leaf in leaves]
+  sums = _sum_by_dtype([lax.stop_gradient(leaf) for leaf in leaves], binding, algorithm,
+                       compression)
+  return [linear.summed(x, lax.stop_gradient(y)) for x, y in zip(leaves, sums)]
+
+
+def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
+  out = list(leaves)
+  by_dtype: dict[Any, list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    if binding.size > 1 and np.size(leaf) > 0 and (_is_traced(leaf) or not binding.lax_bound):
+      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+    elif binding.lax_bound:
+      out[i] = lax.psum(leaf, axis_arg(binding.axes))  # constants: size * x, as lax folds them
+  for dtype, idxs in by_dtype.items():
+    nbytes = sum(np.size(leaves[i]) for i in idxs) * dtype.itemsize
+    plan = plan_for(binding, nbytes, dtype, algorithm, compression)
+    if plan.kind == "xla":
+      for i in idxs:
+        out[i] = _native_all_reduce(leaves[i], binding.axes, plan)
+      continue
+    acc = accum_dtype(dtype)
+    flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in idxs])
+    reduce = lambda v, plan=plan, dtype=dtype: _all_reduce_planned(v, dtype, binding.axes, plan,
+                                                                   False)[0]
+    if binding.lax_bound and linear.differentiable(dtype):
+      reduce = linear.psum(reduce, binding.axes)  # over MPI the inputs carry no tangents
+    total = reduce(flat)
+    offset = 0
+    for i in idxs:
+      size = np.size(leaves[i])
+      out[i] = total[offset:offset + size].reshape(np.shape(leaves[i])).astype(dtype)
+      offset += size
+  return out
+
+
+# --- reduce-scatter and all-gather of one leaf ---------------------------------------------------
+
+
+def reduce_scatter(leaf, d: int, tiled: bool, binding, algorithm, compression):
+  """``lax.psum_scatter(leaf, scatter_dimension=d, tiled=tiled)`` over ``binding`` by a plan.
+
+  The shapes are already checked (jaxring._src.collectives). A transport without a native
+  reduce-scatter runs the ring where the plan says ``xla``.
+  """
+  dtype = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
+  nbytes = np.size(leaf) * dtype.itemsize
+  plan = plan_for(binding, nbytes, dtype, algorithm, compression)
+  _check_per_hop(plan, "psum_scatter")
+  if plan.kind == "xla" and not plan.transport.has_reduce_scatter:
+    plan = plan_for(binding, nbytes, dtype, "ring", None)
+  _check_block_order(plan, binding, "psum_scatter")
+  p = binding.size
+  if not binding.lax_bound:
+    leaf = jnp.asarray(leaf)
+    block = _reduce_scatter_leaf(lax.stop_gradient(leaf), d, tiled, p, dtype, plan)
+    return linear.not_differentiable("psum_scatter")(leaf, lax.stop_gradient(block))
+  if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
+    return lax.psum_scatter(leaf, axis_arg(binding.axes), scatter_dimension=d, tiled=tiled)
+  scatter = functools.partial(_reduce_scatter_leaf, d=d, tiled=tiled, p=p, dtype=dtype, plan=plan)
+  if linear.differentiable(dtype):
+    scatter = linear.psum_scatter(scatter, binding.axes, d, tiled)
+  return scatter(jnp.asarray(leaf))
+
+
+def all_gather(leaf, ax: int, tiled: bool, binding, algorithm, compression):
+  """``lax.all_gather(leaf, axis=ax, tiled=tiled)`` over ``binding`` by a plan (shapes checked)."""
+  dtype = jnp.dtype(leaf.dtype)
+  p = binding.size
+  nbytes = leaf.size * dtype.itemsize * p
+  plan = plan_for(binding, nbytes, dtype, algorithm, compression)
+  _check_per_hop(plan, "all_gather")
+  _check_block_order(plan, binding, "all_gather")
+  if not binding.lax_bound:
+    held = lax.stop_gradient(leaf)
+    if plan.kind == "xla":
+      rows = plan.transport.all_gather((jnp.ravel(held),), plan.whole)[0]
+      gathered = _place_rows(rows.reshape((p,) + leaf.shape), ax, tiled)
+    else:
+      gathered = _all_gather_leaf(held, ax, tiled, p, dtype, plan)
+    return linear.not_differentiable("all_gather")(leaf, lax.stop_gradient(gathered))
+  if plan.kind == "xla" or p == 1 or leaf.size == 0:
+    return lax.all_gather(leaf, axis_arg(binding.axes), axis=ax, tiled=tiled)
+  gather = functools.partial(_all_gather_leaf, ax=ax, tiled=tiled, p=p, dtype=dtype, plan=plan)
+  if linear.differentiable(dtype):
+    gather = linear.all_gather(gather, binding.axes, ax, tiled)
+  return gather(leaf)
+
+
+def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
   """``lax.psum_scatter(leaf, scatter_dimension=d, tiled=tiled)`` over the ``p`` members of a
   ring or hierarchical ``plan``; ``dtype`` is the leaf's."""
   moved = jnp.moveaxis(leaf, d, 0)
@@ -46,7 +255,7 @@ def reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
   return block.reshape(rest)
 
 
-def all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
+def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   """``lax.all_gather(leaf, axis=ax, tiled=tiled)`` over the ``p`` members of a ring or
   hierarchical ``plan``. Each value crosses every level once, encoded by one codec (the slowest
   level's)."""
@@ -64,10 +273,10 @@ def all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
     rows = codec.decode(gathered, dtype).reshape(p, -1)
     perm = hierarchical.chunk_permutation(list(plan.groups), list(plan.strides))
     rows = rows[np.argsort(np.asarray(perm))]
-  return place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
+  return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
 
 
-def place_rows(stacked, ax, tiled):
+def _place_rows(stacked, ax, tiled):
   """``stacked[i]`` is member i's value: lax.all_gather's layout along ``ax``."""
   moved = jnp.moveaxis(stacked, 0, ax)  # (..., p, d_ax, ...)
   if not tiled:
@@ -75,4 +284,3 @@ def place_rows(stacked, ax, tiled):
   shape = list(stacked.shape[1:])
   shape[ax] *= stacked.shape[0]
   return moved.reshape(shape)
-

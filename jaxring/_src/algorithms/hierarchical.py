@@ -20,11 +20,9 @@ from jaxring._src.transport.groups import Group
 
 
 def _level_reduce_scatter(x, group, codec, algo, dtype, transport, want_error, pieces=1):
-  if algo == "xla":
-    # a transport without a native reduce-scatter (MPI through mpi4jax) returns None: the ring
-    native = transport.reduce_scatter(x, group)
-    if native is not None:
-      return native, (jnp.zeros_like(x) if want_error else None)
+  if algo == "xla" and transport.has_reduce_scatter:
+    # a transport without a native reduce-scatter (MPI through mpi4jax) runs the ring instead
+    return transport.reduce_scatter(x, group), (jnp.zeros_like(x) if want_error else None)
   return ring.reduce_scatter(x, group, codec, dtype, transport, want_error=want_error,
                              pieces=pieces)
 

@@ -8,6 +8,10 @@ lax's transpose in either vma mode (``check_vma=True``: psum's transpose is a ``
 are integers, and neither carries a tangent, so the derivative seen through the hops would miss
 everything that arrived from other members. The lossy rounding is treated as the identity, as
 loss scaling and quantization-aware training treat it.
+
+Over a name bound to an MPI communicator no lax collective exists to borrow a derivative from:
+:func:`summed` gives an all-reduce the identity (lax.psum's rule for a cotangent the same on every
+member), and :func:`not_differentiable` makes the derivative of the others raise.
 """
 from __future__ import annotations
 
@@ -70,3 +74,44 @@ def all_gather(forward: Callable, axes: tuple, axis: int, tiled: bool) -> Callab
   """``forward`` (an all-gather of one leaf) with ``lax.all_gather``'s derivative."""
   return straight_through(forward, lambda t: lax.all_gather(t, _axis_arg(axes), axis=axis,
                                                             tiled=tiled))
+
+
+# --- over an MPI-bound axis ----------------------------------------------------------------------
+# mpi4jax's operations carry an ordered effect, which jax.custom_jvp/custom_vjp refuse; the rules
+# below wrap only the *result* (computed outside, under stop_gradient), so they see no effect.
+
+
+@jax.custom_jvp
+def summed(x, total):
+  """``total`` (the all-reduce of ``x``, stop_gradient'ed) with the identity as derivative.
+
+  That is ``lax.psum``'s rule in ``shard_map`` for a cotangent that is the same on every member
+  (a loss computed identically from the sum), and ``mpi4jax.allreduce``'s rule. For a cotangent
+  that differs between ranks lax would sum the cotangents; MPI processes cannot tell the two apart.
+  """
+  del x
+  return total
+
+
+@summed.defjvp
+def _summed_jvp(primals, tangents):
+  _, total = primals
+  dx, _ = tangents
+  return total, dx
+
+
+def not_differentiable(op: str):
+  """An identity on ``(x, result) -> result`` whose derivative raises, naming ``op``."""
+
+  @jax.custom_jvp
+  def result(x, out):
+    del x
+    return out
+
+  @result.defjvp
+  def _jvp(primals, tangents):
+    raise NotImplementedError(
+        f"jaxring.{op} over an MPI-bound axis is not differentiable (mpi4jax's allgather has no "
+        "transpose rule); differentiate psum/pmean, or call it under shard_map")
+
+  return result

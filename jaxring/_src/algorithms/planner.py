@@ -15,7 +15,7 @@ import jax
 from jaxring._src import cost_model
 from jaxring._src import topology as topo_mod
 from jaxring._src.codecs.base import Codec, for_dtype
-from jaxring._src.transport.groups import Group, check_factorization, whole_group
+from jaxring._src.transport.groups import Group, Hierarchy, check_factorization, whole_group
 from jaxring._src.transport.xla import XLA
 
 ALGORITHMS = ("auto", "xla", "ring", "hierarchical")
@@ -102,25 +102,6 @@ def levels_for(axes: tuple, sizes: tuple[int, ...], order: tuple | None = None):
     return groups, list(topo.levels), list(topo.strides())
   g = whole_group(tuple(axes), total, str(axes[0]))
   return [g], _level_params((str(axes[0]),), (total,)), [1]
-
-
-@dataclasses.dataclass(frozen=True)
-class Hierarchy:
-  """The levels of axes bound outside ``shard_map`` (an MPI communicator), fast -> slow.
-
-  Attributes:
-    groups: this member's group on each level (fast -> slow).
-    levels: each level's size, bandwidth and latency (the cost model's input).
-    strides: each level's weight in the member's linear index (its rank in ``whole``).
-    whole: every member as one group (the flat ring).
-    transport: moves the bytes within these groups.
-  """
-
-  groups: tuple
-  levels: tuple[topo_mod.Level, ...]
-  strides: tuple[int, ...]
-  whole: Any
-  transport: Any
 
 
 def _codec_for(compression, level_name: str, dtype) -> Codec:

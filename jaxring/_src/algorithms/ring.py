@@ -92,9 +92,8 @@ def all_gather_payload(payload: tuple, group: Group, transport) -> tuple:
   p = group.size
   if p == 1:
     return payload
-  native = transport.all_gather(payload, group)
-  if native is not None:
-    return native
+  if group.whole:
+    return transport.all_gather(payload, group)
   return ring_all_gather_payload(payload, group, transport)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from jax import lax
 
@@ -51,6 +52,11 @@ class Group:
     return perm
 
 
+def axis_arg(axes: tuple):
+  """``axes`` as lax's collectives take them: the one name alone, several as a tuple."""
+  return axes if len(axes) > 1 else axes[0]
+
+
 def whole_group(axes: tuple, axes_size: int, name: str | None = None) -> Group:
   return Group(tuple(axes), axes_size, 1, axes_size, name or "/".join(map(str, axes)))
 
@@ -59,3 +65,22 @@ def check_factorization(sizes: list[int], axes_size: int) -> None:
   if math.prod(sizes) != axes_size:
     raise ValueError(f"topology level sizes {sizes} multiply to {math.prod(sizes)}, but the axis "
                      f"has {axes_size} devices")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchy:
+  """The levels of axes bound outside ``shard_map`` (an MPI communicator), fast -> slow.
+
+  Attributes:
+    groups: this member's group on each level (fast -> slow).
+    levels: each level's size, bandwidth and latency (the cost model's input).
+    strides: each level's weight in the member's linear index (its rank in ``whole``).
+    whole: every member as one group (the flat ring).
+    transport: moves the bytes within these groups.
+  """
+
+  groups: tuple
+  levels: tuple
+  strides: tuple[int, ...]
+  whole: Any
+  transport: Any

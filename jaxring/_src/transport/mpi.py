@@ -87,6 +87,9 @@ class MpiTransport:
   # (4 nodes x 2 ranks, 1 Gbit/s, 32 MiB, MPICH 5 over UCX/TCP) the hierarchical all-reduce took
   # 522 ms with the ring on the node level and 674 ms with MPICH's MPI_Allreduce there.
   native_all_reduce_wins = False
+  # mpi4jax has no MPI_Reduce_scatter; the ring moves (p-1)/p of the buffer, which is what MPICH's
+  # own reduce-scatter moves for large messages, where all-reduce + slice would move twice that.
+  has_reduce_scatter = False
 
   def shift(self, payload: tuple, group: MpiGroup, offset: int = 1) -> tuple:
     """Sends each array of ``payload`` to the member ``offset`` ahead; returns what arrived."""
@@ -120,15 +123,10 @@ class MpiTransport:
       raise TypeError(f"jaxring MPI transport: cannot sum {dt} with MPI_Allreduce")
     return mpi4jax.allreduce(x.astype(jnp.float32), op=MPI.SUM, comm=group.comm).astype(dt)
 
-  def reduce_scatter(self, x, group: MpiGroup) -> None:
-    """None: the ring is MPI's reduce-scatter here.
-
-    mpi4jax has no ``MPI_Reduce_scatter``; the ring moves (p-1)/p of the buffer, which is what
-    MPICH's own reduce-scatter moves for large messages, where all-reduce + slice would move twice
-    that.
-    """
-    del x, group
-    return None
+  def reduce_scatter(self, x, group: MpiGroup):
+    """Not offered (``has_reduce_scatter`` is False): the ring is MPI's reduce-scatter here."""
+    raise NotImplementedError(f"jaxring MPI transport: no native reduce-scatter over level "
+                              f"{group.name!r} (mpi4jax has no MPI_Reduce_scatter); use the ring")
 
 
 MPI_TRANSPORT = MpiTransport()

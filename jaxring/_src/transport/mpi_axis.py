@@ -21,12 +21,10 @@ import warnings
 from collections.abc import Hashable
 from typing import Any
 
-import jax
-
 from jaxring._src import topology as topo_mod
-from jaxring._src.transport import mpi_watchdog
 from jaxring._src.distributed import DEFAULT_FAILURE_TIMEOUT_S, ENV_FAILURE_TIMEOUT
-from jaxring._src.algorithms.planner import Hierarchy
+from jaxring._src.transport import mpi_watchdog
+from jaxring._src.transport.groups import Hierarchy
 from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module
 
 
@@ -49,6 +47,8 @@ class MpiAxis:
   topology: topo_mod.Topology
   hierarchy: Hierarchy
   contiguous: bool
+  # not bound by shard_map/pmap: lax's collectives and derivative rules do not apply to it
+  lax_bound = False
 
   @property
   def size(self) -> int:
@@ -57,6 +57,19 @@ class MpiAxis:
   @property
   def rank(self) -> int:
     return self.comm.Get_rank()
+
+  @property
+  def axes(self) -> tuple:
+    return (self.name,)
+
+  @property
+  def sizes(self) -> tuple[int, ...]:
+    return (self.size,)
+
+  def check_index_groups(self, op: str) -> None:
+    """Raises: ``axis_index_groups`` has no meaning over a communicator."""
+    raise NotImplementedError(f"jaxring.{op}: axis_index_groups over an MPI-bound axis "
+                              f"{self.axes}; bind a sub-communicator to its own axis name instead")
 
 
 def _host_levels(comm) -> tuple[list[tuple[topo_mod.Level, Any]], list[int]]:
@@ -216,44 +229,3 @@ def lookup(axes: tuple) -> MpiAxis | None:
                               f"{hits}; reduce over one MPI-bound name (its topology gives the "
                               "levels)")
   return _bound[axes[0]]
-
-
-# --- differentiation -----------------------------------------------------------------------------
-# mpi4jax's operations carry an ordered effect, which jax.custom_jvp/custom_vjp refuse; the rules
-# below wrap only the *result* (computed outside, under stop_gradient), so they see no effect.
-
-
-@jax.custom_jvp
-def summed(x, total):
-  """``total`` (the all-reduce of ``x``, stop_gradient'ed) with the identity as derivative.
-
-  That is ``lax.psum``'s rule in ``shard_map`` for a cotangent that is the same on every member
-  (a loss computed identically from the sum), and ``mpi4jax.allreduce``'s rule. For a cotangent
-  that differs between ranks lax would sum the cotangents; MPI processes cannot tell the two apart.
-  """
-  del x
-  return total
-
-
-@summed.defjvp
-def _summed_jvp(primals, tangents):
-  _, total = primals
-  dx, _ = tangents
-  return total, dx
-
-
-def not_differentiable(op: str):
-  """An identity on ``(x, result) -> result`` whose derivative raises, naming ``op``."""
-
-  @jax.custom_jvp
-  def result(x, out):
-    del x
-    return out
-
-  @result.defjvp
-  def _jvp(primals, tangents):
-    raise NotImplementedError(
-        f"jaxring.{op} over an MPI-bound axis is not differentiable (mpi4jax's allgather has no "
-        "transpose rule); differentiate psum/pmean, or call it under shard_map")
-
-  return result
