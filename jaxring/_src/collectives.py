@@ -25,9 +25,19 @@ from jaxring._src.codecs.base import Codec
 AxisName = Any
 
 
+def axis_names(axis_name) -> tuple:
+  """``axis_name`` (one name, or a tuple or list of them) as a tuple of names.
+
+  Example:
+    >>> axis_names("data"), axis_names(["node", "local"])
+    (('data',), ('node', 'local'))
+  """
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
 def _axes(axis_name, op: str) -> tuple:
   """The axis names as a tuple, refused as lax refuses them (with lax's message in ours)."""
-  axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  axes = axis_names(axis_name)
   for a in axes:
     if isinstance(a, (int, np.integer)):
       # lax reads an int as a positional array dimension (a vmap-style reduction), which no

@@ -29,7 +29,7 @@ from jaxring._src import vma
 from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype, is_float
-from jaxring._src.collectives import pmean, validate_compression
+from jaxring._src.collectives import axis_names, pmean, validate_compression
 
 
 class ReduceGradientsState(NamedTuple):
@@ -37,10 +37,6 @@ class ReduceGradientsState(NamedTuple):
   accumulator dtype: f32 for 16-bit gradients)."""
 
   residual: Any
-
-
-def _axes(axis_name) -> tuple:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
 def _bound(axes: tuple) -> bool:
@@ -69,7 +65,7 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
   reduced by the planned algorithm with ``want_error=True``. Non-finite errors (an inf or nan
   gradient) are not carried into the next step: the result already shows them.
   """
-  axes = _axes(axis_name)
+  axes = axis_names(axis_name)
   leaves, treedef = jax.tree_util.tree_flatten(grads)
   res_leaves = treedef.flatten_up_to(residual)
   binding = engine.bind(axes, "reduce_gradients")   # shard_map's axes, or an MPI-bound name
@@ -135,7 +131,7 @@ def reduce_gradients(axis_name, *, algorithm="auto", compression=None,
   """
   validate_algorithm(algorithm)
   validate_compression(compression)
-  axes = _axes(axis_name)
+  axes = axis_names(axis_name)
 
   def init_fn(params):
     if not error_feedback:

@@ -30,14 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype
-from jaxring._src.collectives import validate_compression
+from jaxring._src.collectives import axis_names, validate_compression
 from jaxring.train.grad import ReduceConfig, StepContext, step_context
 from jaxring.train.precision import DynamicLossScale, as_policy, select_tree
 from jaxring.train.state import Residuals, residual_tree, with_residual_tree
-
-
-def _axes(axis_name) -> tuple:
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
 def default_mesh(axis_name="data") -> Mesh:
@@ -47,7 +43,7 @@ def default_mesh(axis_name="data") -> Mesh:
     >>> dict(jaxring.train.default_mesh(("node", "local")).shape)  # one process, 8 devices
     {'node': 1, 'local': 8}
   """
-  axes = _axes(axis_name)
+  axes = axis_names(axis_name)
   devices = np.asarray(jax.devices())
   if len(axes) == 1:
     shape = (devices.size,)
@@ -351,7 +347,7 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
     return train_step()(mesh)
   validate_algorithm(algorithm)
   validate_compression(compression)
-  axes = _axes(axis_name)
+  axes = axis_names(axis_name)
   if mesh is not None and not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "
                      f"{mesh.axis_names}")

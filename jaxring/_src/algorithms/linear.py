@@ -21,9 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-def _axis_arg(axes: tuple):
-  return axes if len(axes) > 1 else axes[0]
+from jaxring._src.transport.groups import axis_arg
 
 
 def straight_through(forward: Callable, exact: Callable) -> Callable:
@@ -61,18 +59,18 @@ def differentiable(dtype) -> bool:
 
 def psum(forward: Callable, axes: tuple) -> Callable:
   """``forward`` (an all-reduce of one flat array over ``axes``) with ``lax.psum``'s derivative."""
-  return straight_through(forward, lambda t: lax.psum(t, _axis_arg(axes)))
+  return straight_through(forward, lambda t: lax.psum(t, axis_arg(axes)))
 
 
 def psum_scatter(forward: Callable, axes: tuple, scatter_dimension: int, tiled: bool) -> Callable:
   """``forward`` (a reduce-scatter of one leaf) with ``lax.psum_scatter``'s derivative."""
   return straight_through(forward, lambda t: lax.psum_scatter(
-      t, _axis_arg(axes), scatter_dimension=scatter_dimension, tiled=tiled))
+      t, axis_arg(axes), scatter_dimension=scatter_dimension, tiled=tiled))
 
 
 def all_gather(forward: Callable, axes: tuple, axis: int, tiled: bool) -> Callable:
   """``forward`` (an all-gather of one leaf) with ``lax.all_gather``'s derivative."""
-  return straight_through(forward, lambda t: lax.all_gather(t, _axis_arg(axes), axis=axis,
+  return straight_through(forward, lambda t: lax.all_gather(t, axis_arg(axes), axis=axis,
                                                             tiled=tiled))
 
 

@@ -38,7 +38,7 @@ class Group:
     """This member's position in its group (a traced int32)."""
     if self.size == 1:
       return 0
-    idx = lax.axis_index(self.axes if len(self.axes) > 1 else self.axes[0])
+    idx = lax.axis_index(axis_arg(self.axes))
     if self.whole:
       return idx
     return (idx // self.stride) % self.size

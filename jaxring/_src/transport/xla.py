@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring._src import vma
-from jaxring._src.transport.groups import Group
+from jaxring._src.transport.groups import Group, axis_arg
 
 # XLA:CPU promotes 16-bit float collectives to f32 on the wire (all-reduce promotion and float
 # normalization passes; measured, ../shared/ENVIRONMENT.md). Moving their bit patterns as uint16
@@ -20,10 +20,6 @@ def _as_wire(x):
 
 def _from_wire(x, dtype):
   return x if dtype is None else lax.bitcast_convert_type(x, dtype)
-
-
-def _axis_arg(axes):
-  return axes if len(axes) > 1 else axes[0]
 
 
 class XlaTransport:
@@ -41,7 +37,7 @@ class XlaTransport:
     out = []
     for x in payload:
       w, dt = _as_wire(x)
-      out.append(_from_wire(lax.ppermute(w, _axis_arg(group.axes), perm), dt))
+      out.append(_from_wire(lax.ppermute(w, axis_arg(group.axes), perm), dt))
     return tuple(out)
 
   def all_gather(self, payload: tuple, group: Group) -> tuple:
@@ -61,19 +57,19 @@ class XlaTransport:
     for x in payload:
       w, dt = _as_wire(x)
       if vma.is_varying(w, group.axes):
-        g = vma.all_gather_invariant(w, _axis_arg(group.axes), tiled=True)
+        g = vma.all_gather_invariant(w, axis_arg(group.axes), tiled=True)
       else:
-        g = lax.all_gather(w, _axis_arg(group.axes), tiled=True)
+        g = lax.all_gather(w, axis_arg(group.axes), tiled=True)
       out.append(_from_wire(g, dt))
     return tuple(out)
 
   def all_reduce(self, x, group: Group):
     """Native all-reduce (``lax.psum``) over a whole group's axes."""
-    return lax.psum(x, _axis_arg(group.axes))
+    return lax.psum(x, axis_arg(group.axes))
 
   def reduce_scatter(self, x, group: Group):
     """Native reduce-scatter (``lax.psum_scatter``, tiled) over a whole group's axes."""
-    return lax.psum_scatter(x, _axis_arg(group.axes), tiled=True)
+    return lax.psum_scatter(x, axis_arg(group.axes), tiled=True)
 
 
 XLA = XlaTransport()
