@@ -68,7 +68,13 @@ def validate_compression(compression) -> None:
                   f" got {compression!r}")
 
 
-def _lossy(compression) -> bool:
+def is_lossy(compression) -> bool:
+  """Whether ``compression`` (None, a codec or a dict level -> codec) loses anything on the wire.
+
+  Example:
+    >>> is_lossy({"node": jaxring.codecs.int8(), "local": None})
+    True
+  """
   if isinstance(compression, dict):
     return any(c is not None and c.lossy for c in compression.values())
   return compression is not None and compression.lossy
@@ -77,7 +83,7 @@ def _lossy(compression) -> bool:
 def _check_groups(algorithm, compression, op: str, axes: tuple) -> None:
   if axes:
     engine.bind(axes, op).check_index_groups(op)
-  if algorithm not in ("auto", "xla") or _lossy(compression):
+  if algorithm not in ("auto", "xla") or is_lossy(compression):
     raise NotImplementedError(
         f"jaxring.{op}: axis_index_groups is supported only by algorithm='xla' (and 'auto', which "
         f"then uses it) without lossy compression; got algorithm={algorithm!r}, "
@@ -158,7 +164,7 @@ def _native_only(op: str, axes: tuple, algorithm, compression, axis_index_groups
   validate_compression(compression)
   if axis_index_groups is not None:
     _check_groups(algorithm, compression, op, axes)
-  if algorithm == "xla" and _lossy(compression):
+  if algorithm == "xla" and is_lossy(compression):
     raise ValueError(f"jaxring.{op}: algorithm='xla' is the native collective and cannot compress;"
                      " use algorithm='ring', 'hierarchical' or 'auto' with compression")
   if axis_index_groups is not None or not axes:

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring._src.algorithms import engine
-from jaxring._src.codecs.base import Codec, accum_dtype
+from jaxring._src.codecs.base import accum_dtype
+from jaxring._src.collectives import is_lossy
 from jaxring.train.buckets import Bucket, make_buckets, use_order
 from jaxring.train.precision import Policy
 
@@ -51,10 +52,7 @@ class ReduceConfig:
   @property
   def uses_residuals(self) -> bool:
     """Error feedback is kept only where something is lost on the wire."""
-    c = self.compression
-    lossy = (any(v is not None and v.lossy for v in c.values()) if isinstance(c, dict)
-             else isinstance(c, Codec) and c.lossy)
-    return self.error_feedback and lossy
+    return self.error_feedback and is_lossy(self.compression)
 
 
 @dataclasses.dataclass(eq=False)
