@@ -58,6 +58,30 @@ def _zeros_like_residual(params, axes: tuple):
   return tree
 
 
+def next_residual(mean, err, dtype):
+  """This member's residual for the next step (``r_i <- e_i`` of the module docstring).
+
+  The one place the rule lives: :func:`mean_with_error` and the train step's bucket reduction
+  (jaxring.train.grad) both call it.
+
+  Args:
+    mean: this step's mean, flat, in the accumulator dtype.
+    err: this member's compression error laid out like ``mean``; None after an exact reduction.
+    dtype: the gradients' dtype: rounding the mean to it is an error each member carries once.
+
+  Returns:
+    The residual, laid out like ``mean``. Non-finite errors (an inf or nan gradient) are zeroed:
+    this step's result already shows them, and carrying them would poison every later step.
+
+  Example:
+    >>> next_residual(jnp.full(4, 1 / 3), None, jnp.bfloat16)  # the bf16 rounding, carried
+  """
+  err = jnp.zeros_like(mean) if err is None else err
+  if jnp.dtype(dtype) != mean.dtype:
+    err = err + (mean - mean.astype(dtype).astype(mean.dtype))
+  return jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
+
+
 def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression=None):
   """``(applied, new_residual)`` of one error-feedback step (see the module docstring).
 
@@ -84,13 +108,9 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
                             for i in idxs])
     total, err = engine.all_reduce_flat(flat, dtype, binding, algorithm, compression,
                                         want_error=True)
-    if err is None:  # a native all-reduce: exact
-      err = jnp.zeros_like(flat)
     mean = total / jnp.asarray(p, acc)
     out = mean.astype(dtype)
-    if dtype != acc:  # the final rounding to the gradient's dtype: each member carries it once
-      err = err + (mean - out.astype(acc))
-    err = jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
+    err = next_residual(mean, err, dtype)
     offset = 0
     for i in idxs:
       size, shape = np.size(leaves[i]), np.shape(leaves[i])

@@ -29,6 +29,7 @@ from jax import lax
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
+from jaxring._src.error_feedback import next_residual
 from jaxring.train.buckets import Bucket, make_buckets, use_order
 from jaxring.train.precision import Policy
 
@@ -127,18 +128,8 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
   mean = total[:-1] / replica_count(cfg.axes)
   new_res = None
   if residuals is not None:
-    new_res = _split(_next_residual(mean, err, dtype), residuals)
+    new_res = _split(next_residual(mean, None if err is None else err[:-1], dtype), residuals)
   return _split(mean, cts), new_res, total[-1].astype(jnp.float32), nonfinite
-
-
-def _next_residual(mean, err, dtype):
-  """This member's error to carry, as jaxring._src.error_feedback.mean_with_error keeps it."""
-  err = jnp.zeros_like(mean) if err is None else err[:-1]
-  if jnp.dtype(dtype) != mean.dtype:  # the final rounding to the gradient dtype, once per member
-    err = err + (mean - mean.astype(dtype).astype(mean.dtype))
-  # a non-finite error (an inf or nan gradient) is visible in this step's result; carrying it
-  # would poison every later step
-  return jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
 
 
 def _bucket_identity(cfg: ReduceConfig, check_finite: bool):
