@@ -1,3 +1,8 @@
-"""How one step of a collective moves bytes; algorithms are written once against a transport."""
+"""How one step of a collective moves bytes; algorithms are written once against a transport.
+
+``binding.bind`` says which transport an axis name is bound to: XLA collectives (``xla.py``, names
+bound by ``shard_map``/``pmap``) or MPI (``mpi.py``; the binding of a name to a communicator in
+``mpi_axis.py``, its peer watchdog in ``mpi_watchdog.py``).
+"""
 from jaxring._src.transport.groups import Group as Group
 from jaxring._src.transport.xla import XlaTransport as XlaTransport
