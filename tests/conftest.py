@@ -1,4 +1,4 @@
-"""8 emulated CPU devices for every in-process test; strict dtype promotion."""
+"""8 emulated CPU devices for every in-process test; strict dtype promotion; the ``slow`` marker."""
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -6,6 +6,36 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+# `pytest -m "not slow"` (the quick loop) leaves these out; `make test` runs everything. Every
+# test marked `multiprocess` or `netns` is slow too (it starts processes, MPI jobs or namespaces).
+# Seconds are one run on the 2-core development machine.
+SLOW_MODULES = {
+    "test_convergence.py",  # trains three classifiers to convergence (~15 s)
+    "test_docs.py",         # each README/docs block in a fresh process, some under mpirun (~12 s)
+    "test_doctor.py",       # `jaxring doctor` in fresh processes, one on a copied package (~8 s)
+}
+SLOW_TESTS = {
+    # recipes: training twice (~14 s), training and compiling (~12 s), ResNet compiles (~8 s)
+    "test_recipes.py::test_small_config_trains_on_8_devices_and_resumes",
+    "test_recipes.py::test_demo_report_has_its_fields",
+    "test_recipes.py::test_sgd_decays_only_kernels_with_nesterov_momentum",
+    # fresh processes (~2 s each); three training runs (~4 s); 1000 steps per codec (~3 s)
+    "test_train_step.py::test_a_loop_without_host_sync_does_not_deadlock_xla_cpu",
+    "test_train_checkpoint.py::test_sigkill_in_the_middle_of_a_save_keeps_the_last_commit",
+    "test_train_checkpoint.py::test_resume_is_bit_identical_to_an_uninterrupted_run",
+    "test_error_feedback.py::test_residual_stays_bounded_over_1000_steps",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    module = item.path.name
+    name = f"{module}::{item.originalname}"
+    if (module in SLOW_MODULES or name in SLOW_TESTS or item.get_closest_marker("multiprocess")
+        or item.get_closest_marker("netns")):
+      item.add_marker(pytest.mark.slow)
