@@ -73,13 +73,7 @@ def run(args) -> dict:
       lambda x: jax.make_array_from_process_local_data(sharded, x), batch)
 
   contenders = _contenders(config, mesh, schedule)
-  states = {}
-  for name, step in contenders.items():
-    if hasattr(step, "prepare"):
-      state = step.prepare(fresh)
-    else:  # a copy: donation must not delete the arrays every contender starts from
-      state = jax.device_put(jax.tree_util.tree_map(lambda x: x.copy(), fresh), replicated)
-    states[name] = common.warm_up(step, state, batch, args.warmup, name)
+  states = common.warm_up_contenders(contenders, lambda: fresh, batch, args.warmup, replicated)
   times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps)
 
   base = times["plain jit"]

@@ -90,6 +90,25 @@ def warm_up(step, state, batch, steps: int, name: str | None = None):
   return state
 
 
+def warm_up_contenders(contenders: dict, make_state: Callable[[], object], batch, steps: int,
+                       replicated) -> dict:
+  """Each train-step contender's state, made by ``make_state()`` and warmed up by ``steps`` steps.
+
+  A jaxring ``train_step`` (it has ``prepare``) prepares its own; any other step gets a copy put on
+  ``replicated``: its donation must not delete arrays another contender starts from.
+  """
+  import jax
+  import jax.numpy as jnp
+  states = {}
+  for name, step in contenders.items():
+    if hasattr(step, "prepare"):
+      state = step.prepare(make_state())
+    else:
+      state = jax.device_put(jax.tree.map(jnp.copy, make_state()), replicated)
+    states[name] = warm_up(step, state, batch, steps, name)
+  return states
+
+
 def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps: int,
                      around=None) -> dict[str, list[float]]:
   """Seconds per step of each train-step contender, ``reps`` repetitions of ``steps`` steps.

@@ -136,15 +136,10 @@ def run(args) -> dict:
   replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   batch = jax.device_put({"x": rng.randn(global_batch, 32, 32, 3).astype(np.float32),
                           "y": rng.randint(0, 10, global_batch).astype(np.int32)}, sharded)
-  states = {}
-  for name, step in contenders.items():
-    state = jt.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                 batch_stats=variables["batch_stats"])
-    if hasattr(step, "prepare"):
-      state = step.prepare(state)
-    else:  # copies: donation must not delete `variables`, shared by every contender
-      state = jax.device_put(jax.tree.map(jnp.copy, state), replicated)
-    states[name] = common.warm_up(step, state, batch, args.warmup, name)
+  states = common.warm_up_contenders(
+      contenders, lambda: jt.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                               tx=tx, batch_stats=variables["batch_stats"]),
+      batch, args.warmup, replicated)
   times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps)
 
   base_times = times["hand-written jit(shard_map)+pmean"]
