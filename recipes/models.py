@@ -7,7 +7,7 @@ stride 2 skips three quarters of its input). It costs ~5% more FLOPs and gains ~
 BatchNorm here normalizes with each replica's own batch statistics (no cross-replica reduction in
 the forward pass: that would add one latency-bound collective per layer). ``@jaxring.train_step``
 averages the running statistics over the replicas after every step, so every replica evaluates with
-the same ones (``jaxring.train.step``).
+the same ones (``jaxring._src.train.step``).
 
 The last BatchNorm of every residual branch starts with scale 0 (Goyal et al. 2017): each block is
 the identity at initialization, which is what makes large-batch training with warm-up stable.

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 import jaxring.train as jt
 from jaxring.data import prefetch_to_device
-from jaxring.train.loop import FitSummary
+from jaxring.train import FitSummary
 from recipes import input_pipeline, models, optim
 from recipes.config import Config
 

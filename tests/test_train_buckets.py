@@ -9,7 +9,7 @@ import pytest
 from flax import linen as nn
 
 import jaxring.train as jt
-from jaxring.train.buckets import make_buckets, use_order
+from jaxring._src.train.buckets import make_buckets, use_order
 
 WIDTHS = (16, 32, 48, 64, 10)  # distinct sizes: every layer's buffers can be told apart in HLO
 

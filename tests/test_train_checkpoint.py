@@ -191,7 +191,7 @@ def test_a_flipped_bit_in_an_array_file_is_refused(saved):
   state, directory = saved
   assert os.path.getsize(_largest_file(directory / "1" / "state")) > 1 << 20
   assert _silent_flip(directory / "1" / "state", state) > 0  # plain orbax: a wrong value, no error
-  with pytest.raises(jt.checkpoint.CheckpointCorruptError) as info:
+  with pytest.raises(jt.CheckpointCorruptError) as info:
     jt.Checkpointer(directory).restore(state)
   err = info.value
   assert isinstance(err, OSError) and err.step == 1 and err.path == str(directory / "1")
@@ -202,14 +202,14 @@ def test_a_flipped_bit_in_an_array_file_is_refused(saved):
 def test_a_flip_that_breaks_the_compressed_stream_is_named(saved):
   state, directory = saved
   _flip_middle_bit(_largest_file(directory / "1" / "state"))
-  with pytest.raises(jt.checkpoint.CheckpointCorruptError, match=r"step 1 at .*/1 is corrupt: "):
+  with pytest.raises(jt.CheckpointCorruptError, match=r"step 1 at .*/1 is corrupt: "):
     jt.Checkpointer(directory).restore(state)
 
 
 def test_a_deleted_metadata_file_is_named(saved):
   state, directory = saved
   os.remove(directory / "1" / "state" / "_METADATA")
-  with pytest.raises(jt.checkpoint.CheckpointCorruptError,
+  with pytest.raises(jt.CheckpointCorruptError,
                      match=r"step 1 at .*/1 is corrupt: state/_METADATA is missing"):
     jt.Checkpointer(directory).restore(state)
 
@@ -219,7 +219,7 @@ def test_a_truncated_file_is_named_in_one_line(saved):
   data_file = _largest_file(directory / "1" / "state")
   with open(data_file, "r+b") as f:
     f.truncate(os.path.getsize(data_file) // 2)
-  with pytest.raises(jt.checkpoint.CheckpointCorruptError) as info:
+  with pytest.raises(jt.CheckpointCorruptError) as info:
     jt.Checkpointer(directory).restore(state)
   reason = info.value.reason
   assert reason.startswith("orbax could not read it: ") and "\n" not in reason, reason
@@ -233,7 +233,7 @@ def test_a_different_template_is_a_value_error_not_corruption(saved):
                                        r"\.params\['small'\]: checkpoint float32\[7\], template "
                                        r"float32\[8\]") as info:
     jt.Checkpointer(directory).restore(other)
-  assert not isinstance(info.value, jt.checkpoint.CheckpointCorruptError)
+  assert not isinstance(info.value, jt.CheckpointCorruptError)
 
 
 def test_fit_skips_a_corrupt_checkpoint_and_resumes_from_the_previous(step, tmp_path, caplog):
@@ -246,7 +246,7 @@ def test_fit_skips_a_corrupt_checkpoint_and_resumes_from_the_previous(step, tmp_
 
   second = jt.Checkpointer(tmp_path / "ckpt", max_to_keep=3)
   metrics = tmp_path / "m.jsonl"
-  with caplog.at_level("WARNING", logger="jaxring.train.loop"):
+  with caplog.at_level("WARNING", logger="jaxring._src.train.loop"):
     resumed = jt.fit(step, _fresh_state(), _batches(), num_steps=7, checkpointer=second,
                      checkpoint_every=2, log_every=1, metrics_path=str(metrics), progress=False)
   second.close()

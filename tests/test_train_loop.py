@@ -7,8 +7,8 @@ import optax
 import pytest
 
 import jaxring.train as jt
-from jaxring.train import metrics as metrics_mod
-from jaxring.train.loop import FitSummary
+from jaxring._src.train import metrics as metrics_mod
+from jaxring.train import FitSummary
 
 
 def _state():

@@ -62,7 +62,7 @@ def next_residual(mean, err, dtype):
   """This member's residual for the next step (``r_i <- e_i`` of the module docstring).
 
   The one place the rule lives: :func:`mean_with_error` and the train step's bucket reduction
-  (jaxring.train.grad) both call it.
+  (jaxring._src.train.grad) both call it.
 
   Args:
     mean: this step's mean, flat, in the accumulator dtype.

@@ -12,7 +12,7 @@ start), and the last committed checkpoint is intact. ``max_to_keep`` deletes old
 a newer one has been committed.
 
 A restore is verified: every save also records a CRC32 of each array (shard by shard, see
-:mod:`jaxring.train.checksums`) and of the data position, in a third item committed with the
+:mod:`jaxring._src.train.checksums`) and of the data position, in a third item committed with the
 others. A checkpoint whose bytes no longer match, or that orbax cannot read although the template
 matches what was saved (a deleted or damaged file), raises :class:`CheckpointCorruptError` naming
 the step, its path and what is wrong; :func:`jaxring.train.fit` then falls back to the previous
@@ -28,8 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxring.train import checksums
-from jaxring.train.state import residual_tree, with_residual_tree
+from jaxring._src.train import checksums
+from jaxring._src.train.state import residual_tree, with_residual_tree
 
 log = logging.getLogger(__name__)
 

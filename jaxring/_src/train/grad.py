@@ -1,6 +1,6 @@
 """``jaxring.value_and_grad`` / ``grad``: gradients reduced across replicas inside the backward pass.
 
-Inside a :func:`jaxring.train_step`, each bucket of parameters (jaxring.train.buckets) passes
+Inside a :func:`jaxring.train_step`, each bucket of parameters (jaxring._src.train.buckets) passes
 through an identity ``jax.custom_vjp`` before the loss function sees it. Its backward rule receives
 the bucket's complete cotangents as soon as backprop has produced them, flattens them into one
 buffer, adds this replica's error-feedback residual, reduces the buffer with one collective and
@@ -30,8 +30,8 @@ from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
 from jaxring._src.error_feedback import next_residual
-from jaxring.train.buckets import Bucket, make_buckets, use_order
-from jaxring.train.precision import Policy
+from jaxring._src.train.buckets import Bucket, make_buckets, use_order
+from jaxring._src.train.precision import Policy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 
-from jaxring.train.checkpoint import CheckpointCorruptError, Checkpointer
-from jaxring.train.metrics import JsonlWriter, Progress, Throughput, to_python
+from jaxring._src.train.checkpoint import CheckpointCorruptError, Checkpointer
+from jaxring._src.train.metrics import JsonlWriter, Progress, Throughput, to_python
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Parameters, optimizer state and gradient reduction stay in f32; only the forward
 run in the compute dtype. bf16 has f32's exponent range and needs no loss scaling; fp16 does: the
 loss is multiplied by a scale before the backward pass, the gradients are divided by it, and a step
 whose gradients overflowed is skipped. The skip decision must be identical on every replica, or the
-replicated parameters diverge, so the finite-check is all-reduced (see jaxring.train.grad).
+replicated parameters diverge, so the finite-check is all-reduced (see jaxring._src.train.grad).
 """
 from __future__ import annotations
 

@@ -26,8 +26,8 @@ from flax import struct
 from flax.training import train_state
 from jax import lax
 
-from jaxring.train.grad import current_context
-from jaxring.train.precision import DynamicLossScale
+from jaxring._src.train.grad import current_context
+from jaxring._src.train.precision import DynamicLossScale
 
 
 class Residuals:

@@ -3,8 +3,8 @@
 The decorated ``step(state, batch) -> (state, metrics)`` is written as for one device. The
 decorator runs it under ``jax.shard_map`` over every device of every process: the batch is split
 along its leading axis, the state is replicated (its per-replica error-feedback residuals travel
-beside it, sharded: jaxring.train.state), gradients from :func:`jaxring.value_and_grad` are
-averaged inside the backward pass (jaxring.train.grad), BatchNorm statistics and metrics are
+beside it, sharded: jaxring._src.train.state), gradients from :func:`jaxring.value_and_grad` are
+averaged inside the backward pass (jaxring._src.train.grad), BatchNorm statistics and metrics are
 averaged after the step, and with fp16 a step whose gradients overflowed on any replica is skipped
 on all of them.
 
@@ -31,9 +31,9 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import axis_names, validate_compression
-from jaxring.train.grad import ReduceConfig, StepContext, step_context
-from jaxring.train.precision import DynamicLossScale, as_policy, select_tree
-from jaxring.train.state import Residuals, residual_tree, with_residual_tree
+from jaxring._src.train.grad import ReduceConfig, StepContext, step_context
+from jaxring._src.train.precision import DynamicLossScale, as_policy, select_tree
+from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
 
 
 def default_mesh(axis_name="data") -> Mesh:
@@ -258,7 +258,7 @@ class TrainStep:
   def _skip_on_overflow(old, new, metrics, finite):
     """Keeps the old parameters, optimizer state and statistics where gradients overflowed.
 
-    ``finite`` is the result of an all-reduce (jaxring.train.grad), so every replica decides alike.
+    ``finite`` is the result of an all-reduce (jaxring._src.train.grad), so every replica decides alike.
     """
     finite = _finite(finite)
     fields = [f for f in ("params", "opt_state", "batch_stats")
@@ -299,8 +299,8 @@ def _check_residuals(state) -> None:
         "state's pytree leaves (so that code written for replicated states, such as "
         "jax.pmap(eval_step, in_axes=(None, 0)), works), so orbax or flax.training.checkpoints "
         "saving the state's leaves does not save them: jaxring.train.Checkpointer does (or save "
-        "jaxring.train.state.residual_tree(state) beside the state and restore it with "
-        "jaxring.train.state.with_residual_tree).", stacklevel=3)
+        "jaxring._src.train.state.residual_tree(state) beside the state and restore it with "
+        "jaxring._src.train.state.with_residual_tree).", stacklevel=3)
     state.residuals.fresh = False  # warned once
 
 
