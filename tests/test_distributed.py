@@ -162,21 +162,16 @@ def _assert_raised_in_time(r, pattern: str, results) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_startup_names_a_process_that_never_comes():
+@pytest.mark.parametrize("started,message", [
+    ([0], r"process 1 of 2 did not arrive within 5 s at the coordinator 127\.0\.0\.1:{port} "
+          r"\(process 0\)"),
+    ([1], r"process 0 \(the coordinator, 127\.0\.0\.1:{port}\) did not answer within 5 s; "
+          r"process 1 of 2"),
+], ids=["a process never comes", "the coordinator never comes"])
+def test_startup_names_who_never_came(started, message):
   port = mp.free_port()
-  results = _startup(2, [0], port)
-  _assert_raised_in_time(
-      results[0], rf"process 1 of 2 did not arrive within 5 s at the coordinator "
-      rf"127\.0\.0\.1:{port} \(process 0\)", results)
-
-
-@pytest.mark.timeout(90)
-def test_startup_names_a_coordinator_that_never_comes():
-  port = mp.free_port()
-  results = _startup(2, [1], port)
-  _assert_raised_in_time(
-      results[0], rf"process 0 \(the coordinator, 127\.0\.0\.1:{port}\) did not answer within "
-      rf"5 s; process 1 of 2", results)
+  results = _startup(2, started, port)
+  _assert_raised_in_time(results[0], message.format(port=port), results)
 
 
 @pytest.mark.timeout(90)
