@@ -26,7 +26,7 @@ import argparse
 import statistics
 import sys
 
-from jaxring._src.tools.bench import common
+from jaxring import bench
 
 GPU_DEFAULTS = {"batch_size": 256, "image_size": 224, "dtype": "bfloat16"}
 CPU_DEFAULTS = {"batch_size": 16, "image_size": 64, "dtype": "float32"}
@@ -73,8 +73,8 @@ def run(args) -> dict:
       lambda x: jax.make_array_from_process_local_data(sharded, x), batch)
 
   contenders = _contenders(config, mesh, schedule)
-  states = common.warm_up_contenders(contenders, lambda: fresh, batch, args.warmup, replicated)
-  times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps)
+  states = bench.warm_up_contenders(contenders, lambda: fresh, batch, args.warmup, replicated)
+  times = bench.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps)
 
   base = times["plain jit"]
   rows = []
@@ -88,7 +88,7 @@ def run(args) -> dict:
           "global_batch": config.batch_size, "devices": mesh.size,
           "platform": jax.devices()[0].platform, "compression": config.compression,
           "algorithm": config.algorithm, "steps_per_rep": args.steps, "reps": args.reps,
-          "warmup": args.warmup, "machine": common.machine(), "rows": rows}
+          "warmup": args.warmup, "machine": bench.machine(), "rows": rows}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
   if args.reps < 5:
     raise SystemExit("--reps must be at least 5 (medians of fewer are noise on a shared machine)")
   if args.devices:
-    common.set_cpu_devices(args.devices)
+    bench.set_cpu_devices(args.devices)
   import jax
   defaults = CPU_DEFAULTS if jax.devices()[0].platform == "cpu" else GPU_DEFAULTS
   for name, value in defaults.items():
@@ -132,11 +132,11 @@ def main(argv=None) -> int:
         f"{result['devices']} {result['platform']} device(s), jaxring compression "
         f"{result['compression']} ({result['algorithm']}), allocator "
         f"{result['machine']['allocator']}")
-  common.print_table(result["rows"], [
+  bench.print_table(result["rows"], [
       ("contender", "contender", ""), ("median_ms", "median ms/step", ".1f"),
       ("min_ms", "min ms", ".1f"), ("images_per_s", "images/s", ".1f"),
       ("ratio", "vs plain jit (median of per-rep ratios)", ".3f")])
-  path = common.write_json("resnet50", result, args.out_dir)
+  path = bench.write_json("resnet50", result, args.out_dir)
   print(f"\nwrote {path}")
   return 0
 

@@ -56,7 +56,7 @@ def step_wire_bytes(step, state, config) -> dict[str, float]:
   import numpy as np
   import optax
 
-  from jaxring._src.tools.hlo_bytes import wire_bytes
+  from jaxring.bench import wire_bytes
   from recipes import train
 
   local = config.batch_size // _process_count()
@@ -107,7 +107,7 @@ def format_report(r: dict) -> str:
   Example:
     >>> print(format_report(run(config)))
   """
-  from jaxring._src.tools.bench.common import fmt_bytes
+  from jaxring.bench import fmt_bytes
 
   wire = r["wire_bytes"]
   ratio = wire["uncompressed"] / wire["compressed"] if wire["compressed"] else float("nan")
@@ -130,12 +130,12 @@ def format_report(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-  from jaxring._src.tools.bench import common
+  from jaxring import bench
 
   args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-  # before jax starts: XLA:CPU collectives are allocator-bound (see bench/common.py)
-  common.maybe_reexec_with_tcmalloc(sys.argv[1:] if argv is None else argv, module="recipes.demo")
-  common.set_cpu_devices(args.devices)
+  # before jax starts: XLA:CPU collectives are allocator-bound (jaxring._src.tools.allocator)
+  bench.maybe_reexec_with_tcmalloc(sys.argv[1:] if argv is None else argv, module="recipes.demo")
+  bench.set_cpu_devices(args.devices)
   config = demo_config(args)
   t0 = time.perf_counter()
   report = run(config)
