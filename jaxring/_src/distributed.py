@@ -26,8 +26,8 @@ from typing import Any
 import jax
 
 from jaxring._src import topology as topology_lib
-from jaxring._src.rendezvous import StartupTimeoutError as StartupTimeoutError
-from jaxring._src.rendezvous import roll_call
+from jaxring._src.transport.rendezvous import StartupTimeoutError as StartupTimeoutError
+from jaxring._src.transport.rendezvous import roll_call
 
 ENV_COORDINATOR = "JAXRING_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXRING_NUM_PROCESSES"

@@ -23,7 +23,7 @@ from typing import Any
 
 from jaxring._src import topology as topo_mod
 from jaxring._src.distributed import DEFAULT_FAILURE_TIMEOUT_S, ENV_FAILURE_TIMEOUT
-from jaxring._src.transport import mpi_watchdog
+from jaxring._src.transport import mpi_heartbeats as mpi_watchdog
 from jaxring._src.transport.groups import Hierarchy
 from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module
 
