@@ -73,6 +73,10 @@ def _assert_survivors_named(results, dead: int, pattern: str) -> None:
                                               + mp.report(results))
 
 
+def _named(dead: int, n: int) -> str:
+  return rf"process {dead} of {n} \(pid \d+ on [^)]+\) died or hangs"
+
+
 @pytest.mark.timeout(120)
 def test_killed_process_is_named_by_the_others():
   n, dead = 3, 1
@@ -81,7 +85,7 @@ def test_killed_process_is_named_by_the_others():
       "dist_allreduce.py", "--calls", "1000", "--die-rank", str(dead), "--die-at", "5"),
                      _env(n, port, 1, FAILURE_TIMEOUT), timeout=90)
   assert results[dead].returncode == -9, mp.report(results)
-  _assert_survivors_named(results, dead, rf"process {dead} of {n} died or hangs")
+  _assert_survivors_named(results, dead, _named(dead, n))
 
 
 @pytest.mark.timeout(120)
@@ -99,7 +103,7 @@ def test_hung_process_is_named_instead_of_hanging():
       "--die-how", "stop"), _env(n, port, 2, FAILURE_TIMEOUT), timeout=90,
                      stop_early=survivors_done)
   assert results[dead].returncode is None, mp.report(results)   # frozen until we killed it
-  _assert_survivors_named(results, dead, rf"process {dead} of {n} died or hangs")
+  _assert_survivors_named(results, dead, _named(dead, n))
 
 
 @pytest.mark.timeout(120)

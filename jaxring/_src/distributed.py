@@ -15,30 +15,25 @@ launched by it calls ``jaxring.distributed.initialize()`` without arguments.
 """
 from __future__ import annotations
 
-import atexit
 import math
 import os
-import sys
-import threading
-import time
 from typing import Any
 
 import jax
 
 from jaxring._src import topology as topology_lib
+from jaxring._src.transport import coordination
 from jaxring._src.transport.rendezvous import StartupTimeoutError as StartupTimeoutError
 from jaxring._src.transport.rendezvous import roll_call
+from jaxring._src.transport.watchdog import ENV_FAILURE_TIMEOUT as ENV_FAILURE_TIMEOUT
+from jaxring._src.transport.watchdog import failure_timeout
 
 ENV_COORDINATOR = "JAXRING_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXRING_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXRING_PROCESS_ID"
 ENV_LOCAL_DEVICE_COUNT = "JAXRING_LOCAL_DEVICE_COUNT"
 ENV_INTERFACE = "JAXRING_INTERFACE"
-ENV_FAILURE_TIMEOUT = "JAXRING_FAILURE_TIMEOUT"
 ENV_NETWORK_BANDWIDTH = "JAXRING_NETWORK_BANDWIDTH"
-
-DEFAULT_FAILURE_TIMEOUT_S = 120.0
-_KV_PREFIX = "jaxring/peer/"
 
 
 class BarrierTimeoutError(TimeoutError):
@@ -73,204 +68,6 @@ def _launcher_process_count() -> int | None:
     if (value := _env_int(name)) is not None:
       return value
   return None
-
-
-def _use_gloo_interface(interface: str) -> None:
-  """Makes the CPU backend create its gloo collectives bound to ``interface``.
-
-  jax 0.10's CPU backend factory calls ``make_gloo_tcp_collectives(distributed_client=...)``
-  without an interface; we register a factory that passes one. It runs when the backend first
-  starts, after ``jax.distributed`` has its client.
-  """
-  from jax._src import distributed as jax_distributed
-  from jax._src import xla_bridge
-  from jax._src.lib import _jax
-
-  if not hasattr(_jax, "make_gloo_tcp_collectives"):
-    raise RuntimeError("jaxring.distributed: this jaxlib has no make_gloo_tcp_collectives; cannot "
-                       f"bind gloo to interface {interface!r}")
-
-  def make_cpu_client():
-    collectives = _jax.make_gloo_tcp_collectives(
-        distributed_client=jax_distributed.global_state.client, interface=interface)
-    return xla_bridge.make_cpu_client(collectives=collectives)
-
-  xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
-
-
-class _PeerWatchdog:
-  """Heartbeats through the coordination service; names and outlives failed peers.
-
-  Each process bumps a counter under ``jaxring/peer/hb/<id>`` every ``interval`` seconds and reads
-  everyone's. A counter that has not moved for ``timeout`` seconds (by this process's own clock, so
-  clock skew between hosts does not matter) means that process died or hangs: this process prints
-  which one and exits, because the collective it may be blocked in would never return.
-  """
-
-  def __init__(self, client, process_id: int, num_processes: int, timeout: float):
-    self.client, self.me, self.n, self.timeout = client, process_id, num_processes, timeout
-    self.interval = min(1.0, timeout / 4)
-    self.stop_event = threading.Event()
-    now = time.monotonic()
-    self.last_count: dict[int, str] = {}
-    self.last_seen = {p: now for p in range(num_processes)}
-    self.states: dict[int, str] = {}
-    self.exited: set[int] = set()
-    self.kv_error_since: float | None = None
-    self.count = 0
-    self.thread = threading.Thread(target=self._run, name="jaxring-peer-watchdog", daemon=True)
-
-  def start(self) -> None:
-    self.poll()
-    self.thread.start()
-
-  def stop(self) -> None:
-    self.stop_event.set()
-    if self.thread.is_alive() and threading.current_thread() is not self.thread:
-      self.thread.join(timeout=5 * self.interval)
-
-  def publish_state(self, state: str) -> None:
-    self.client.key_value_set(f"{_KV_PREFIX}state/{self.me}", state[:2000], allow_overwrite=True)
-
-  def poll(self) -> None:
-    """One heartbeat: publish ours, read everyone's; raises if the coordinator is unreachable."""
-    self.count += 1
-    self.client.key_value_set(f"{_KV_PREFIX}hb/{self.me}", str(self.count), allow_overwrite=True)
-    now = time.monotonic()
-    for key, value in self.client.key_value_dir_get(_KV_PREFIX):
-      kind, _, pid = key[len(_KV_PREFIX):].partition("/")
-      if not pid.isdigit():
-        continue
-      p = int(pid)
-      if kind == "hb" and self.last_count.get(p) != value:
-        self.last_count[p], self.last_seen[p] = value, now
-      elif kind == "state":
-        self.states[p] = value
-      elif kind == "exit":
-        self.exited.add(p)
-
-  def silent(self) -> dict[int, float]:
-    """Peers (not exiting or failed) whose heartbeat is older than the timeout: id -> age (s)."""
-    now = time.monotonic()
-    return {p: now - t for p, t in self.last_seen.items()
-            if p != self.me and p not in self.states and now - t > self.timeout}
-
-  def failed(self) -> dict[int, str]:
-    return {p: s[len("failed:"):] for p, s in self.states.items() if s.startswith("failed:")}
-
-  def _kv_unreachable(self, exc: BaseException) -> str | None:
-    now = time.monotonic()
-    self.kv_error_since = self.kv_error_since or now
-    if now - self.kv_error_since <= self.timeout:
-      return None
-    return (f"the coordination service (hosted by process 0) has been unreachable for "
-            f"{now - self.kv_error_since:.1f} s: {str(exc).splitlines()[0]}")
-
-  def _run(self) -> None:
-    while not self.stop_event.wait(self.interval):
-      try:
-        self.poll()
-        self.kv_error_since = None
-        problem = None
-        if silent := self.silent():
-          problem = describe_silent(silent, self.n, self.timeout)
-      except Exception as exc:  # noqa: BLE001 - any RPC failure means the coordinator is in trouble
-        problem = self._kv_unreachable(exc)
-      if problem and not self.stop_event.is_set():
-        self.leave(f"jaxring.distributed: {problem}. Process {self.me} exits so that the job "
-                   "does not hang in a collective that cannot complete.")
-
-  def leave(self, message: str, code: int = 1) -> None:
-    """Prints ``message`` and exits the process now, skipping jax's shutdown barrier.
-
-    The process hosting the coordination service leaves last: when it goes, jax's client in every
-    other process aborts at once with its own message, which would hide ours.
-    """
-    self.stop_event.set()
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    try:
-      self.client.key_value_set(f"{_KV_PREFIX}exit/{self.me}", "1", allow_overwrite=True)
-      if _hosts_coordination_service():
-        deadline = time.monotonic() + self.timeout + 2 * self.interval
-        while time.monotonic() < deadline:
-          self.poll()
-          if set(range(self.n)) - {self.me} <= self.exited | set(self.silent()):
-            break
-          time.sleep(self.interval / 4)
-        time.sleep(0.2)   # the last process to mark its exit is still on its way out
-    except Exception:  # noqa: BLE001 - nothing left to coordinate with
-      pass
-    os._exit(code)
-
-
-def describe_silent(silent: dict[int, float], num_processes: int, timeout: float) -> str:
-  """The message naming peers whose heartbeats stopped.
-
-  Example:
-    >>> describe_silent({2: 5.2}, 4, 5.0)
-    'process 2 of 4 died or hangs: no heartbeat for 5.2 s (failure timeout 5 s)'
-  """
-  ids = sorted(silent)
-  who = f"process {ids[0]}" if len(ids) == 1 else f"processes {ids}"
-  ages = ", ".join(f"{silent[p]:.1f}" for p in ids)
-  return (f"{who} of {num_processes} died or hangs: no heartbeat for {ages} s "
-          f"(failure timeout {timeout:g} s)")
-
-
-def _hosts_coordination_service() -> bool:
-  from jax._src import distributed as jax_distributed
-  return jax_distributed.global_state.service is not None
-
-
-_watchdog: list[_PeerWatchdog | None] = [None]
-
-
-def _diagnose_and_exit(watchdog: _PeerWatchdog) -> None:
-  """At exit after an uncaught exception: publish it, name a dead peer if there is one, exit.
-
-  A collective that fails because a peer died usually raises here first (gloo: "Connection closed
-  by peer [addr]:port", which names no process). Waiting up to the failure timeout lets the
-  heartbeats tell which process it was. Exiting directly also skips jax's shutdown barrier, which
-  would wait for the dead peer for ``shutdown_timeout_seconds``.
-  """
-  exc = sys.last_value
-  text = str(exc).strip()
-  summary = f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
-  watchdog.stop()
-  try:
-    watchdog.publish_state("failed:" + summary)
-  except Exception:  # noqa: BLE001 - the coordinator itself may be gone
-    pass
-  deadline = time.monotonic() + watchdog.timeout + 2 * watchdog.interval
-  lines = []
-  while time.monotonic() < deadline:
-    try:
-      watchdog.poll()
-    except Exception as e:  # noqa: BLE001
-      lines.append(f"the coordination service (process 0) is unreachable: {str(e).splitlines()[0]}")
-      break
-    if silent := watchdog.silent():
-      lines.append(describe_silent(silent, watchdog.n, watchdog.timeout))
-      break
-    others = set(range(watchdog.n)) - {watchdog.me}
-    if others <= set(watchdog.states):
-      break
-    time.sleep(watchdog.interval)
-  lines += [f"process {p} failed: {msg}" for p, msg in sorted(watchdog.failed().items())
-            if p != watchdog.me]
-  lines = lines or ["no other process reported a failure"]
-  watchdog.leave("\n".join(f"jaxring.distributed: {line}" for line in
-                           [f"process {watchdog.me} of {watchdog.n} raised {summary}", *lines]))
-
-
-def _at_exit() -> None:
-  watchdog = _watchdog[0]
-  if watchdog is None:
-    return
-  if getattr(sys, "last_value", None) is not None:
-    _diagnose_and_exit(watchdog)
-  shutdown()
 
 
 def _check_ids(num_processes, process_id) -> None:
@@ -336,8 +133,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   if local_device_count is None:
     local_device_count = _env_int(ENV_LOCAL_DEVICE_COUNT)
   interface = interface or os.environ.get(ENV_INTERFACE) or None
-  if failure_timeout_s is None:
-    failure_timeout_s = float(os.environ.get(ENV_FAILURE_TIMEOUT) or DEFAULT_FAILURE_TIMEOUT_S)
+  failure_timeout_s = failure_timeout(failure_timeout_s)
   if ENV_NETWORK_BANDWIDTH in os.environ and "network_bandwidth" not in topology_kwargs:
     topology_kwargs["network_bandwidth"] = float(os.environ[ENV_NETWORK_BANDWIDTH])
 
@@ -363,19 +159,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       # jax's own start-up ends the process with SIGABRT when a peer never comes: find out first
       roll_call(coordinator_address, num_processes, process_id, timeout_s)
     if interface is not None:
-      _use_gloo_interface(interface)
+      coordination.use_gloo_interface(interface)
     jax.distributed.initialize(
         coordinator_address, num_processes, process_id,
         initialization_timeout=max(1, math.ceil(timeout_s)),
         heartbeat_timeout_seconds=jax_heartbeat,
         shutdown_timeout_seconds=max(10, math.ceil(timeout_s)), **kwargs)
-    if failure_timeout_s and failure_timeout_s > 0:
-      client = jax_distributed.global_state.client
-      watchdog = _PeerWatchdog(client, jax_distributed.global_state.process_id,
-                               jax_distributed.global_state.num_processes, failure_timeout_s)
-      watchdog.start()
-      _watchdog[0] = watchdog
-      atexit.register(_at_exit)   # runs before jax's own exit hook, registered at import
+    if failure_timeout_s > 0:
+      coordination.start_watchdog(failure_timeout_s)
 
   topo = topology_lib.Topology.from_processes(**topology_kwargs)
   topology_lib.set_default_topology(topo)
@@ -419,13 +210,7 @@ def shutdown() -> None:
   Example:
     >>> jaxring.distributed.shutdown()  # doctest: +SKIP
   """
-  watchdog, _watchdog[0] = _watchdog[0], None
-  if watchdog is not None:
-    watchdog.stop()
-    try:
-      watchdog.publish_state("exiting")
-    except Exception:  # noqa: BLE001 - nothing left to tell if the coordinator is gone
-      pass
+  coordination.stop_watchdog()
   jax.distributed.shutdown()
   topology_lib.set_default_topology(None)
 

@@ -22,10 +22,14 @@ from collections.abc import Hashable
 from typing import Any
 
 from jaxring._src import topology as topo_mod
-from jaxring._src.distributed import DEFAULT_FAILURE_TIMEOUT_S, ENV_FAILURE_TIMEOUT
-from jaxring._src.transport import mpi_heartbeats as mpi_watchdog
+from jaxring._src.transport import mpi_heartbeats
 from jaxring._src.transport.groups import Hierarchy
 from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module
+from jaxring._src.transport.watchdog import (
+  ENV_FAILURE_TIMEOUT,
+  Watchdog,
+  failure_timeout,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -123,7 +127,7 @@ def _make_axis(name: Hashable, comm, topology: topo_mod.Topology | None) -> MpiA
 
 
 _bound: dict[Hashable, MpiAxis] = {}
-_watchdog: list[mpi_watchdog.MpiWatchdog | None] = [None]
+_watchdog: list[Watchdog | None] = [None]
 
 
 # All-to-all heartbeats cost each rank n - 1 tiny messages per interval; above this many ranks
@@ -133,8 +137,7 @@ _WATCHDOG_MAX_RANKS = 256
 
 def _start_watchdog(comm, failure_timeout_s: float | None) -> None:
   explicit = failure_timeout_s is not None or bool(os.environ.get(ENV_FAILURE_TIMEOUT))
-  if failure_timeout_s is None:
-    failure_timeout_s = float(os.environ.get(ENV_FAILURE_TIMEOUT) or DEFAULT_FAILURE_TIMEOUT_S)
+  failure_timeout_s = failure_timeout(failure_timeout_s)
   if failure_timeout_s <= 0 or _watchdog[0] is not None or comm.Get_size() < 2:
     return
   from mpi4py import MPI
@@ -144,7 +147,7 @@ def _start_watchdog(comm, failure_timeout_s: float | None) -> None:
     return
   if comm.Get_size() > _WATCHDOG_MAX_RANKS and not explicit:
     return
-  _watchdog[0] = mpi_watchdog.MpiWatchdog(comm, failure_timeout_s)
+  _watchdog[0] = mpi_heartbeats.start_watchdog(comm, failure_timeout_s)
 
 
 def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
@@ -159,7 +162,7 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
     comm: an ``mpi4py.MPI.Intracomm`` (default ``MPI.COMM_WORLD``); jaxring works on a duplicate.
     topology: the levels, fast -> slow, whose sizes multiply to the communicator's size (ranks
       split row-major); default: ``local`` = ranks of one host, ``node`` = hosts.
-    failure_timeout_s: the peer watchdog's timeout (transport/mpi_watchdog.py, a thread that
+    failure_timeout_s: the peer watchdog's timeout (transport/watchdog.py, a thread that
       heartbeats over a duplicate of ``comm``): a rank silent this long is named (rank, pid, host)
       and every other rank exits instead of hanging. Default ``JAXRING_FAILURE_TIMEOUT``, else
       120 s as for :func:`jaxring.distributed.initialize`; ``0`` turns it off. It needs

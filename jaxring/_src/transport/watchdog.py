@@ -1,0 +1,156 @@
+"""One peer watchdog for every multi-process transport: a peer that dies or hangs is named.
+
+A collective blocked on a dead or frozen peer never returns, and neither gloo nor MPI says which
+peer it waits for. Every process therefore heartbeats to every other one through a side channel
+that does not depend on the collectives (the coordination service's key-value store for
+``jax.distributed``, a duplicate communicator for MPI), from a daemon thread. A peer silent for
+``timeout`` seconds by this process's own clock (so clock skew between hosts does not matter) is
+named on stderr by every other process, which then exits instead of waiting for good. A peer that
+ends normally says so first, so processes finishing at different times are never reported.
+
+The detection (who is silent, for how long, what to print, when to give up on the channel) lives
+here once; each transport supplies only its channel, a :class:`Heartbeats`.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+ENV_FAILURE_TIMEOUT = "JAXRING_FAILURE_TIMEOUT"
+DEFAULT_FAILURE_TIMEOUT_S = 120.0
+
+
+def failure_timeout(value: float | None) -> float:
+  """``value``, else ``JAXRING_FAILURE_TIMEOUT``, else 120 s; ``0`` means no watchdog.
+
+  Example:
+    >>> failure_timeout(5.0)
+    5.0
+  """
+  if value is None:
+    value = float(os.environ.get(ENV_FAILURE_TIMEOUT) or DEFAULT_FAILURE_TIMEOUT_S)
+  return float(value)
+
+
+class Heartbeats(Protocol):
+  """The side channel a transport heartbeats over."""
+
+  medium: str   # what a failing channel is called in messages, e.g. "the coordination service"
+
+  def beat(self) -> tuple[Iterable[int], Iterable[int]]:
+    """Sends this process's heartbeat; returns (peers heard from, peers that said they finished).
+
+    Raises when the channel itself fails (the watchdog tolerates that for ``timeout`` seconds).
+    """
+
+  def finish(self) -> None:
+    """Tells every peer that this process finished normally (so none reports it silent)."""
+
+  def leave(self, message: str, watchdog: Watchdog) -> None:
+    """Prints ``message`` and ends the process (never returns)."""
+
+
+class Watchdog:
+  """Watches the peers ``0..n-1`` (but ``me``) over ``heartbeats``; see the module docstring.
+
+  Args:
+    heartbeats: the channel.
+    me, n: this process's id and the number of processes.
+    timeout: seconds of silence after which a peer is declared dead or hung.
+    noun: what a peer is called in messages ("process", "rank").
+    names: extra words per peer id, e.g. ``{2: " (pid 41 on node2)"}``.
+  """
+
+  def __init__(self, heartbeats: Heartbeats, *, me: int, n: int, timeout: float,
+               noun: str = "process", names: dict[int, str] | None = None):
+    self.heartbeats, self.me, self.n, self.timeout = heartbeats, me, n, timeout
+    self.noun = noun
+    self.names = {} if names is None else names   # shared: a channel may learn names later
+    self.interval = min(1.0, timeout / 4)
+    now = time.monotonic()
+    self.last_seen = {p: now for p in range(n) if p != me}
+    self.failing_since: float | None = None
+    self.lock = threading.Lock()
+    self.stop_event = threading.Event()
+    self.thread = threading.Thread(target=self._run, name=f"jaxring-{noun}-watchdog",
+                                   daemon=True)
+
+  def start(self) -> Watchdog:
+    """One heartbeat now (a channel that does not work raises here), then one per interval."""
+    self.beat()
+    self.thread.start()
+    return self
+
+  def beat(self) -> None:
+    """One heartbeat: send ours, record whom we heard and who finished."""
+    with self.lock:
+      heard, finished = self.heartbeats.beat()
+      now = time.monotonic()
+      for p in heard:
+        if p in self.last_seen:
+          self.last_seen[p] = now
+      for p in finished:
+        self.last_seen.pop(p, None)
+
+  def silent(self) -> dict[int, float]:
+    """Watched peers silent for longer than the timeout: id -> seconds since last heard."""
+    now = time.monotonic()
+    return {p: now - t for p, t in self.last_seen.items() if now - t > self.timeout}
+
+  def describe(self, silent: dict[int, float]) -> str:
+    """The message naming silent peers.
+
+    Example:
+      >>> w = Watchdog(None, me=0, n=4, timeout=5.0, names={2: " (pid 41 on node2)"})
+      >>> w.describe({2: 5.2})
+      'process 2 of 4 (pid 41 on node2) died or hangs: no heartbeat for 5.2 s (failure timeout 5 s)'
+    """
+    return "; ".join(
+        f"{self.noun} {p} of {self.n}{self.names.get(p, '')} died or hangs: no heartbeat for "
+        f"{age:.1f} s (failure timeout {self.timeout:g} s)" for p, age in sorted(silent.items()))
+
+  def check(self) -> str | None:
+    """One round: heartbeat, then what is wrong (a silent peer, a dead channel) or None."""
+    try:
+      self.beat()
+    except Exception as exc:  # noqa: BLE001 - any failure of the channel counts the same
+      now = time.monotonic()
+      self.failing_since = self.failing_since or now
+      if now - self.failing_since <= self.timeout:
+        return None   # a silent channel is judged like a silent peer: after the timeout
+      first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+      return (f"{self.heartbeats.medium} has been unreachable for "
+              f"{now - self.failing_since:.1f} s: {first}")
+    self.failing_since = None
+    silent = self.silent()
+    return self.describe(silent) if silent else None
+
+  def fail(self, problem: str) -> None:
+    """Names the problem and ends this process (through the channel, which may wait a little)."""
+    self.stop_event.set()
+    self.heartbeats.leave(
+        f"jaxring.distributed: {problem}. {self.noun.capitalize()} {self.me} exits so that the "
+        "job does not hang in a collective that cannot complete.", self)
+
+  def stop(self, *, tell_peers: bool = True) -> None:
+    """Stops heartbeating; with ``tell_peers``, peers stop watching this process."""
+    if self.stop_event.is_set() and not self.thread.is_alive():
+      return
+    self.stop_event.set()
+    if self.thread.is_alive() and threading.current_thread() is not self.thread:
+      self.thread.join(timeout=2 * self.interval + 1)
+    if tell_peers:
+      with self.lock:
+        try:
+          self.heartbeats.finish()
+        except Exception:  # noqa: BLE001 - a dead channel: nothing left to tell
+          pass
+
+  def _run(self) -> None:
+    while not self.stop_event.wait(self.interval):
+      problem = self.check()
+      if problem and not self.stop_event.is_set():
+        self.fail(problem)
