@@ -16,10 +16,6 @@ import os
 import types
 import warnings
 
-_NAMES = ("quantize_int8", "dequantize_int8", "ring_hop_int8", "ring_hop_int8_last",
-          "ring_hop_cast", "ring_hop_cast_last", "chunk_norms", "gather_chunks",
-          "scatter_add_chunks")
-
 
 @functools.lru_cache(maxsize=None)
 def _resolve() -> tuple[types.SimpleNamespace, str]:
@@ -28,7 +24,7 @@ def _resolve() -> tuple[types.SimpleNamespace, str]:
     return _namespace(reference), "reference (JAXRING_KERNELS=reference)"
   try:
     from jaxring._src import ext
-    missing = [n for n in _NAMES if not hasattr(ext, n)]
+    missing = [n for n in ext.FFI_KERNELS if not hasattr(ext, n)]
     if missing:
       raise ImportError(f"jaxring._src.ext lacks {missing}")
   except ImportError as e:
@@ -42,7 +38,9 @@ def _resolve() -> tuple[types.SimpleNamespace, str]:
 def _namespace(module) -> types.SimpleNamespace:
   # Both the FFI wrappers and the jnp references type their results varying over the manual axes
   # their inputs vary over (shard_map with check_vma=True), so they are used as they are.
-  return types.SimpleNamespace(**{n: getattr(module, n) for n in _NAMES})
+  # The FFI kernels are the ones with a reference of the same name (ext/table.py).
+  from jaxring._src.ext.table import FFI_KERNELS
+  return types.SimpleNamespace(**{n: getattr(module, n) for n in FFI_KERNELS})
 
 
 def ops() -> types.SimpleNamespace:

@@ -53,28 +53,38 @@ else:
 #: Whether the CUDA kernels were compiled into the extension (JAXRING_CUDA=auto|on at build).
 CUDA_BUILT: bool = _ext is not None and bool(_ext.build_info()["cuda"])
 
-#: The one table of kernels: each public wrapper of :mod:`.kernels` (the reference in
-#: :mod:`.reference` has the same name) and whether it is an FFI target ``jaxring_<name>`` of the
-#: extension (False: computed in Python around the targets). Every list of kernel names (the
-#: package's attributes, ``jaxring doctor``'s self-test and target check) is derived from it.
-KERNEL_TABLE: dict[str, bool] = {
-    "quantize_int8": True,
-    "dequantize_int8": True,
-    "fake_quantize_int8": False,   # quantize then dequantize, with a straight-through gradient
-    "ring_hop_int8": True,
-    "ring_hop_int8_last": True,
-    "ring_hop_cast": True,
-    "ring_hop_cast_last": True,
-    "chunk_norms": True,
-    "gather_chunks": True,
-    "scatter_add_chunks": True,
-    "num_blocks": False,           # block counts: integer arithmetic on static shapes
-    "num_chunks": False,
-}
-KERNELS = tuple(KERNEL_TABLE)
-#: The kernels that are FFI targets, and the targets' registered names.
-FFI_KERNELS = tuple(name for name, is_target in KERNEL_TABLE.items() if is_target)
-FFI_TARGETS = tuple(f"jaxring_{name}" for name in FFI_KERNELS)
+from jaxring._src.ext.table import FFI_KERNELS as FFI_KERNELS  # noqa: E402
+from jaxring._src.ext.table import FFI_TARGETS as FFI_TARGETS  # noqa: E402
+from jaxring._src.ext.table import KERNEL_TABLE as KERNEL_TABLE  # noqa: E402
+from jaxring._src.ext.table import KERNELS as KERNELS  # noqa: E402
+
+#: What to run when the extension is missing or stale.
+REBUILD_HINT = _REBUILD
+
+
+def build_info() -> dict:
+  """The extension's build facts (``jaxlib_version``, ``ffi_api_version``, ``cuda``).
+
+  Raises:
+    ImportError: the extension did not load (the message says how to build it).
+
+  Example:
+    >>> build_info()["jaxlib_version"] == jaxlib.__version__
+    True
+  """
+  require_extension()
+  return dict(_ext.build_info())
+
+
+def registered_targets() -> dict[str, list[str]]:
+  """The FFI targets the extension registered, per platform (``"cpu"``, ``"cuda"``).
+
+  Example:
+    >>> "jaxring_quantize_int8" in registered_targets()["cpu"]
+    True
+  """
+  require_extension()
+  return {"cpu": sorted(_ext.registrations()), "cuda": sorted(_ext.cuda_registrations())}
 
 
 def require_extension() -> None:

@@ -22,21 +22,9 @@ from jaxring._src.ext.chunks import chunk_norms as chunk_norms
 from jaxring._src.ext.chunks import gather_chunks as gather_chunks
 from jaxring._src.ext.chunks import num_chunks as num_chunks
 from jaxring._src.ext.chunks import scatter_add_chunks as scatter_add_chunks
+from jaxring._src.ext.table import KERNELS
 
-__all__ = [
-    "num_blocks",
-    "quantize_int8",
-    "dequantize_int8",
-    "fake_quantize_int8",
-    "ring_hop_int8",
-    "ring_hop_int8_last",
-    "ring_hop_cast",
-    "ring_hop_cast_last",
-    "num_chunks",
-    "chunk_norms",
-    "gather_chunks",
-    "scatter_add_chunks",
-]
+__all__ = list(KERNELS)
 
 WIRE_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32 = jnp.dtype(jnp.float32)

@@ -29,17 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = [
-    "quantize_int8",
-    "dequantize_int8",
-    "ring_hop_int8",
-    "ring_hop_int8_last",
-    "ring_hop_cast",
-    "ring_hop_cast_last",
-    "chunk_norms",
-    "gather_chunks",
-    "scatter_add_chunks",
-]
+from jaxring._src.ext.table import FFI_KERNELS
+
+__all__ = list(FFI_KERNELS)
 
 QMAX = 127.0
 NONFINITE_BITS = 0x7F800000

@@ -131,18 +131,18 @@ def _extension(r: Report, require: set[str], self_test: bool) -> None:
     r.add("extension", "jaxring._ext", "NOT LOADED")
     r.errors.append(f"{ext.LOAD_ERROR}")
     return
-  info = ext._ext.build_info()
+  info = ext.build_info()
   r.add("extension", "jaxring._ext", f"built for jaxlib {info['jaxlib_version']}, FFI API "
         f"{'.'.join(map(str, info['ffi_api_version']))}")
   r.add("extension", "CUDA kernels", "built" if ext.CUDA_BUILT else
         "not built (JAXRING_CUDA=auto found no toolkit, or JAXRING_CUDA=off)")
-  targets = {"cpu": sorted(ext._ext.registrations()), "cuda": sorted(ext._ext.cuda_registrations())}
+  targets = ext.registered_targets()
   expected = set(ext.FFI_TARGETS)
   for plat, names in targets.items():
     r.add("extension", f"FFI targets ({plat})", f"{len(names)} registered" if names else "none")
     missing = sorted(expected - set(names))
     if missing and (plat == "cpu" or ext.CUDA_BUILT):
-      r.errors.append(f"FFI targets missing for {plat}: {', '.join(missing)}; {ext._REBUILD}")
+      r.errors.append(f"FFI targets missing for {plat}: {', '.join(missing)}; {ext.REBUILD_HINT}")
   if "cuda" in require and not ext.CUDA_BUILT:
     r.errors.append("--require cuda: the CUDA kernels were not built; rebuild with "
                     "`JAXRING_CUDA=on make install` (needs the CUDA toolkit, see docs/install.md)")
