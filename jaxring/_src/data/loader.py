@@ -1,11 +1,15 @@
 """``ImageLoader``: batches of decoded, augmented images from an ``ImageFolder``.
 
-Decoding runs in a thread pool. Pillow releases the GIL while libjpeg decodes and while it
-resamples, and those two are nearly all of the per-image time (the Python around them is ~5%),
-so threads scale with cores without copying every batch between processes; they also keep one
-``corrupt_count`` and propagate a decode error, naming its file, to the caller of ``next``.
+Decoding runs in worker processes by default (``worker_type="thread"``: threads of this process),
+with libjpeg-turbo and OpenCV where they are installed (``decoder="turbo"``; ``"pil"``: Pillow).
+:mod:`jaxring._src.data.workers` says why processes, :mod:`jaxring._src.data.decode` what one image
+costs and why.
 
-Why not grain (checked: ``grain`` 0.2.18 installs here for Python 3.11): its ``IndexSampler``
+Why not grain (``grain`` 0.2.18 installs here for Python 3.11; re-checked when the loader became
+the bottleneck of a GPU host, issue 20): its multiprocessing is the part we would want, and we
+would still run our own decode in its workers, so it would not make an image cheaper; its worker
+processes assemble each batch with a per-record copy (``np.stack``) before the shared-memory
+hand-over, where ours decode into the batch's slot. What it would cost: its ``IndexSampler``
 shards by giving each process a contiguous range of the records and shuffles inside that range,
 so a process only ever sees its own fixed part of the data set and a global batch depends on the
 process count; its iterator state is a JSON blob rather than two integers; its last batch is short
@@ -15,8 +19,9 @@ permutation of the whole data set seeded by ``(seed, epoch)``, every process tak
 slice of each global batch, and the position is ``(epoch, index)``.
 
 Every random choice of an example (crop, flip) comes from a generator seeded by
-``(seed, epoch, example index)``, so a batch is a pure function of the position: it does not
-depend on the number of workers, on their scheduling, or on whether the run was resumed.
+``(seed, epoch, example index)``, so a batch is a pure function of the position (and of the
+decoder): it does not depend on the number or kind of workers, on their scheduling, or on whether
+the run was resumed.
 """
 from __future__ import annotations
 
@@ -28,12 +33,11 @@ from typing import Iterator
 import jax
 import numpy as np
 
+from jaxring._src.data import decode, workers
 from jaxring._src.data.folder import ImageFolder
-from jaxring._src.data.transforms import CorruptImageError, load_image
 
 log = logging.getLogger(__name__)
-# A run of this many corrupt files in a row means the data set is broken, not one file.
-_MAX_CONSECUTIVE_CORRUPT = 64
+WORKER_TYPES = ("process", "thread")
 
 
 def _available_cpus() -> int:
@@ -46,15 +50,14 @@ def _available_cpus() -> int:
 class _Batch:
   """The arrays of one batch being filled by the workers, and their futures."""
 
-  def __init__(self, size: int, image_size: int):
-    self.image = np.zeros((size, image_size, image_size, 3), np.uint8)
-    self.label = np.zeros((size,), np.int32)
-    self.mask = np.zeros((size,), np.bool_)
+  def __init__(self, image: np.ndarray, ring_slot: int):
+    self.image = image
+    self.ring_slot = ring_slot
     self.futures: list[concurrent.futures.Future] = []
 
 
 class ImageLoader:
-  """Endless (or ``num_epochs``) batches of an :class:`ImageFolder`, decoded in worker threads.
+  """Endless (or ``num_epochs``) batches of an :class:`ImageFolder`, decoded in worker processes.
 
   Args:
     dataset: the images and labels.
@@ -65,7 +68,11 @@ class ImageLoader:
     seed: the seed of the shuffling and of the augmentation.
     process_index, process_count: which slice of each global batch this process yields
       (default: ``jax.process_index()`` / ``jax.process_count()``).
-    num_workers: decoding threads (default: the CPUs this process may run on).
+    num_workers: decoding workers (default: the CPUs this process may run on).
+    worker_type: ``"process"`` (processes decoding into shared memory; scales with cores) or
+      ``"thread"`` (threads of this process: no start-up, for small data and tests).
+    decoder: ``"auto"`` (``"turbo"`` where simplejpeg and OpenCV import, else ``"pil"``),
+      ``"turbo"`` (libjpeg-turbo + OpenCV; PIL for what it cannot read) or ``"pil"``.
     prefetch: batches decoded ahead of the one ``next`` returns.
     on_corrupt: ``"skip"``: log and count an undecodable file (``corrupt_count``) and fill its slot
       from the next example of the epoch's order, or where batches have a mask, leave it
@@ -92,9 +99,14 @@ class ImageLoader:
                image_size: int = 224, seed: int = 0, process_index: int | None = None,
                process_count: int | None = None, num_workers: int | None = None,
                prefetch: int = 2, on_corrupt: str = "skip", drop_remainder: bool = True,
-               num_epochs: int | None = None):
+               num_epochs: int | None = None, worker_type: str = "process",
+               decoder: str = "auto"):
     if on_corrupt not in ("skip", "raise"):
       raise ValueError(f"on_corrupt must be 'skip' or 'raise', got {on_corrupt!r}")
+    if worker_type not in WORKER_TYPES:
+      raise ValueError(f"worker_type must be one of {WORKER_TYPES}, got {worker_type!r}")
+    self.decoder = decode.resolve_decoder(decoder)
+    self.worker_type = worker_type
     self.process_count = jax.process_count() if process_count is None else int(process_count)
     self.process_index = jax.process_index() if process_index is None else int(process_index)
     if not 0 <= self.process_index < self.process_count:
@@ -125,10 +137,14 @@ class ImageLoader:
     self.epoch, self.index = 0, 0
     self._orders: dict[int, np.ndarray] = {}
     self._pending: dict[tuple[int, int], _Batch] = {}
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._workers: workers.ThreadWorkers | workers.ProcessWorkers | None = None
+    #: CPU seconds the workers spent on the batches returned so far (all processes or threads)
+    self.worker_cpu_seconds = 0.0
     # examples per task: a few tasks per worker and batch balance the load; one task per image
-    # would spend ~10% of a 64 px decode in the executor
-    self._chunk = max(1, self.batch_size // (4 * self.num_workers))
+    # would spend ~10% of a 64 px decode in a thread pool, more in a process pool (a task's
+    # arguments and result cross a pipe: ~0.1 ms)
+    tasks = 4 if worker_type == "thread" else 2
+    self._chunk = max(1, self.batch_size // (tasks * self.num_workers))
 
   @property
   def num_classes(self) -> int:
@@ -143,10 +159,7 @@ class ImageLoader:
     """The example indices of ``epoch`` in the order the global batches take them."""
     order = self._orders.get(epoch)
     if order is None:
-      if self.train:
-        order = np.random.default_rng((self.seed, epoch)).permutation(self.num_examples)
-      else:
-        order = np.arange(self.num_examples)
+      order = workers.epoch_order(self.seed, epoch, self.num_examples, self.train)
       self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
       self._orders[epoch] = order
     return order
@@ -168,13 +181,27 @@ class ImageLoader:
     key = (self.epoch, self.index)
     self._submit_ahead(key)
     batch = self._pending.pop(key)
-    for future in batch.futures:
-      future.result()  # re-raises a worker's error (CorruptImageError with on_corrupt="raise")
+    label = np.zeros(self.batch_size, np.int32)
+    mask = np.zeros(self.batch_size, np.bool_)
+    try:
+      for future in batch.futures:
+        # re-raises a worker's error (CorruptImageError with on_corrupt="raise")
+        result: workers.FillResult = future.result()
+        stop = result.first + len(result.labels)
+        label[result.first:stop], mask[result.first:stop] = result.labels, result.mask
+        self.worker_cpu_seconds += result.cpu_seconds
+        for path, message in result.corrupt:
+          if path not in self.corrupt_files:
+            self.corrupt_files.add(path)
+            log.warning("skipping the undecodable image %s: %s", path, message)
+      image = self._workers.take(batch.image)
+    finally:
+      self._release(batch)
     self.epoch, self.index = self._successor(key)
     self._submit_ahead((self.epoch, self.index))
-    out = {"image": batch.image, "label": batch.label}
+    out = {"image": image, "label": label}
     if not self.drop_remainder:
-      out["mask"] = batch.mask
+      out["mask"] = mask
     return out
 
   def get_state(self) -> dict:
@@ -194,11 +221,11 @@ class ImageLoader:
     self.epoch, self.index = (epoch + 1, 0) if index == self.batches_per_epoch else (epoch, index)
 
   def close(self) -> None:
-    """Stops the worker threads (also done at interpreter exit)."""
+    """Stops the workers and frees their shared memory (also done at interpreter exit)."""
     self._cancel_pending()
-    if self._pool is not None:
-      self._pool.shutdown(wait=True)
-      self._pool = None
+    if self._workers is not None:
+      self._workers.close()
+      self._workers = None
 
   def __enter__(self) -> ImageLoader:
     return self
@@ -210,16 +237,36 @@ class ImageLoader:
     epoch, index = key
     return (epoch + 1, 0) if index + 1 >= self.batches_per_epoch else (epoch, index + 1)
 
+  def _release(self, batch: _Batch) -> None:
+    if batch.ring_slot >= 0:
+      # a task that already runs still writes into its buffer: wait before it is reused
+      concurrent.futures.wait(batch.futures)
+      self._workers.release(batch.ring_slot)
+      batch.ring_slot = -1
+
   def _cancel_pending(self) -> None:
     for batch in self._pending.values():
       for future in batch.futures:
         future.cancel()
+    for batch in self._pending.values():
+      self._release(batch)
     self._pending.clear()
 
+  def _start_workers(self) -> None:
+    filler_args = dict(train=self.train, image_size=self.image_size, seed=self.seed,
+                       drop_remainder=self.drop_remainder, on_corrupt=self.on_corrupt,
+                       decoder=self.decoder)
+    if self.worker_type == "thread":
+      filler = workers.ExampleFiller(self.dataset.paths, self.dataset.labels, **filler_args)
+      self._workers = workers.ThreadWorkers(filler, self.num_workers)
+    else:
+      self._workers = workers.ProcessWorkers(
+          self.dataset.paths, self.dataset.labels, num_workers=self.num_workers,
+          ring_size=self.prefetch + 1, batch_size=self.batch_size, filler_args=filler_args)
+
   def _submit_ahead(self, key: tuple[int, int]) -> None:
-    if self._pool is None:
-      self._pool = concurrent.futures.ThreadPoolExecutor(self.num_workers,
-                                                         thread_name_prefix="jaxring-data")
+    if self._workers is None:
+      self._start_workers()
     for _ in range(self.prefetch + 1):
       if self.num_epochs is not None and key[0] >= self.num_epochs:
         return
@@ -228,37 +275,11 @@ class ImageLoader:
       key = self._successor(key)
 
   def _submit(self, epoch: int, index: int) -> _Batch:
-    batch = _Batch(self.batch_size, self.image_size)
+    batch = _Batch(*self._workers.new_batch(self.batch_size))
     start = index * self.global_batch_size + self.process_index * self.batch_size
     order = self.epoch_order(epoch)  # here, not in the workers: the cache is not thread-safe
-    for slot in range(0, self.batch_size, self._chunk):
-      slots = range(slot, min(slot + self._chunk, self.batch_size))
-      batch.futures.append(self._pool.submit(self._fill, batch, slots, start, epoch, order))
+    for first in range(0, self.batch_size, self._chunk):
+      stop = min(first + self._chunk, self.batch_size)
+      batch.futures.append(self._workers.submit(batch.image, batch.ring_slot, first, stop, start,
+                                                epoch, order))
     return batch
-
-  def _fill(self, batch: _Batch, slots: range, start: int, epoch: int, order: np.ndarray) -> None:
-    for slot in slots:
-      position = start + slot
-      if position >= self.num_examples:
-        continue  # padding of the last batch: zeros, masked out
-      for attempt in range(_MAX_CONSECUTIVE_CORRUPT):
-        example = int(order[(position + attempt) % self.num_examples])
-        path = self.dataset.paths[example]
-        rng = np.random.default_rng((self.seed, epoch, example)) if self.train else None
-        try:
-          batch.image[slot] = load_image(path, self.image_size, train=self.train, rng=rng)
-        except CorruptImageError:
-          if self.on_corrupt == "raise":
-            raise
-          if path not in self.corrupt_files:
-            self.corrupt_files.add(path)
-            log.warning("skipping the undecodable image %s", path, exc_info=True)
-          if not self.drop_remainder:
-            break  # masked out: an eval pass counts every readable example exactly once
-          continue  # refill the slot from the next example in the order
-        batch.label[slot] = self.dataset.labels[example]
-        batch.mask[slot] = True
-        break
-      else:
-        raise CorruptImageError(f"{_MAX_CONSECUTIVE_CORRUPT} consecutive images of the epoch "
-                                f"order could not be decoded, the last {path}")
