@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxring._src.ext as ext_pkg
+import jaxring._src.ext.loader as ext_loader
 from jaxring._src import ext, vma
 from jaxring._src.ext import reference as ref
 
@@ -267,7 +268,7 @@ def test_a_mismatched_build_says_what_to_run(monkeypatch):
   monkeypatch.setattr(native, "build_info", lambda: {"jaxlib_version": "0.0.1", "cuda": False})
   with pytest.raises(ImportError, match=r"built against jaxlib 0\.0\.1 .*`make install`.*"
                                         r"`pip install --no-build-isolation --no-deps -e \.`"):
-    ext_pkg._load_extension()
+    ext_loader._load_extension()
 
 
 @pytest.mark.parametrize("module", ["kernels", "chunks"])

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxring._src import vma
-from jaxring._src.ext import require_extension
+from jaxring._src.ext.loader import require_extension
 
 require_extension()  # the kernels and chunks modules need the FFI targets registered
 

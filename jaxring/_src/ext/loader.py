@@ -1,0 +1,87 @@
+"""Loads jaxring's native extension (``jaxring._ext``, built from xla_ext/) and registers its FFI
+targets for platform "cpu", and for "CUDA" when it was built with CUDA.
+
+A missing or stale extension is not an error here: :data:`LOAD_ERROR` keeps the ``ImportError``
+that says what to run, and :func:`require_extension` raises it where a kernel is needed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jaxlib
+
+#: What to run when the extension is missing or stale.
+REBUILD_HINT = (
+    "rebuild it from the jaxring checkout with `make install`, or with "
+    "`pip install --no-build-isolation --no-deps -e .`"
+)
+
+
+def _load_extension():
+  try:
+    from jaxring import _ext
+  except ImportError as e:
+    raise ImportError(
+        f"jaxring's native extension (jaxring._ext, built from xla_ext/) is missing or cannot "
+        f"be loaded: {e}. {REBUILD_HINT[0].upper()}{REBUILD_HINT[1:]}."
+    ) from e
+  built = _ext.build_info()["jaxlib_version"]
+  if built != jaxlib.__version__:
+    raise ImportError(
+        f"jaxring._ext was built against jaxlib {built} but jaxlib {jaxlib.__version__} is "
+        f"installed; {REBUILD_HINT}."
+    )
+  return _ext
+
+
+def _register(ext) -> None:
+  for name, capsule in ext.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  for name, capsule in ext.cuda_registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+
+
+try:
+  _ext = _load_extension()
+except ImportError as e:
+  _ext, LOAD_ERROR = None, e
+else:
+  LOAD_ERROR = None
+  _register(_ext)
+
+#: Whether the CUDA kernels were compiled into the extension (JAXRING_CUDA=auto|on at build).
+CUDA_BUILT: bool = _ext is not None and bool(_ext.build_info()["cuda"])
+
+def build_info() -> dict:
+  """The extension's build facts (``jaxlib_version``, ``ffi_api_version``, ``cuda``).
+
+  Raises:
+    ImportError: the extension did not load (the message says how to build it).
+
+  Example:
+    >>> build_info()["jaxlib_version"] == jaxlib.__version__
+    True
+  """
+  require_extension()
+  return dict(_ext.build_info())
+
+
+def registered_targets() -> dict[str, list[str]]:
+  """The FFI targets the extension registered, per platform (``"cpu"``, ``"cuda"``).
+
+  Example:
+    >>> "jaxring_quantize_int8" in registered_targets()["cpu"]
+    True
+  """
+  require_extension()
+  return {"cpu": sorted(_ext.registrations()), "cuda": sorted(_ext.cuda_registrations())}
+
+
+def require_extension() -> None:
+  """Raises the ImportError that says how to build the extension, if it did not load.
+
+  Example:
+      >>> require_extension()  # nothing happens when jaxring._ext is built and matches jaxlib
+  """
+  if LOAD_ERROR is not None:
+    raise ImportError(str(LOAD_ERROR)) from LOAD_ERROR
