@@ -155,6 +155,11 @@ class ImageLoader:
     """The number of distinct undecodable files met so far (by this process)."""
     return len(self.corrupt_files)
 
+  def worker_pids(self) -> list[int]:
+    """The process ids of the worker processes (none for thread workers or before the first
+    batch), e.g. to read their CPU time."""
+    return self._workers.pids() if self._workers is not None else []
+
   def epoch_order(self, epoch: int) -> np.ndarray:
     """The example indices of ``epoch`` in the order the global batches take them."""
     order = self._orders.get(epoch)

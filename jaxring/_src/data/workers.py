@@ -129,6 +129,9 @@ class ThreadWorkers:
   def take(self, image: np.ndarray) -> np.ndarray:
     return image  # a fresh array per batch: nothing to copy
 
+  def pids(self) -> list[int]:
+    return []
+
   def close(self) -> None:
     self.pool.shutdown(wait=True, cancel_futures=True)
 
@@ -247,6 +250,9 @@ class ProcessWorkers:
     # the ring slot is reused for a later batch, while the caller may hold this one (or JAX may
     # still be reading it): the caller gets its own copy
     return np.array(image)
+
+  def pids(self) -> list[int]:
+    return list(self.pool._processes or ())  # noqa: SLF001 (no public accessor)
 
   def close(self) -> None:
     self.pool.shutdown(wait=True, cancel_futures=True)

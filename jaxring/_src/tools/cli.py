@@ -21,6 +21,7 @@ BENCHES = {
     "train": "jaxring._src.tools.bench.train",
     "train-cluster": "jaxring._src.tools.bench.train_cluster",
     "cluster": "jaxring._src.tools.bench.cluster",
+    "data": "jaxring._src.tools.bench.data",
 }
 #: Benchmarks that are recipes (they train the recipes' models): run as ``python -m <module>``.
 RECIPE_BENCHES = {"resnet50": "recipes.bench_resnet50"}

@@ -1,0 +1,163 @@
+"""Input pipeline throughput: images/s and CPU ms per image of ``jaxring.data.ImageLoader``.
+
+For each image size, transform (train: random-resized crop + flip; eval: center crop), decoder,
+worker type and worker count, it times ``--batches`` whole batches after a warm-up batch and
+reports images/s (wall clock) and the CPU time per image of this process and its worker
+processes together (the cost that contention for the cores does not change), and the scaling
+efficiency: images/s over ``workers x`` the one-worker rate of the same configuration.
+
+The images are JPEG files of ImageNet's typical size written with ``write_image_folder`` (shorter
+side ``--source-size`` 375 px, longer side up to 1.4x, quality 90) into a temporary folder, or an
+ImageNet-layout folder of your own (``--data-dir``), read once so that they are in the page cache.
+
+With ``--gpu-rate`` (the images/s the accelerator trains at, e.g. from ``jaxring bench resnet50``)
+each row also says whether the pipeline keeps up: "input-bound by X" is how many times slower
+than the accelerator it is.
+
+Example:
+  $ jaxring bench data --image-sizes 224 --workers 1,2 --decoders turbo,pil
+  $ jaxring bench data --workers 1,8,16 --gpu-rate 6150     # on a 16-core GPU host
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from jaxring._src.tools.bench import common
+
+COLUMNS = (("image_size", "size", "d"), ("transform", "transform", "s"),
+           ("decoder", "decoder", "s"), ("worker_type", "workers", "s"),
+           ("workers", "n", "d"), ("images_per_s", "images/s", ".0f"),
+           ("cpu_ms_per_image", "CPU ms/image", ".2f"), ("scaling", "scaling", ".2f"),
+           ("vs_gpu", "vs GPU", "s"))
+
+
+def _proc_cpu_seconds(pids) -> float:
+  """User + system CPU seconds of the processes ``pids`` (Linux /proc; 0 where unreadable)."""
+  tick = os.sysconf("SC_CLK_TCK")
+  total = 0.0
+  for pid in pids:
+    try:
+      fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+  return total
+
+
+def _cpu_seconds(loader) -> float:
+  """This process's CPU time (all threads) plus that of the loader's worker processes."""
+  return time.process_time() + _proc_cpu_seconds(loader.worker_pids())
+
+
+def measure(ds, *, image_size: int, train: bool, workers: int, worker_type: str, decoder: str,
+            batch_size: int, batches: int) -> dict:
+  """One row: images/s and CPU ms per image over ``batches`` batches after a warm-up batch."""
+  from jaxring.data import ImageLoader
+
+  with ImageLoader(ds, batch_size, train=train, image_size=image_size, num_workers=workers,
+                   worker_type=worker_type, decoder=decoder, process_index=0, process_count=1,
+                   prefetch=2) as loader:
+    next(loader)  # starts the workers, fills the pipeline
+    start, cpu = time.perf_counter(), _cpu_seconds(loader)
+    for _ in range(batches):
+      next(loader)
+    wall, cpu = time.perf_counter() - start, _cpu_seconds(loader) - cpu
+  images = batches * batch_size
+  return {"image_size": image_size, "transform": "train" if train else "eval",
+          "decoder": loader.decoder, "worker_type": worker_type, "workers": workers,
+          "images_per_s": images / wall, "cpu_ms_per_image": 1e3 * cpu / images}
+
+
+def _add_comparisons(rows: list[dict], gpu_rate: float | None) -> None:
+  single = {}
+  for r in rows:
+    key = (r["image_size"], r["transform"], r["decoder"], r["worker_type"])
+    if r["workers"] == 1:
+      single[key] = r["images_per_s"]
+    if key in single:
+      r["scaling"] = r["images_per_s"] / (r["workers"] * single[key])
+    if gpu_rate:
+      ratio = gpu_rate / r["images_per_s"]
+      r["vs_gpu"] = f"input-bound by {ratio:.1f}x" if ratio > 1 else f"keeps up ({1 / ratio:.1f}x)"
+
+
+def _dataset(args, tmp: str):
+  from jaxring.data import ImageFolder, write_image_folder
+
+  if args.data_dir:
+    ds = ImageFolder(args.data_dir, "train")
+    keep = np.random.default_rng(0).permutation(len(ds))[:args.files]
+    ds.paths = [ds.paths[i] for i in sorted(keep)]
+    ds.labels = ds.labels[np.sort(keep)]
+    return ds
+  write_image_folder(tmp, num_classes=8, train_per_class=max(1, args.files // 8), val_per_class=1,
+                     image_size=args.source_size, quality=90)
+  return ImageFolder(tmp, "train")
+
+
+def _ints(text: str) -> list[int]:
+  return [int(t) for t in text.split(",") if t]
+
+
+def main(argv=None) -> int:
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  default_workers = sorted({1, *[w for w in (2, 4, 8, 16, 32) if w < cpus], cpus})
+  ap = argparse.ArgumentParser(prog="jaxring bench data", description=__doc__.splitlines()[0])
+  ap.add_argument("--image-sizes", default="224")
+  ap.add_argument("--transforms", default="train,eval")
+  ap.add_argument("--workers", default=",".join(map(str, default_workers)))
+  ap.add_argument("--worker-types", default="process", help="process,thread")
+  ap.add_argument("--decoders", default="auto", help="auto,turbo,pil")
+  ap.add_argument("--source-size", type=int, default=375, help="shorter side of the JPEGs")
+  ap.add_argument("--files", type=int, default=512)
+  ap.add_argument("--data-dir", default="", help="an ImageNet-layout folder to read instead")
+  ap.add_argument("--batch-size", type=int, default=128)
+  ap.add_argument("--batches", type=int, default=8)
+  ap.add_argument("--gpu-rate", type=float, default=None,
+                  help="the accelerator's training images/s: say whether the pipeline keeps up")
+  ap.add_argument("--out-dir", default=None)
+  args = ap.parse_args(argv)
+  rows = []
+  with tempfile.TemporaryDirectory(prefix="jaxring-bench-data-") as tmp:
+    ds = _dataset(args, tmp)
+    sizes = [os.path.getsize(p) for p in ds.paths]
+    for p in ds.paths:
+      pathlib.Path(p).read_bytes()
+    print(f"{len(ds)} files, mean {np.mean(sizes) / 1024:.0f} KiB"
+          f"{'' if args.data_dir else f', shorter side {args.source_size} px'}; {cpus} CPUs; "
+          f"batch {args.batch_size}, {args.batches} batches per row", flush=True)
+    for image_size in _ints(args.image_sizes):
+      for transform in args.transforms.split(","):
+        for decoder in args.decoders.split(","):
+          for worker_type in args.worker_types.split(","):
+            for workers in _ints(args.workers):
+              rows.append(measure(ds, image_size=image_size, train=transform == "train",
+                                  workers=workers, worker_type=worker_type, decoder=decoder,
+                                  batch_size=args.batch_size, batches=args.batches))
+              print(f"  {rows[-1]['transform']} {image_size} {rows[-1]['decoder']} "
+                    f"{worker_type} x{workers}: {rows[-1]['images_per_s']:.0f} images/s",
+                    file=sys.stderr, flush=True)
+  _add_comparisons(rows, args.gpu_rate)
+  common.print_table(rows, COLUMNS)
+  machine = common.machine()
+  if args.gpu_rate is None and any("cuda" in d.lower() or "gpu" in d.lower()
+                                   for d in machine["devices"]):
+    print("a GPU is present: --gpu-rate <its training images/s> says whether this keeps up")
+  path = common.write_json("data", {
+      "rows": rows, "files": len(ds), "mean_file_bytes": float(np.mean(sizes)),
+      "source_size": None if args.data_dir else args.source_size, "cpus": cpus,
+      "batch_size": args.batch_size, "batches": args.batches, "gpu_rate": args.gpu_rate,
+      "machine": machine}, args.out_dir)
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
