@@ -58,7 +58,7 @@ def loss(params, x, y):
 
 def train(codec, error_feedback, x, y):
   tx = optax.chain(jaxring.reduce_gradients("d", algorithm="ring", compression=codec,
-                                            error_feedback=error_feedback),
+                                            error_feedback=error_feedback, plain_sgd_after=True),
                    optax.sgd(LR))
 
   def body(params, xs, ys):

@@ -33,7 +33,7 @@ def run_steps(grads, codec, place=FLAT, *, check_vma=True, error_feedback=True):
   shape, names, algorithm, comp, topo = place
   axis = names if len(names) > 1 else names[0]
   tx = jaxring.reduce_gradients(axis, algorithm=algorithm, compression=comp(codec),
-                                error_feedback=error_feedback)
+                                error_feedback=error_feedback, plain_sgd_after=True)
   n = grads.shape[-1]
 
   def body(g):
@@ -134,7 +134,7 @@ def test_bf16_gradients_keep_f32_residuals():
 def test_residual_stays_bounded_over_1000_steps(codec, limit):
   """Zero-mean unit-normal gradients, 1000 steps: the residual stays bounded and does not drift."""
   n, steps = 256, 1000
-  tx = jaxring.reduce_gradients("d", algorithm="ring", compression=codec)
+  tx = jaxring.reduce_gradients("d", algorithm="ring", compression=codec, plain_sgd_after=True)
 
   def body(key):
     me = lax.axis_index("d")
@@ -163,8 +163,9 @@ def test_composes_with_optax_chain_and_checkpoints():
   n, steps = 300, 6
   g = gradients(3, steps, n)
   tx = optax.chain(jaxring.reduce_gradients("d", algorithm="ring",
-                                            compression=codecs.topk_chunks(0.1, 10)),
-                   optax.sgd(0.1, momentum=0.9))
+                                            compression=codecs.topk_chunks(0.1, 10),
+                                            plain_sgd_after=True),
+                   optax.sgd(0.1))
   mesh = mesh_of((8,), ("d",))
 
   def init(params):
@@ -198,6 +199,17 @@ def test_composes_with_optax_chain_and_checkpoints():
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   residual = mid[0].residual
   assert residual.shape == (8, n) and np.abs(np.asarray(residual)).max() > 0
+
+
+def test_topk_with_error_feedback_is_refused_unless_plain_sgd_follows():
+  topk = codecs.topk_chunks(0.01)
+  with pytest.raises(ValueError, match=r"momentum_correction\(axis, compression=c, momentum=0.9\)"):
+    jaxring.reduce_gradients("d", compression=topk)
+  with pytest.raises(ValueError, match="compressed_adam"):
+    jaxring.reduce_gradients("d", compression={"node": topk})
+  jaxring.reduce_gradients("d", compression=topk, plain_sgd_after=True)   # stated: accepted
+  jaxring.reduce_gradients("d", compression=topk, error_feedback=False)   # nothing held back
+  jaxring.reduce_gradients("d", compression=codecs.int8())                # dense: any optimizer
 
 
 def test_bad_arguments():

@@ -30,6 +30,8 @@ from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype, is_float
 from jaxring._src.collectives import axis_names, pmean, validate_compression
+from jaxring._src.optim.compose import sparse_refusal
+from jaxring._src.optim.sparse import is_sparsifying
 
 
 class ReduceGradientsState(NamedTuple):
@@ -110,7 +112,8 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
                                         want_error=True)
     mean = total / jnp.asarray(p, acc)
     out = mean.astype(dtype)
-    err = next_residual(mean, err, dtype)
+    # an exact reduction reports no error; the residual stays this member's (typed varying)
+    err = next_residual(mean, jnp.zeros_like(flat) if err is None else err, dtype)
     offset = 0
     for i in idxs:
       size, shape = np.size(leaves[i]), np.shape(leaves[i])
@@ -122,7 +125,8 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
 
 
 def reduce_gradients(axis_name, *, algorithm="auto", compression=None,
-                     error_feedback: bool = True) -> optax.GradientTransformation:
+                     error_feedback: bool = True,
+                     plain_sgd_after: bool = False) -> optax.GradientTransformation:
   """Mean-all-reduces gradients over ``axis_name``, compressed, with error feedback.
 
   Use it inside ``shard_map`` (or ``pmap``) as the first link of an optax chain: each member passes
@@ -136,10 +140,18 @@ def reduce_gradients(axis_name, *, algorithm="auto", compression=None,
     compression: None, a codec, or a dict level name -> codec (hierarchical).
     error_feedback: carry each step's compression error into the next step (state: residuals);
       without it the state is empty and the error is dropped.
+    plain_sgd_after: with a sparsifying codec (``topk_chunks``) and error feedback, the caller
+      states that only a stateless optimizer (plain ``optax.sgd``) follows. Without it such a
+      codec is refused: momentum or Adam after it trains to chance; use
+      :func:`jaxring.momentum_correction` or :func:`jaxring.compressed_adam` instead.
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params=None)`` returns the mean
     gradients (same tree and dtypes) and the new state.
+
+  Raises:
+    ValueError: a sparsifying codec with error feedback and not ``plain_sgd_after`` (the message
+      shows the supported compositions).
 
   Example:
     >>> tx = optax.chain(jaxring.reduce_gradients("data", compression=jaxring.codecs.int8()),
@@ -151,6 +163,8 @@ def reduce_gradients(axis_name, *, algorithm="auto", compression=None,
   """
   validate_algorithm(algorithm)
   validate_compression(compression)
+  if error_feedback and is_sparsifying(compression) and not plain_sgd_after:
+    raise ValueError(sparse_refusal("jaxring.reduce_gradients"))
   axes = axis_names(axis_name)
 
   def init_fn(params):

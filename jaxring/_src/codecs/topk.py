@@ -137,9 +137,17 @@ class TopKChunks(Codec):
       want_error: also return this member's error laid out like ``flat``: its values in the
         chunks not sent, plus its share of the inner codec's error in the chunks sent.
     """
+    idx = self.select(flat, reduce_norms)
+    return self.reduce_selected(flat, idx, reduce_dense=reduce_dense, want_error=want_error)
+
+  def reduce_selected(self, flat, idx, *, reduce_dense, want_error=False):
+    """The all-reduce of :meth:`all_reduce` for chunks ``idx`` already chosen (:meth:`select`).
+
+    Callers that need to know which chunks were sent (momentum masking, jaxring._src.optim)
+    select first and reduce here; :meth:`all_reduce` is the two in one.
+    """
     ops = _chunk_ops(flat.dtype)
     cs = self.chunk_size
-    idx = self.select(flat, reduce_norms)
     dense = ops.gather_chunks(flat, idx, cs)
     dense_sum, dense_err = reduce_dense(dense, want_error)
     # fresh zeros, not zeros_like(flat): the total is typed invariant, as the dense sum is
@@ -148,7 +156,15 @@ class TopKChunks(Codec):
       return total, None
     # x + (-x) is exactly 0, so the chosen chunks hold exactly the inner codec's error
     unsent = ops.scatter_add_chunks(flat, idx, -dense, cs)
+    if dense_err is None:  # a lossless dense reduction: the error is what was not sent
+      return total, unsent
     return total, ops.scatter_add_chunks(unsent, idx, dense_err, cs)
+
+  def sent_mask(self, n: int, idx):
+    """Booleans over ``n`` values: True in the chunks ``idx`` (those :meth:`select` chose)."""
+    chosen = jnp.zeros(self.num_chunks(n), jnp.bool_).at[idx].set(True)
+    return jnp.repeat(chosen, self.chunk_size, total_repeat_length=self.num_chunks(n)
+                      * self.chunk_size)[:n]
 
 
 def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | None = None
@@ -170,7 +186,7 @@ def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | No
       not an integer in [1, 2**31 - 1], or ``inner`` not a per-hop codec.
 
   Example:
-    >>> tx = jaxring.reduce_gradients("data", compression=jaxring.codecs.topk_chunks(0.01))
+    >>> tx = jaxring.momentum_correction("data", compression=jaxring.codecs.topk_chunks(0.01))
     >>> jaxring.codecs.topk_chunks(0.01).compression_ratio()  # 1% of chunks + the norms
     0.011962890625
   """

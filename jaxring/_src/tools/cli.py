@@ -22,6 +22,7 @@ BENCHES = {
     "train-cluster": "jaxring._src.tools.bench.train_cluster",
     "cluster": "jaxring._src.tools.bench.cluster",
     "data": "jaxring._src.tools.bench.data",
+    "convergence": "jaxring._src.tools.bench.convergence",
 }
 #: Benchmarks that are recipes (they train the recipes' models): run as ``python -m <module>``.
 RECIPE_BENCHES = {"resnet50": "recipes.bench_resnet50"}

@@ -30,6 +30,7 @@ from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
 from jaxring._src.error_feedback import next_residual
+from jaxring._src.optim.momentum import corrected_mean
 from jaxring._src.train.buckets import Bucket, make_buckets, use_order
 from jaxring._src.train.precision import Policy
 
@@ -45,6 +46,8 @@ class ReduceConfig:
   bucket_bytes: int = 25 << 20
   overlap: bool = True
   policy: Policy | None = None
+  momentum: float | None = None   # momentum correction in the reduction (jaxring._src.optim)
+  nesterov: bool = False
 
   @property
   def axis_name(self):
@@ -52,8 +55,14 @@ class ReduceConfig:
 
   @property
   def uses_residuals(self) -> bool:
-    """Error feedback is kept only where something is lost on the wire."""
-    return self.error_feedback and is_lossy(self.compression)
+    """Error feedback is kept only where something is lost on the wire (or a velocity is kept)."""
+    return self.error_feedback and (is_lossy(self.compression) or self.corrects_momentum)
+
+  @property
+  def corrects_momentum(self) -> bool:
+    """Whether each replica keeps a velocity beside its residual (then each residual leaf is
+    ``(2, *shape)``: the residual, then the velocity)."""
+    return self.error_feedback and bool(self.momentum)
 
 
 @dataclasses.dataclass(eq=False)
@@ -121,6 +130,8 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
   nonfinite = None
   if check_finite:
     nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(flat))).astype(jnp.float32)
+  if residuals is not None and cfg.corrects_momentum:
+    return _reduce_bucket_with_momentum(cfg, cts, flat, residuals, tok, dtype) + (nonfinite,)
   if residuals is not None:
     flat = flat + jnp.concatenate([jnp.ravel(r).astype(acc) for r in residuals])
   flat = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
@@ -130,6 +141,23 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
   if residuals is not None:
     new_res = _split(next_residual(mean, None if err is None else err[:-1], dtype), residuals)
   return _split(mean, cts), new_res, total[-1].astype(jnp.float32), nonfinite
+
+
+def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residuals, tok, dtype):
+  """reduce_bucket's momentum-corrected form: the velocity is accumulated before compression
+  (jaxring.momentum_correction's rule, one source: corrected_mean)."""
+  acc = flat.dtype
+  zero = jnp.zeros((1,), acc)
+  r = jnp.concatenate([jnp.ravel(x[0]).astype(acc) for x in residuals] + [zero])
+  u = jnp.concatenate([jnp.ravel(x[1]).astype(acc) for x in residuals] + [zero])
+  g = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
+  binding = engine.bind(cfg.axes, "value_and_grad")
+  mean, u, r = corrected_mean(u, g, r, dtype, binding, cfg.algorithm, cfg.compression,
+                              momentum=float(cfg.momentum), nesterov=cfg.nesterov,
+                              masking="flush")
+  like = [x[0] for x in residuals]
+  new_res = [jnp.stack([a, b]) for a, b in zip(_split(r[:-1], like), _split(u[:-1], like))]
+  return _split(mean[:-1], cts), new_res, (mean[-1] * replica_count(cfg.axes)).astype(jnp.float32)
 
 
 def _bucket_identity(cfg: ReduceConfig, check_finite: bool):

@@ -31,6 +31,8 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import axis_names, validate_compression
+from jaxring._src.optim.compose import has_per_parameter_state
+from jaxring._src.optim.sparse import is_sparsifying
 from jaxring._src.train.grad import ReduceConfig, StepContext, step_context
 from jaxring._src.train.precision import DynamicLossScale, as_policy, select_tree
 from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
@@ -126,6 +128,7 @@ class TrainStep:
       >>> state = step.prepare(state)  # optional: the first call does it
     """
     cfg = self.config
+    self._check_optimizer(state)
     residuals = residual_tree(state)
     fresh = isinstance(getattr(state, "residuals", None), Residuals) and state.residuals.fresh
     if cfg.uses_residuals and residuals is None:
@@ -149,9 +152,30 @@ class TrainStep:
       residuals = jax.tree_util.tree_map(lambda x: _place(x, self._residual_sharding), residuals)
     return with_residual_tree(state, residuals, fresh=fresh)
 
+  def _check_optimizer(self, state) -> None:
+    """Refuses an optimizer with per-parameter state (momentum, Adam) behind a sparsifying codec
+    with error feedback, or behind the step's own momentum correction."""
+    cfg = self.config
+    opt_state, params = getattr(state, "opt_state", None), getattr(state, "params", None)
+    if opt_state is None or params is None:
+      return
+    stateful = has_per_parameter_state(opt_state, params)
+    if stateful and cfg.corrects_momentum:
+      raise ValueError("train_step: momentum= runs the momentum inside the gradient reduction; "
+                       "the state's optimizer must be momentum-free, e.g. "
+                       "TrainState.create(..., tx=optax.sgd(lr))")
+    if stateful and cfg.uses_residuals and is_sparsifying(cfg.compression):
+      raise ValueError(
+          "train_step: topk_chunks with error feedback trains to chance when the optimizer keeps "
+          "momentum or Adam moments (the held-back gradient is released in bursts that momentum "
+          "multiplies). Supported: @jr.train_step(compression=c, momentum=0.9, nesterov=True) "
+          "with tx=optax.sgd(lr); for Adam use a dense codec (int8, bf16) or "
+          "jr.compressed_adam inside your own shard_map")
+
   def _zero_residuals(self, params):
     r = self.num_replicas
-    shapes = jax.tree_util.tree_map(lambda p: ((r,) + tuple(np.shape(p)), accum_dtype(p.dtype)),
+    lead = (r, 2) if self.config.corrects_momentum else (r,)
+    shapes = jax.tree_util.tree_map(lambda p: (lead + tuple(np.shape(p)), accum_dtype(p.dtype)),
                                     params, is_leaf=lambda x: hasattr(x, "dtype"))
     make = jax.jit(lambda: jax.tree_util.tree_map(lambda sd: jnp.zeros(*sd), shapes,
                                                   is_leaf=lambda x: isinstance(x, tuple)),
@@ -317,7 +341,8 @@ def _validate_bucket_bytes(bucket_bytes) -> int:
 
 def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: Any = "auto",
                compression: Any = None, error_feedback: bool = True, bucket_bytes: int = 25 << 20,
-               overlap: bool = True, donate: bool = True, precision: Any = None):
+               overlap: bool = True, donate: bool = True, precision: Any = None,
+               momentum: float | None = None, nesterov: bool = False):
   """Turns a per-replica ``step(state, batch) -> (state, metrics)`` into a data-parallel step.
 
   Args:
@@ -332,6 +357,13 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
     overlap: reduce each bucket inside the backward pass (False: after it, the baseline).
     donate: donate the input state's buffers to the output state.
     precision: None (f32), ``"bf16"``, ``"fp16"`` (dynamic loss scaling) or a ``Policy``.
+    momentum: momentum correction (:func:`jaxring.momentum_correction`'s rule) inside the
+      reduction: each replica accumulates its velocity before compression, with error feedback;
+      the state's optimizer must then be momentum-free (``optax.sgd(lr)``). Needed for momentum
+      with ``topk_chunks``, where momentum in the optimizer is refused (it trains to chance).
+      The velocity is kept beside the residuals (``state.residuals`` leaves ``(replicas, 2,
+      *shape)``) and checkpointed with them.
+    nesterov: Nesterov momentum (with ``momentum``).
 
   Returns:
     A decorator producing a :class:`TrainStep`.
@@ -351,8 +383,14 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
   if mesh is not None and not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "
                      f"{mesh.axis_names}")
+  if momentum is not None and not 0.0 <= float(momentum) < 1.0:
+    raise ValueError(f"train_step: momentum must be None or in [0, 1), got {momentum!r}")
+  if momentum and not error_feedback:
+    raise ValueError("train_step: momentum= keeps each replica's velocity with its error-feedback "
+                     "residual; it needs error_feedback=True")
   config = ReduceConfig(axes, algorithm, compression, error_feedback,
-                        _validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision))
+                        _validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
+                        momentum=momentum, nesterov=bool(nesterov))
 
   def decorate(fn: Callable) -> TrainStep:
     return TrainStep(fn, mesh, config, donate)

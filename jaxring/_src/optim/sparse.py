@@ -1,0 +1,176 @@
+"""What the compressed optimizers share: a mean all-reduce that says which values it sent, the
+density warm-up of sparsifying codecs, and per-member state trees.
+
+Momentum masking (Lin et al. 2018) needs to know which coordinates a step sent. ``topk_chunks``
+inside the engine chooses its chunks out of sight, so here the chunks are chosen first
+(``TopKChunks.select``, on norms summed by the transport's native all-reduce, identical on every
+member) and only the dense buffer of chosen chunks goes through the planned algorithm
+(``TopKChunks.reduce_selected``), with the codec's ``inner`` per-hop codec.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxring._src import vma
+from jaxring._src.algorithms import engine
+from jaxring._src.codecs.base import Codec, accum_dtype, is_float
+from jaxring._src.codecs.topk import TopKChunks
+
+
+def sparsifier(compression) -> TopKChunks | None:
+  """The sparsifying codec in ``compression`` (a codec or a dict level -> codec), or None."""
+  codecs = compression.values() if isinstance(compression, dict) else [compression]
+  return next((c for c in codecs if isinstance(c, TopKChunks)), None)
+
+
+def is_sparsifying(compression) -> bool:
+  """Whether ``compression`` sends only part of the values each step (``topk_chunks``).
+
+  Example:
+    >>> is_sparsifying(jaxring.codecs.topk_chunks(0.01)), is_sparsifying(jaxring.codecs.int8())
+    (True, False)
+  """
+  return sparsifier(compression) is not None
+
+
+def _dense_part(compression):
+  """``compression`` with its sparsifying codec replaced by that codec's per-hop ``inner``."""
+  if isinstance(compression, dict):
+    return {k: (c.inner if isinstance(c, TopKChunks) else c) for k, c in compression.items()}
+  return compression.inner if isinstance(compression, TopKChunks) else compression
+
+
+def bound(axes: tuple) -> bool:
+  try:
+    for a in axes:
+      lax.axis_size(a)
+  except NameError:
+    return False
+  return True
+
+
+def zeros_per_member(params, axes: tuple):
+  """Zeros shaped like ``params`` in the accumulator dtype, typed varying over bound ``axes``."""
+  def zeros(p):
+    dtype = jnp.result_type(p)
+    return jnp.zeros(np.shape(p), accum_dtype(dtype) if is_float(dtype) else dtype)
+  tree = jax.tree_util.tree_map(zeros, params)
+  if bound(axes):
+    tree = jax.tree_util.tree_map(lambda z: vma.pvary(z, axes), tree)
+  return tree
+
+
+def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float | None = None):
+  """``(mean, error, sent)`` of one member's flat accumulator-dtype buffer.
+
+  ``error`` is this member's share of what the reduction left out (None: nothing); ``sent`` is a
+  boolean mask of the values that were sent (None for a dense codec: all of them).
+  ``density`` overrides the sparsifying codec's (the warm-up).
+  """
+  p = binding.size
+  codec = sparsifier(compression)
+  if codec is None:
+    total, err = engine.all_reduce_flat(flat, dtype, binding, algorithm, compression,
+                                        want_error=True)
+    # an exact reduction reports no error; a residual stays this member's (typed varying)
+    err = jnp.zeros_like(flat) if err is None else err
+    return total / jnp.asarray(p, flat.dtype), err, None
+  if density is not None:
+    codec = dataclasses.replace(codec, density=density)
+  dense = _dense_part(compression)
+  idx = codec.select(flat, lambda v: engine.all_reduce_flat(v, v.dtype, binding, "xla", None)[0])
+  total, err = codec.reduce_selected(
+      flat, idx, want_error=True,
+      reduce_dense=lambda buf, want: engine.all_reduce_flat(buf, dtype, binding, algorithm, dense,
+                                                            want_error=want))
+  return total / jnp.asarray(p, flat.dtype), err, codec.sent_mask(flat.shape[0], idx)
+
+
+def warmup_densities(compression, warmup_steps: int, start: float) -> tuple[float, ...]:
+  """The densities of the warm-up stages: ``start``, ``start / 4``, ... while above the codec's.
+
+  Deep Gradient Compression's schedule (25%, 6.25%, 1.56%, 0.4%, then the target), each stage an
+  equal share of ``warmup_steps``. Empty without warm-up or without a sparsifying codec.
+
+  Example:
+    >>> warmup_densities(jaxring.codecs.topk_chunks(0.01), 400, 0.25)
+    (0.25, 0.0625, 0.015625)
+  """
+  codec = sparsifier(compression)
+  if codec is None or warmup_steps <= 0:
+    return ()
+  out, d = [], float(start)
+  while d > codec.density and len(out) < 8:
+    out.append(d)
+    d /= 4
+  return tuple(out)
+
+
+def with_density_schedule(count, warmup_steps: int, densities: tuple[float, ...],
+                          reduce: Callable[[float | None], Any]):
+  """``reduce(density)`` with the warm-up stage's density at step ``count`` (a traced int).
+
+  One branch per stage (each its own static number of chunks), picked by ``lax.switch``: every
+  member holds the same count, so all take the same branch and its collectives match.
+  """
+  if not densities:
+    return reduce(None)
+  stages = len(densities)
+  stage = jnp.minimum(count.astype(jnp.int32) * stages // max(warmup_steps, 1), stages)
+  branches = [lambda d=d: reduce(d) for d in densities] + [lambda: reduce(None)]
+  return lax.switch(stage, branches)
+
+
+@dataclasses.dataclass
+class Groups:
+  """Float leaves fused per dtype into flat accumulator-dtype buffers, and back."""
+
+  treedef: Any
+  leaves: list
+  by_dtype: dict
+
+  @classmethod
+  def of(cls, tree) -> Groups:
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, g in enumerate(leaves):
+      dtype = jnp.dtype(jnp.result_type(g))
+      if is_float(dtype) and np.size(g) > 0:
+        by_dtype.setdefault(dtype, []).append(i)
+    return cls(treedef, leaves, by_dtype)
+
+  def flat(self, tree, dtype) -> jax.Array:
+    leaves = self.treedef.flatten_up_to(tree)
+    acc = accum_dtype(dtype)
+    return jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in self.by_dtype[dtype]])
+
+  def others(self) -> list[int]:
+    floats = {i for idxs in self.by_dtype.values() for i in idxs}
+    return [i for i in range(len(self.leaves)) if i not in floats]
+
+  def unflatten(self, flats: dict, fill: list, cast: bool) -> Any:
+    """A tree whose float leaves come from ``flats[dtype]`` (cast back if ``cast``), the other
+    leaves from ``fill``."""
+    out = list(fill)
+    for dtype, idxs in self.by_dtype.items():
+      offset = 0
+      for i in idxs:
+        size, shape = np.size(self.leaves[i]), np.shape(self.leaves[i])
+        piece = flats[dtype][offset:offset + size].reshape(shape)
+        out[i] = piece.astype(dtype) if cast else piece
+        offset += size
+    return jax.tree_util.tree_unflatten(self.treedef, out)
+
+
+def global_norm(flats: dict) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(f.astype(jnp.float32))) for f in flats.values()))
+
+
+def is_codec_or_none(c) -> bool:
+  return c is None or isinstance(c, Codec)

@@ -1,0 +1,201 @@
+"""``jaxring bench convergence``: test accuracy after a fixed step budget, per optimizer and codec.
+
+The model is a 64-64-10 MLP on scikit-learn's bundled digits (1440 training, 357 test images),
+trained full-batch and data-parallel on 8 members (180 images each) inside one ``shard_map`` +
+``lax.scan``. For every optimizer it trains uncompressed, then per codec:
+
+* ``EF``: ``optax.chain(jr.reduce_gradients(axis, compression=c), <optimizer>)``, the composition
+  people write (with top-k it needs ``plain_sgd_after=True`` to be built at all: measured here
+  to show why);
+* ``no EF``: the same without error feedback;
+* ``supported``: what jaxring supports for that optimizer and codec
+  (:func:`supported_optimizer`): the EF composition for dense codecs and plain SGD, momentum
+  correction (momentum, Nesterov) or compressed Adam (Adam, AdamW) for top-k.
+
+Every member must end with the same parameters (checked). Prints a table and writes JSON under
+benchmarks/results/.
+
+  jaxring bench convergence                       # digits, 5 optimizers x 4 codecs (~3 min)
+  jaxring bench convergence --optimizers momentum,adam --codecs topk --steps 300
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
+CODECS = ("bf16", "int8", "topk")
+LEARNING_RATES = {"sgd": 0.05, "momentum": 0.05, "nesterov": 0.05, "adam": 1e-3, "adamw": 1e-3}
+WEIGHT_DECAY = 1e-4   # AdamW (decoupled)
+MOMENTUM = 0.9
+ALGORITHM = "ring"    # the codecs' ring, also where "auto" would pick XLA's all-reduce (no codec)
+
+
+def codec_of(name: str, chunk_size: int):
+  from jaxring import codecs
+  if name in ("none", ""):
+    return None
+  if name == "topk":
+    return codecs.topk_chunks(0.01, chunk_size=chunk_size)
+  return codecs.parse(name)
+
+
+def plain_optimizer(name: str, lr: float):
+  import optax
+  if name == "sgd":
+    return optax.sgd(lr)
+  if name in ("momentum", "nesterov"):
+    return optax.sgd(lr, momentum=MOMENTUM, nesterov=name == "nesterov")
+  if name == "adam":
+    return optax.adam(lr)
+  if name == "adamw":
+    return optax.adamw(lr, weight_decay=WEIGHT_DECAY)
+  raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS}")
+
+
+def naive_optimizer(name, lr, axis, codec, error_feedback: bool):
+  """``optax.chain(jr.reduce_gradients(...), <optimizer>)``, whatever the codec."""
+  import optax
+
+  import jaxring as jr
+  return optax.chain(jr.reduce_gradients(axis, algorithm=ALGORITHM, compression=codec,
+                                         error_feedback=error_feedback, plain_sgd_after=True),
+                     plain_optimizer(name, lr))
+
+
+def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_warmup: int = 50):
+  """The composition jaxring supports for optimizer ``name`` over ``codec`` (see the README)."""
+  import jaxring as jr
+  return jr.compressed_optimizer(name, lr, axis, compression=codec, algorithm=ALGORITHM,
+                                 momentum=MOMENTUM,
+                                 weight_decay=WEIGHT_DECAY if name == "adamw" else 0.0,
+                                 warmup_steps=warmup_steps, adam_warmup_steps=adam_warmup)
+
+
+def digits(train: int = 1440):
+  import numpy as np
+  from sklearn.datasets import load_digits
+  d = load_digits()
+  perm = np.random.RandomState(0).permutation(len(d.target))
+  x = (d.data[perm] / 16.0).astype(np.float32)
+  y = d.target[perm].astype(np.int32)
+  return x[:train], y[:train], x[train:], y[train:]
+
+
+def init_mlp(key, hidden: int = 64):
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  k1, k2 = jax.random.split(key)
+  return {"w1": jax.random.normal(k1, (64, hidden)) / 8.0, "b1": jnp.zeros(hidden),
+          "w2": jax.random.normal(k2, (hidden, 10)) / np.sqrt(hidden), "b2": jnp.zeros(10)}
+
+
+def mlp_logits(params, x):
+  import jax
+  return jax.nn.relu(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+
+
+def train_digits(tx, steps: int, data=None, seed: int = 0):
+  """Trains the MLP with ``tx`` (an optax chain that reduces over axis ``"d"``) on 8 members;
+  returns (test accuracy in %, final parameters)."""
+  import jax
+  import numpy as np
+  import optax
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+
+  xtr, ytr, xte, yte = data if data is not None else digits()
+
+  def loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(mlp_logits(params, x), y).mean()
+
+  def body(params, xs, ys):
+    params = jax.tree.map(lambda v: lax.pcast(v, "d", to="varying"), params)
+    state = tx.init(params)
+
+    def step(carry, _):
+      params, state = carry
+      updates, state = tx.update(jax.grad(loss)(params, xs, ys), state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    (params, _), _ = lax.scan(step, (params, state), None, length=steps)
+    return jax.tree.map(lambda v: v[None], params)
+
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P("d")))
+  out = f(init_mlp(jax.random.key(seed)), xtr, ytr)
+  for leaf in jax.tree.leaves(out):
+    leaf = np.asarray(leaf)
+    if not (leaf[1:] == leaf[:1]).all():
+      raise AssertionError("members ended with different parameters")
+  params = jax.tree.map(lambda v: np.asarray(v[0]), out)
+  acc = float((np.asarray(mlp_logits(params, xte)).argmax(1) == yte).mean() * 100)
+  return acc, params
+
+
+def run(optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int, adam_warmup: int,
+        seeds: int = 1) -> list[dict]:
+  import numpy as np
+  data = digits()
+  rows = []
+
+  def measure(make):
+    accs = [train_digits(make(), steps, data, seed)[0] for seed in range(seeds)]
+    return float(np.mean(accs))
+
+  for name in optimizers:
+    lr = LEARNING_RATES[name]
+    t0 = time.perf_counter()
+    row = {"optimizer": name, "lr": lr,
+           "none": measure(lambda: supported_optimizer(name, lr, "d", None))}
+    for cname in codecs:
+      codec = codec_of(cname, chunk_size)
+      row[f"{cname} EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, True))
+      row[f"{cname} no EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, False))
+      row[f"{cname} supported"] = measure(lambda: supported_optimizer(
+          name, lr, "d", codec, warmup_steps=warmup_steps, adam_warmup=adam_warmup))
+    row["seconds"] = time.perf_counter() - t0
+    print(f"  {name}: done in {row['seconds']:.0f} s", flush=True)
+    rows.append(row)
+  return rows
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="jaxring bench convergence", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+  parser.add_argument("--codecs", default=",".join(CODECS), help="bf16, int8, topk (1%%)")
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--chunk-size", type=int, default=16,
+                      help="top-k chunk size (16: 301 chunks, 4 sent per step)")
+  parser.add_argument("--warmup-steps", type=int, default=0, help="top-k density warm-up")
+  parser.add_argument("--adam-warmup", type=int, default=50, help="compressed Adam's exact steps")
+  parser.add_argument("--seeds", type=int, default=1, help="average over this many inits")
+  parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+  args = parser.parse_args(argv)
+
+  from jaxring._src.tools.bench import common
+  common.set_cpu_devices(8)
+  optimizers = [o for o in args.optimizers.split(",") if o]
+  codecs = [c for c in args.codecs.split(",") if c]
+  print(f"digits MLP, 8 members, {args.steps} full-batch steps; top-k: 1% of "
+        f"{args.chunk_size}-value chunks; accuracy on 357 test images (%)", flush=True)
+  rows = run(optimizers, codecs, args.steps, args.chunk_size, args.warmup_steps,
+             args.adam_warmup, args.seeds)
+  cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
+  for c in codecs:
+    cols += [(f"{c} EF", f"{c} EF", ".2f"), (f"{c} no EF", f"{c} no EF", ".2f"),
+             (f"{c} supported", f"{c} supported", ".2f")]
+  common.print_table(rows, cols)
+  path = common.write_json("convergence", {
+      "benchmark": "convergence", "task": "digits-mlp", "steps": args.steps,
+      "chunk_size": args.chunk_size, "warmup_steps": args.warmup_steps,
+      "adam_warmup": args.adam_warmup, "seeds": args.seeds, "rows": rows,
+      "machine": common.machine()}, args.out)
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
