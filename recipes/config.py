@@ -30,7 +30,8 @@ class Config:
   train_per_class: int = 500         # "generated" only
   val_per_class: int = 50            # "generated" only
   generated_image_size: int = 64     # "generated" only: stored JPEG size
-  num_workers: int = 0               # decoding threads (0: the loader's default)
+  num_workers: int = 0               # decoding worker processes (0: one per CPU)
+  data_backend: str = "cpu"          # training decode: "cpu", "dali" (GPU; jaxring[dali]), "auto"
   # optimization
   batch_size: int = 1024             # global, over all processes
   eval_batch_size: int = 1024

@@ -25,6 +25,9 @@ Launch:
       --config.optimizer=lars --config.lr_scaling=none --config.learning_rate=12 \\
       --config.warmup_epochs=16 --config.data_dir=...
 
+  # training images decoded on the GPU by NVIDIA DALI (pip install 'jaxring[dali]')
+  python -m recipes.imagenet_resnet50 --config.data_dir=/data/imagenet --config.data_backend=dali
+
   # no data at hand: synthetic images (throughput only)
   python -m recipes.imagenet_resnet50 --config.dataset=synthetic --config.num_steps=200
 

@@ -74,7 +74,7 @@ def train_batches(config: Config):
     >>> batches, steps_per_epoch = train_batches(config)
     >>> batch = next(batches)  # {"image": uint8 [local, S, S, 3], "label": int32 [local]}
   """
-  from jaxring.data import ImageFolder, ImageLoader, SyntheticImages
+  from jaxring.data import ImageFolder, SyntheticImages, make_train_loader
 
   if config.dataset == "synthetic":
     batches = SyntheticImages(config.batch_size, image_size=config.image_size,
@@ -82,14 +82,18 @@ def train_batches(config: Config):
     return batches, batches.batches_per_epoch  # an "epoch" of ImageNet's size
   root = ensure_generated(config) if config.dataset == "generated" else _folder(config)
   ds = ImageFolder(root, split="train", num_classes=config.num_classes)
-  loader = ImageLoader(ds, config.batch_size, train=True, image_size=config.image_size,
-                       seed=config.seed, num_workers=config.num_workers or None)
+  # data_backend="dali" raises, naming the package, where DALI or a GPU is missing; "auto"
+  # takes the CPU loader there
+  loader = make_train_loader(ds, config.batch_size, backend=config.data_backend,
+                             image_size=config.image_size, seed=config.seed,
+                             num_workers=config.num_workers or None)
   return loader, loader.batches_per_epoch
 
 
 def eval_batches(config: Config):
   """The validation loader (one pass = ``batches_per_epoch`` batches, the last one padded and
-  carrying a ``"mask"``), or for synthetic data an iterator of synthetic batches."""
+  carrying a ``"mask"``), or for synthetic data an iterator of synthetic batches. Evaluation
+  always decodes on the CPU, whatever ``data_backend`` trains with."""
   from jaxring.data import ImageFolder, ImageLoader, SyntheticImages
 
   if config.dataset == "synthetic":

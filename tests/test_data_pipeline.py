@@ -270,3 +270,20 @@ def test_bench_data_rows_and_json(tmp_path, capsys):
              for r, single in zip(rows, [rows[0]["images_per_s"]] * 2 +
                                   [rows[2]["images_per_s"]] * 2))
   assert out.count("input-bound by") == 4 and "CPU ms/image" in out
+
+
+@needs_no_dali
+def test_recipe_data_backend_flag(tmp_path):
+  from recipes import input_pipeline
+  from recipes.config import Config
+
+  config = Config(dataset="generated", data_dir=str(tmp_path), num_classes=2, train_per_class=8,
+                  val_per_class=1, generated_image_size=32, image_size=24, batch_size=8,
+                  num_workers=1)
+  with pytest.raises(ImportError, match=r"jaxring\[dali\]|GPU"):
+    input_pipeline.train_batches(Config(**{**config.__dict__, "data_backend": "dali"}))
+  batches, steps = input_pipeline.train_batches(Config(**{**config.__dict__,
+                                                          "data_backend": "auto"}))
+  with batches:
+    assert isinstance(batches, ImageLoader) and steps == 2
+    assert next(batches)["image"].shape == (8, 24, 24, 3)
