@@ -116,3 +116,59 @@ def test_topology_construction_and_errors():
                               mesh=jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,)),
                               in_specs=P("d"), out_specs=P()))
     np.testing.assert_array_equal(f(x), [8.0])
+
+
+class _BackwardRing:
+  """A new algorithm in a few lines: the ring, each member's chunks handed out in reverse."""
+
+  name = "backward_ring"
+
+  def __init__(self):
+    from jaxring._src.algorithms import ring
+    self.ring = ring.Ring()
+
+  def plan(self, request):
+    import dataclasses
+    return dataclasses.replace(self.ring.plan(request), kind=self.name)
+
+  def all_reduce(self, buf, plan, dtype, *, want_error):
+    out, err = self.ring.all_reduce(buf[::-1], plan, dtype, want_error=want_error)
+    return out[::-1], None if err is None else err[::-1]
+
+  def reduce_scatter(self, buf, plan, dtype):
+    return self.ring.reduce_scatter(buf, plan, dtype)
+
+  def all_gather(self, payload, plan):
+    return self.ring.all_gather(payload, plan)
+
+  def chunk_order(self, plan):
+    return self.ring.chunk_order(plan)
+
+
+def test_a_registered_algorithm_runs_everywhere_algorithm_is_accepted():
+  from jaxring._src.algorithms import base
+
+  base.register(_BackwardRing())
+  try:
+    mesh = jax.make_mesh((8,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(jnp.arange(8 * 1000, dtype=jnp.float32).reshape(8, 1000) % 97,
+                       jax.NamedSharding(mesh, P("i")))
+    f = jax.jit(jax.shard_map(
+        lambda v: (jaxring.psum(v, "i", algorithm="backward_ring"),
+                   jaxring.psum_scatter(v, "i", scatter_dimension=1, tiled=True,
+                                        algorithm="backward_ring"),
+                   jaxring.all_gather(v, "i", algorithm="backward_ring", tiled=True)),
+        mesh=mesh, in_specs=P("i"), out_specs=(P("i"), P("i"), P("i"))))
+    g = jax.jit(jax.shard_map(
+        lambda v: (jax.lax.psum(v, "i"), jax.lax.psum_scatter(v, "i", scatter_dimension=1,
+                                                              tiled=True),
+                   jax.lax.all_gather(v, "i", tiled=True)),
+        mesh=mesh, in_specs=P("i"), out_specs=(P("i"), P("i"), P("i"))))
+    for got, want in zip(f(x), g(x)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    hlo = f.lower(x).as_text()
+    assert "reverse" in hlo   # the new algorithm's all-reduce ran, not the ring's
+  finally:
+    base._REGISTRY.pop("backward_ring")
+  with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'ring', 'hierarchical'\)"):
+    jaxring.psum(jnp.ones(3), "i", algorithm="backward_ring")

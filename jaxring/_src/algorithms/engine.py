@@ -1,8 +1,9 @@
 """The reduction engine: all-reduce, reduce-scatter and all-gather by a plan, over any transport.
 
 The planner (jaxring._src.algorithms.planner) decides; this module executes. It is the one place
-that switches on a plan's kind: ``xla`` (the transport's native collective), ``ring`` or
-``hierarchical``, with ``topk_chunks`` wrapping a whole all-reduce. The axes arrive bound
+that switches on a plan's kind: ``xla`` (the transport's native collective) or a registered
+algorithm (``base.get(plan.kind)``: ``ring``, ``hierarchical``), with ``topk_chunks`` wrapping a
+whole all-reduce. The axes arrive bound
 (jaxring._src.transport.binding): names bound by ``shard_map``/``pmap`` move their bytes with XLA
 collectives and take lax's derivatives (jaxring._src.algorithms.linear); a name bound to an MPI
 communicator moves them with mpi4jax, runs on stop_gradient'ed inputs and carries the MPI rules.
@@ -23,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxring._src.algorithms import hierarchical, linear, ring
-from jaxring._src.algorithms.planner import Plan, make_plan
+from jaxring._src.algorithms import base, linear
+from jaxring._src.algorithms.base import Plan
+from jaxring._src.algorithms.planner import make_plan
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.transport.binding import bind as bind
 from jaxring._src.transport.groups import axis_arg
@@ -89,13 +91,7 @@ def _all_reduce_planned(flat, dtype, axes: tuple, plan: Plan, want_error: bool):
         want_error=want_error)
   n = flat.shape[0]
   buf = _pad_to(flat, plan.size * plan.align)
-  if plan.kind == "ring":
-    out, err = ring.all_reduce(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
-                               want_error=want_error, pieces=plan.pieces[0])
-  else:
-    out, err = hierarchical.all_reduce(buf, list(plan.groups), list(plan.codecs), list(plan.algos),
-                                       dtype, plan.transport, want_error=want_error,
-                                       pieces=list(plan.pieces))
+  out, err = base.get(plan.kind).all_reduce(buf, plan, dtype, want_error=want_error)
   out = out[:n]
   if plan.whole is None:
     covered = {a for g in plan.groups for a in g.axes}
@@ -239,16 +235,10 @@ def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
   m = rows.shape[1]
   m_pad = -(-max(m, 1) // plan.align) * plan.align
   rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
-  if plan.kind == "ring":
-    if plan.member_order is not None:
-      rows = rows[np.asarray(plan.member_order)]
-    shard, _ = ring.reduce_scatter(rows.reshape(-1), plan.groups[0], plan.codecs[0], dtype,
-                                   plan.transport, pieces=plan.pieces[0])
-  else:
-    rows = rows[np.asarray(hierarchical.chunk_permutation(list(plan.groups), list(plan.strides)))]
-    shard = hierarchical.reduce_scatter(rows.reshape(-1), list(plan.groups), list(plan.codecs),
-                                        list(plan.algos), dtype, plan.transport,
-                                        pieces=list(plan.pieces))
+  algorithm = base.get(plan.kind)
+  if (order := algorithm.chunk_order(plan)) is not None:
+    rows = rows[np.asarray(order)]
+  shard = algorithm.reduce_scatter(rows.reshape(-1), plan, dtype)
   block = shard[:m].astype(dtype)
   if tiled:
     return jnp.moveaxis(block.reshape((moved.shape[0] // p,) + tuple(rest)), 0, d)
@@ -262,17 +252,11 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   codec = plan.codecs[-1]
   n = leaf.size
   flat = _pad_to(jnp.ravel(leaf).astype(accum_dtype(dtype)), plan.align)
-  payload = codec.encode(flat, dtype)
-  if plan.kind == "ring":
-    gathered = ring.ring_all_gather_payload(payload, plan.groups[0], plan.transport)
-    rows = codec.decode(gathered, dtype).reshape(p, -1)
-    if plan.member_order is not None:
-      rows = rows[np.argsort(np.asarray(plan.member_order))]
-  else:
-    gathered = hierarchical.all_gather(payload, list(plan.groups), plan.transport)
-    rows = codec.decode(gathered, dtype).reshape(p, -1)
-    perm = hierarchical.chunk_permutation(list(plan.groups), list(plan.strides))
-    rows = rows[np.argsort(np.asarray(perm))]
+  algorithm = base.get(plan.kind)
+  gathered = algorithm.all_gather(codec.encode(flat, dtype), plan)
+  rows = codec.decode(gathered, dtype).reshape(p, -1)
+  if (order := algorithm.chunk_order(plan)) is not None:
+    rows = rows[np.argsort(np.asarray(order))]
   return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
 
 

@@ -15,6 +15,7 @@ from jax import lax
 
 from jaxring._src import vma
 from jaxring._src.algorithms import ring
+from jaxring._src.algorithms.base import Plan, PlanRequest, register
 from jaxring._src.codecs.base import Codec
 from jaxring._src.transport.groups import Group
 
@@ -155,3 +156,47 @@ def all_gather(payload: tuple, groups: list[Group], transport) -> tuple:
     # The ppermute ring, not the native gather: its transpose is a reduce-scatter, as lax's is.
     payload = ring.ring_all_gather_payload(payload, g, transport)
   return payload
+
+
+class Hierarchical:
+  """BlueConnect over the levels the axes span; one level is a ring."""
+
+  name = "hierarchical"
+
+  def plan(self, r: PlanRequest) -> Plan:
+    if len(r.groups) == 1:
+      return ring.Ring().plan(r)
+    algos = []
+    for i, (g, c) in enumerate(zip(r.groups, r.codecs)):
+      a = r.algorithm.get(g.name, "auto") if isinstance(r.algorithm, dict) else "auto"
+      if a == "auto":
+        # native per level only where it is exact and proven: lossless, a whole axis, and inside
+        # one process (lax.psum_scatter across processes over gloo returned corrupt results, see
+        # docs/design.md); the slowest level's all-reduce is native when lossless and the
+        # transport's native all-reduce beats its ring (gloo/NCCL yes, MPICH no: docs/design.md).
+        last = i == len(r.groups) - 1
+        native_ok = r.transport.native_all_reduce_wins if last else not r.multi_process
+        a = "xla" if (not c.lossy and g.whole and native_ok) else "ring"
+      if a == "xla" and (c.lossy or not g.whole):
+        why = "it cannot compress" if c.lossy else "the level is part of one axis (a Topology split)"
+        raise ValueError(f"level {g.name!r} cannot use algorithm 'xla': {why}")
+      algos.append(a)
+    return Plan("hierarchical", tuple(r.groups), tuple(r.codecs), tuple(algos), tuple(r.strides),
+                transport=r.transport, pieces=tuple(lv.pieces for lv in r.levels))
+
+  def all_reduce(self, buf, plan: Plan, dtype, *, want_error: bool):
+    return all_reduce(buf, list(plan.groups), list(plan.codecs), list(plan.algos), dtype,
+                      plan.transport, want_error=want_error, pieces=list(plan.pieces))
+
+  def reduce_scatter(self, buf, plan: Plan, dtype):
+    return reduce_scatter(buf, list(plan.groups), list(plan.codecs), list(plan.algos), dtype,
+                          plan.transport, pieces=list(plan.pieces))
+
+  def all_gather(self, payload: tuple, plan: Plan) -> tuple:
+    return all_gather(payload, list(plan.groups), plan.transport)
+
+  def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
+    return tuple(chunk_permutation(list(plan.groups), list(plan.strides)))
+
+
+register(Hierarchical())

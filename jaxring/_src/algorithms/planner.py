@@ -14,37 +14,18 @@ import jax
 
 from jaxring._src import cost_model
 from jaxring._src import topology as topo_mod
+from jaxring._src.algorithms import base
+from jaxring._src.algorithms.base import Plan, PlanRequest
 from jaxring._src.codecs.base import Codec, for_dtype
 from jaxring._src.transport.groups import Group, Hierarchy, check_factorization, whole_group
 from jaxring._src.transport.xla import XLA
 
-ALGORITHMS = ("auto", "xla", "ring", "hierarchical")
 LEVEL_ALGORITHMS = ("auto", "xla", "ring")
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  kind: str                       # "xla" | "ring" | "hierarchical"
-  groups: tuple[Group, ...] = ()  # fast -> slow
-  codecs: tuple[Codec, ...] = ()
-  algos: tuple[str, ...] = ()     # per level: "xla" | "ring"
-  strides: tuple[int, ...] = ()   # each level's weight in the member's linear index
-  # ring over several axes: the ring runs in mesh axis order (ppermute over axes named out of mesh
-  # order transposes wrongly in jax 0.10); member_order[k] is the lax-numbered index (axes as the
-  # caller named them) of the member at ring position k. None when the orders agree.
-  member_order: tuple[int, ...] | None = None
-  transport: Any = XLA            # moves the bytes of every group above
-  whole: Any = None               # every member as one group; None: the axes (lax collectives)
-  pieces: tuple[int, ...] = ()    # per level: sub-chunk transfers per ring hop (Level.pieces)
-
-  @property
-  def align(self) -> int:
-    codec_align = math.lcm(*(c.align for c in self.codecs)) if self.codecs else 1
-    return codec_align * max(self.pieces, default=1)
-
-  @property
-  def size(self) -> int:
-    return math.prod(g.size for g in self.groups)
+def algorithms() -> tuple[str, ...]:
+  """Every name ``algorithm=`` accepts: ``auto``, ``xla`` and each registered algorithm."""
+  return ("auto", "xla", *base.names())
 
 
 def validate_algorithm(algorithm) -> None:
@@ -53,8 +34,8 @@ def validate_algorithm(algorithm) -> None:
     if bad:
       raise ValueError(f"per-level algorithm must be one of {LEVEL_ALGORITHMS}, got {bad}")
     return
-  if algorithm not in ALGORITHMS:
-    raise ValueError(f"algorithm must be one of {ALGORITHMS} or a dict level->algorithm, "
+  if algorithm not in algorithms():
+    raise ValueError(f"algorithm must be one of {algorithms()} or a dict level->algorithm, "
                      f"got {algorithm!r}")
 
 
@@ -153,54 +134,9 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
     kind = _auto(nbytes, levels, codecs, lossy)
   if kind == "xla":
     return Plan("xla", transport=transport)
-  if kind == "ring" or len(groups) == 1:
-    # one ring over every member: the codec of the slowest level travels on it
-    if len(axes) == 1:
-      return Plan("ring", (whole,), (codecs[-1],), ("ring",), (1,), transport=transport,
-                  pieces=(levels[-1].pieces,))
-    ring_axes, order = _mesh_order(tuple(axes), tuple(sizes))
-    g = whole_group(ring_axes, math.prod(sizes), groups[-1].name)
-    return Plan("ring", (g,), (codecs[-1],), ("ring",), (1,), order,
-                pieces=(levels[-1].pieces,))
-  algos = []
-  for i, (g, c) in enumerate(zip(groups, codecs)):
-    a = algorithm.get(g.name, "auto") if isinstance(algorithm, dict) else "auto"
-    if a == "auto":
-      # native per level only where it is exact and proven: lossless, a whole axis, and inside one
-      # process (lax.psum_scatter across processes over gloo returned corrupt results, see
-      # docs/design.md); the slowest level's all-reduce is native when lossless and the
-      # transport's native all-reduce beats its ring (gloo/NCCL yes, MPICH no: docs/design.md).
-      last = i == len(groups) - 1
-      native_ok = transport.native_all_reduce_wins if last else not multi_process
-      a = "xla" if (not c.lossy and g.whole and native_ok) else "ring"
-    if a == "xla" and (c.lossy or not g.whole):
-      why = "it cannot compress" if c.lossy else "the level is part of one axis (a Topology split)"
-      raise ValueError(f"level {g.name!r} cannot use algorithm 'xla': {why}")
-    algos.append(a)
-  return Plan("hierarchical", tuple(groups), tuple(codecs), tuple(algos), tuple(strides),
-              transport=transport, pieces=tuple(lv.pieces for lv in levels))
-
-
-def _mesh_order(axes: tuple, sizes: tuple) -> tuple[tuple, tuple[int, ...] | None]:
-  try:
-    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-  except Exception:  # noqa: BLE001 - no mesh in context (pmap): keep the caller's order
-    mesh_names = ()
-  if not set(axes) <= set(mesh_names):
-    return axes, None
-  ordered = tuple(a for a in mesh_names if a in axes)
-  if ordered == axes:
-    return axes, None
-  size_of = dict(zip(axes, sizes))
-  weight = {a: math.prod(sizes[i + 1:]) for i, a in enumerate(axes)}  # lax numbering
-  order = []
-  for k in range(math.prod(sizes)):
-    rem, idx = k, 0
-    for a in reversed(ordered):
-      idx += (rem % size_of[a]) * weight[a]
-      rem //= size_of[a]
-    order.append(idx)
-  return ordered, tuple(order)
+  request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
+                        tuple(codecs), whole, transport, algorithm, multi_process)
+  return base.get(kind).plan(request)
 
 
 def _auto(nbytes: int, levels, codecs, lossy: bool) -> str:

@@ -10,10 +10,14 @@ return flat buffers. Partial sums stay in the accumulator dtype; ``codec`` decid
 """
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 
+from jaxring._src.algorithms.base import Plan, PlanRequest, register
 from jaxring._src.codecs.base import Codec
-from jaxring._src.transport.groups import Group
+from jaxring._src.transport.groups import Group, whole_group
 
 
 def _rotate(chunks, shift):
@@ -152,3 +156,58 @@ def _place(chunk, index, c, n):
   """A length-``n`` zero buffer with ``chunk`` at chunk position ``index`` (index may be traced)."""
   from jax import lax
   return lax.dynamic_update_slice(jnp.zeros((n,), chunk.dtype), chunk, (index * c,))
+
+
+def _mesh_order(axes: tuple, sizes: tuple) -> tuple[tuple, tuple[int, ...] | None]:
+  """The axes in mesh order, and the lax-numbered member at each ring position (None: same)."""
+  try:
+    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no mesh in context (pmap): keep the caller's order
+    mesh_names = ()
+  if not set(axes) <= set(mesh_names):
+    return axes, None
+  ordered = tuple(a for a in mesh_names if a in axes)
+  if ordered == axes:
+    return axes, None
+  size_of = dict(zip(axes, sizes))
+  weight = {a: math.prod(sizes[i + 1:]) for i, a in enumerate(axes)}  # lax numbering
+  order = []
+  for k in range(math.prod(sizes)):
+    rem, idx = k, 0
+    for a in reversed(ordered):
+      idx += (rem % size_of[a]) * weight[a]
+      rem //= size_of[a]
+    order.append(idx)
+  return ordered, tuple(order)
+
+
+class Ring:
+  """One ring over every member; the slowest level's codec travels on it."""
+
+  name = "ring"
+
+  def plan(self, r: PlanRequest) -> Plan:
+    pieces = (r.levels[-1].pieces,)
+    if len(r.axes) == 1:
+      return Plan("ring", (r.whole,), (r.codecs[-1],), ("ring",), (1,), transport=r.transport,
+                  pieces=pieces)
+    ring_axes, order = _mesh_order(tuple(r.axes), tuple(r.sizes))
+    g = whole_group(ring_axes, math.prod(r.sizes), r.groups[-1].name)
+    return Plan("ring", (g,), (r.codecs[-1],), ("ring",), (1,), order, pieces=pieces)
+
+  def all_reduce(self, buf, plan: Plan, dtype, *, want_error: bool):
+    return all_reduce(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
+                      want_error=want_error, pieces=plan.pieces[0])
+
+  def reduce_scatter(self, buf, plan: Plan, dtype):
+    return reduce_scatter(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
+                          pieces=plan.pieces[0])[0]
+
+  def all_gather(self, payload: tuple, plan: Plan) -> tuple:
+    return ring_all_gather_payload(payload, plan.groups[0], plan.transport)
+
+  def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
+    return plan.member_order
+
+
+register(Ring())

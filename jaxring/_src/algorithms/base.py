@@ -1,0 +1,96 @@
+"""What an algorithm is, and the registry the planner and the engine read.
+
+An algorithm is one file in this folder: an object with the :class:`Algorithm` methods, registered
+with :func:`register` (and imported by the package's ``__init__``). The planner offers every
+registered name as ``algorithm=``; the engine runs a plan by asking the registry for its kind.
+``xla`` (the transport's native collective) is no entry: it moves no chunks of ours.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol
+
+from jaxring._src.codecs.base import Codec
+from jaxring._src.transport.groups import Group
+from jaxring._src.transport.xla import XLA
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  kind: str                       # "xla" or a registered algorithm's name
+  groups: tuple[Group, ...] = ()  # fast -> slow
+  codecs: tuple[Codec, ...] = ()
+  algos: tuple[str, ...] = ()     # per level: "xla" | "ring"
+  strides: tuple[int, ...] = ()   # each level's weight in the member's linear index
+  # ring over several axes: the ring runs in mesh axis order (ppermute over axes named out of mesh
+  # order transposes wrongly in jax 0.10); member_order[k] is the lax-numbered index (axes as the
+  # caller named them) of the member at ring position k. None when the orders agree.
+  member_order: tuple[int, ...] | None = None
+  transport: Any = XLA            # moves the bytes of every group above
+  whole: Any = None               # every member as one group; None: the axes (lax collectives)
+  pieces: tuple[int, ...] = ()    # per level: sub-chunk transfers per ring hop (Level.pieces)
+
+  @property
+  def align(self) -> int:
+    codec_align = math.lcm(*(c.align for c in self.codecs)) if self.codecs else 1
+    return codec_align * max(self.pieces, default=1)
+
+  @property
+  def size(self) -> int:
+    return math.prod(g.size for g in self.groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+  """What the planner knows when an algorithm lays itself out."""
+  axes: tuple
+  sizes: tuple[int, ...]
+  groups: tuple[Group, ...]       # the levels the axes span, fast -> slow
+  levels: tuple[Any, ...]         # their topology.Level parameters
+  strides: tuple[int, ...]
+  codecs: tuple[Codec, ...]       # per level
+  whole: Any                      # every member as one group
+  transport: Any
+  algorithm: Any                  # the caller's argument: a name or a dict level -> "xla"|"ring"
+  multi_process: bool
+
+
+class Algorithm(Protocol):
+  """A way to reduce flat accumulator-dtype buffers of ``plan.size`` equal chunks."""
+
+  name: str
+
+  def plan(self, request: PlanRequest) -> Plan:
+    """The plan for ``request`` (its ``kind`` may name another algorithm it reduces to)."""
+
+  def all_reduce(self, buf, plan: Plan, dtype, *, want_error: bool):
+    """``(sum, this member's compression error or None)`` of ``buf``."""
+
+  def reduce_scatter(self, buf, plan: Plan, dtype):
+    """Member ``i`` ends with the sum of chunk ``i`` of ``buf`` (chunks in :meth:`chunk_order`)."""
+
+  def all_gather(self, payload: tuple, plan: Plan) -> tuple:
+    """Every member's encoded chunk, in :meth:`chunk_order`."""
+
+  def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
+    """Which member's chunk sits at each position the algorithm hands out (None: identity)."""
+
+
+_REGISTRY: dict[str, Algorithm] = {}
+
+
+def register(algorithm: Algorithm) -> Algorithm:
+  """Makes ``algorithm`` available as ``algorithm=<its name>`` everywhere."""
+  if algorithm.name in ("auto", "xla"):
+    raise ValueError(f"{algorithm.name!r} is reserved")
+  _REGISTRY[algorithm.name] = algorithm
+  return algorithm
+
+
+def get(name: str) -> Algorithm:
+  return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+  return tuple(_REGISTRY)
