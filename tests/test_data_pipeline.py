@@ -219,6 +219,27 @@ def test_process_workers_leave_no_shared_memory(small_root):
   assert batch["image"].std() > 5  # the returned batch is the caller's own copy
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc/<pid>/maps (Linux)")
+def test_worker_processes_decode_without_jax(small_root):
+  ds = ImageFolder(small_root, "train")
+  with loader(ds, num_workers=1) as it:
+    next(it)
+    (pid,) = it.worker_pids()
+    maps = open(f"/proc/{pid}/maps").read()
+  assert "jaxlib" not in maps and "libjpeg" in maps.lower()
+
+
+def test_a_dead_worker_fails_the_batch_instead_of_hanging(small_root):
+  import signal
+  ds = ImageFolder(small_root, "train")
+  with loader(ds, num_workers=1) as it:
+    next(it)
+    os.kill(it.worker_pids()[0], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="died"):
+      for _ in range(6):  # the batches decoded before the kill come first
+        next(it)
+
+
 def test_bad_worker_type():
   with pytest.raises(ValueError, match="worker_type"):
     ImageLoader(None, 8, train=True, worker_type="greenlet")

@@ -2,23 +2,23 @@
 into shared memory.
 
 Both run :class:`ExampleFiller` on a range of a batch's slots and return the slots' labels, mask
-and corrupt files to the loader, which logs and counts them. Processes are the default because
-the Python around each image (the example's generator, the crop box, the calls) holds the GIL:
-about 0.1 ms of a 1 ms image, which caps threads at about ten cores' worth of decoding, and 16
-threads measured slower than 8 on a 16-core host (issue 20). A worker process decodes straight
+and corrupt files to the loader, which logs and counts them. libjpeg-turbo (simplejpeg) and
+OpenCV release the GIL, so threads do scale on a few cores; processes are the default because
+the Python around each image (the example's generator, the crop box, the file read, the calls)
+holds it: 0.07 ms of a 1.1 ms image measured on the 2-core machine, a serial fraction that caps
+threads near 15x before the cost of handing the GIL between 16 threads (the PIL loader's 16
+threads measured slower than its 8 on a 16-core host). A worker process decodes straight
 into its slots of a batch buffer in shared memory (a file in ``/dev/shm`` mapped by every
 process), so an image is written once by its decoder and copied once, with the whole batch, when
 the loader hands the batch out. The file list and labels sit in shared memory as well, so
 starting a worker sends a few names, not ImageNet's 1.28 million paths.
 
-Processes start through a ``forkserver`` (``spawn`` where there is none): forking a process that
-runs JAX's threads is unsafe, and the server has imported the decoders once, so each worker
-starts in milliseconds.
+Worker processes are fresh interpreters that import the decoders but not JAX
+(:mod:`jaxring._src.data.processes` says why not ``multiprocessing``).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import os
 import tempfile
 import threading
@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from jaxring._src.data import decode
+from jaxring._src.data.processes import ProcessPool
 from jaxring._src.data.transforms import CorruptImageError
 
 # A run of this many corrupt files in a row means the data set is broken, not one file.
@@ -208,14 +209,6 @@ def _run_task(ring_slot: int, first: int, stop: int, start: int, epoch: int) -> 
   return filler.fill(_worker["ring"][ring_slot], first, stop, start, epoch, orders[epoch])
 
 
-def _context():
-  methods = multiprocessing.get_all_start_methods()
-  ctx = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-  if ctx.get_start_method() == "forkserver":
-    ctx.set_forkserver_preload(["jaxring._src.data.workers"])
-  return ctx
-
-
 class ProcessWorkers:
   """Worker processes that decode into a ring of ``ring_size`` batch buffers in shared memory."""
 
@@ -229,8 +222,7 @@ class ProcessWorkers:
     spec = {"ring": self._ring.path, "blob": self._blob.path, "offsets": self._offsets.path,
             "labels": self._labels.path, "filler": filler_args}
     self._free = list(range(ring_size))
-    self.pool = concurrent.futures.ProcessPoolExecutor(
-        num_workers, mp_context=_context(), initializer=_init_worker, initargs=(spec,))
+    self.pool = ProcessPool(num_workers, initializer=_init_worker, initargs=(spec,))
 
   def new_batch(self, batch_size: int) -> tuple[np.ndarray, int]:
     if not self._free:
@@ -252,9 +244,9 @@ class ProcessWorkers:
     return np.array(image)
 
   def pids(self) -> list[int]:
-    return list(self.pool._processes or ())  # noqa: SLF001 (no public accessor)
+    return [process.pid for process in self.pool.processes]
 
   def close(self) -> None:
-    self.pool.shutdown(wait=True, cancel_futures=True)
+    self.pool.shutdown()
     for shared in (self._ring, self._blob, self._offsets, self._labels):
       shared.unlink()
