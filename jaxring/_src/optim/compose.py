@@ -65,6 +65,7 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
                          algorithm="auto", momentum: float = 0.9, weight_decay: float = 0.0,
                          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                          warmup_steps: int = 0, adam_warmup_steps: int = 100,
+                         adam_variance_every: int = 10,
                          clip_norm: float | None = None) -> optax.GradientTransformation:
   """A data-parallel optimizer that reduces its gradients over ``axis_name`` and converges.
 
@@ -84,6 +85,8 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
     b1, b2, eps: Adam's coefficients.
     warmup_steps: top-k density warm-up of momentum correction (see its docstring).
     adam_warmup_steps: exact Adam steps before compressed Adam freezes the variance.
+    adam_variance_every: compressed Adam refreshes the variance exactly every this many steps
+      (0: frozen).
     clip_norm: momentum correction's local gradient clipping (None: none).
 
   Returns:
@@ -114,7 +117,8 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
   if sparse:
     wd = [optax.add_decayed_weights(weight_decay)] if name == "adamw" and weight_decay else []
     return optax.chain(compressed_adam(axis_name, compression=compression, b1=b1, b2=b2, eps=eps,
-                                       warmup_steps=adam_warmup_steps, algorithm=algorithm),
+                                       warmup_steps=adam_warmup_steps, algorithm=algorithm,
+                                       variance_every=adam_variance_every),
                        *wd, optax.scale_by_learning_rate(learning_rate))
   after = (optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
            if name == "adamw" else optax.adam(learning_rate, b1=b1, b2=b2, eps=eps))

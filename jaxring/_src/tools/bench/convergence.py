@@ -25,7 +25,7 @@ import time
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
 CODECS = ("bf16", "int8", "topk")
-LEARNING_RATES = {"sgd": 0.05, "momentum": 0.05, "nesterov": 0.05, "adam": 1e-3, "adamw": 1e-3}
+LEARNING_RATES = {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adam": 1e-3, "adamw": 1e-3}
 WEIGHT_DECAY = 1e-4   # AdamW (decoupled)
 MOMENTUM = 0.9
 ALGORITHM = "ring"    # the codecs' ring, also where "auto" would pick XLA's all-reduce (no codec)
@@ -63,13 +63,15 @@ def naive_optimizer(name, lr, axis, codec, error_feedback: bool):
                      plain_optimizer(name, lr))
 
 
-def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_warmup: int = 50):
+def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_warmup: int = 100,
+                        adam_variance_every: int = 10):
   """The composition jaxring supports for optimizer ``name`` over ``codec`` (see the README)."""
   import jaxring as jr
   return jr.compressed_optimizer(name, lr, axis, compression=codec, algorithm=ALGORITHM,
                                  momentum=MOMENTUM,
                                  weight_decay=WEIGHT_DECAY if name == "adamw" else 0.0,
-                                 warmup_steps=warmup_steps, adam_warmup_steps=adam_warmup)
+                                 warmup_steps=warmup_steps, adam_warmup_steps=adam_warmup,
+                                 adam_variance_every=adam_variance_every)
 
 
 def digits(train: int = 1440):
@@ -135,7 +137,7 @@ def train_digits(tx, steps: int, data=None, seed: int = 0):
 
 
 def run(optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int, adam_warmup: int,
-        seeds: int = 1) -> list[dict]:
+        adam_variance_every: int, seeds: int = 1) -> list[dict]:
   import numpy as np
   data = digits()
   rows = []
@@ -154,7 +156,8 @@ def run(optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int, adam
       row[f"{cname} EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, True))
       row[f"{cname} no EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, False))
       row[f"{cname} supported"] = measure(lambda: supported_optimizer(
-          name, lr, "d", codec, warmup_steps=warmup_steps, adam_warmup=adam_warmup))
+          name, lr, "d", codec, warmup_steps=warmup_steps, adam_warmup=adam_warmup,
+          adam_variance_every=adam_variance_every))
     row["seconds"] = time.perf_counter() - t0
     print(f"  {name}: done in {row['seconds']:.0f} s", flush=True)
     rows.append(row)
@@ -170,7 +173,10 @@ def main(argv=None) -> int:
   parser.add_argument("--chunk-size", type=int, default=16,
                       help="top-k chunk size (16: 301 chunks, 4 sent per step)")
   parser.add_argument("--warmup-steps", type=int, default=0, help="top-k density warm-up")
-  parser.add_argument("--adam-warmup", type=int, default=50, help="compressed Adam's exact steps")
+  parser.add_argument("--adam-warmup", type=int, default=100,
+                      help="compressed Adam's exact steps before the variance is frozen")
+  parser.add_argument("--adam-variance-every", type=int, default=10,
+                      help="compressed Adam's exact variance refresh interval (0: frozen)")
   parser.add_argument("--seeds", type=int, default=1, help="average over this many inits")
   parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
   args = parser.parse_args(argv)
@@ -182,7 +188,7 @@ def main(argv=None) -> int:
   print(f"digits MLP, 8 members, {args.steps} full-batch steps; top-k: 1% of "
         f"{args.chunk_size}-value chunks; accuracy on 357 test images (%)", flush=True)
   rows = run(optimizers, codecs, args.steps, args.chunk_size, args.warmup_steps,
-             args.adam_warmup, args.seeds)
+             args.adam_warmup, args.adam_variance_every, args.seeds)
   cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
   for c in codecs:
     cols += [(f"{c} EF", f"{c} EF", ".2f"), (f"{c} no EF", f"{c} no EF", ".2f"),
@@ -191,7 +197,8 @@ def main(argv=None) -> int:
   path = common.write_json("convergence", {
       "benchmark": "convergence", "task": "digits-mlp", "steps": args.steps,
       "chunk_size": args.chunk_size, "warmup_steps": args.warmup_steps,
-      "adam_warmup": args.adam_warmup, "seeds": args.seeds, "rows": rows,
+      "adam_warmup": args.adam_warmup, "adam_variance_every": args.adam_variance_every,
+      "seeds": args.seeds, "rows": rows,
       "machine": common.machine()}, args.out)
   print(f"wrote {path}")
   return 0

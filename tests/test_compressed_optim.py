@@ -1,0 +1,209 @@
+"""Momentum correction and compressed Adam (jaxring._src.optim) against float64 references.
+
+Momentum correction keeps momentum SGD's bookkeeping exact whatever the codec: after T steps,
+
+  sum_t applied_t + mean_i (r_i + c u_i) = sum_t mean_i g_i(t) / (1 - m),
+
+with c = m / (1 - m) (Nesterov: m^2 / (1 - m)): every gradient is applied with momentum SGD's total
+weight 1 / (1 - m), now, later, or still pending in a residual r_i or a velocity u_i. That holds
+only if the errors, the momentum flush and the masking are each counted exactly once.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from jaxring import codecs
+
+AUTO = jax.sharding.AxisType.Auto
+MESH = jax.make_mesh((8,), ("d",), axis_types=(AUTO,))
+
+
+def gradients(seed, steps, n):
+  rng = np.random.RandomState(seed)
+  g = rng.randn(steps, 8, n) * np.exp(rng.randn(1, 1, n)) + 0.3
+  return jnp.asarray(g, jnp.float32)
+
+
+def run(tx, grads, *, state_out=True):
+  """Feeds grads[t, i] to member i; returns (applied [T, n] as member 0 saw them, final state with
+  a leading member axis)."""
+  n = grads.shape[-1]
+
+  def body(g):
+    state = tx.init(jnp.zeros(n))
+
+    def step(state, gt):
+      upd, state = tx.update(gt, state)
+      return state, upd
+
+    state, applied = lax.scan(step, state, g[:, 0])
+    return applied[None], jax.tree.map(lambda v: v[None], state)
+
+  f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P(None, "d"), out_specs=(P("d"), P("d"))))
+  applied, state = f(grads)
+  applied = np.asarray(applied, np.float64)
+  for member in applied[1:]:
+    np.testing.assert_array_equal(member, applied[0])
+  return applied[0], state
+
+
+CODECS = {
+    "none": None,
+    "int8": codecs.int8(),
+    "bf16": codecs.bf16(),
+    "topk": codecs.topk_chunks(0.05, 32),
+    "topk+int8": codecs.topk_chunks(0.1, 64, inner=codecs.int8(64)),
+}
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
+@pytest.mark.parametrize("name", list(CODECS))
+def test_every_gradient_gets_momentum_sgds_total_weight(name, nesterov):
+  m, steps, n = 0.9, 30, 1500
+  g = gradients(0, steps, n)
+  tx = jaxring.momentum_correction("d", algorithm="ring", compression=CODECS[name], momentum=m,
+                                   nesterov=nesterov)
+  applied, state = run(tx, g)
+  c = (m * m if nesterov else m) / (1 - m)
+  pending = (np.asarray(state.residual, np.float64) + c * np.asarray(state.velocity, np.float64))
+  true = np.asarray(g, np.float64).mean(1).sum(0) / (1 - m)
+  scale = np.abs(true).max()
+  np.testing.assert_allclose(applied.sum(0) + pending.mean(0), true, rtol=0, atol=scale * 2e-5)
+  if CODECS[name] is not None:  # compression held something back, which the state carried
+    assert np.abs(pending.mean(0)).max() > 1e-2 * scale
+  assert int(np.asarray(state.count)[0]) == steps
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
+def test_uncompressed_it_is_momentum_sgd(nesterov):
+  m, steps, n = 0.9, 12, 300
+  g = gradients(1, steps, n)
+  applied, _ = run(jaxring.momentum_correction("d", momentum=m, nesterov=nesterov), g)
+  u = np.zeros(n)
+  for t, gt in enumerate(np.asarray(g, np.float64).mean(1)):
+    u = m * u + gt
+    want = gt + m * u if nesterov else u
+    np.testing.assert_allclose(applied[t], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_density_warms_up_by_factors_of_4():
+  n, cs = 6400, 16                       # 400 chunks: 100, 25, 7, then 4 (1%) sent
+  codec = codecs.topk_chunks(0.01, cs)
+  tx = jaxring.momentum_correction("d", algorithm="ring", compression=codec, warmup_steps=30)
+  applied, _ = run(tx, gradients(2, 40, n))
+  sent = (np.abs(applied.reshape(40, -1, cs)).max(2) > 0).sum(1)
+  np.testing.assert_array_equal(sent[[0, 9, 10, 19, 20, 29, 30, 39]],
+                                [100, 100, 25, 25, 7, 7, 4, 4])
+
+
+def test_local_clipping_bounds_each_members_gradient():
+  n = 256
+  g = gradients(3, 1, n) * 100
+  applied, _ = run(jaxring.momentum_correction("d", momentum=0.0, clip_norm=1.0), g)
+  gl = np.asarray(g[0], np.float64)
+  limit = 1.0 / np.sqrt(8)
+  want = (gl * np.minimum(1, limit / np.linalg.norm(gl, axis=1))[:, None]).mean(0)
+  np.testing.assert_allclose(applied[0], want, rtol=1e-5, atol=1e-7)
+
+
+def test_state_resumes_bit_for_bit_from_an_orbax_checkpoint(tmp_path):
+  n, steps = 2000, 8
+  g = gradients(4, steps, n)
+  tx = jaxring.momentum_correction("d", algorithm="ring", compression=codecs.topk_chunks(0.02, 32),
+                                   nesterov=True, warmup_steps=4)
+
+  def init(params):
+    return jax.tree.map(lambda v: v[None], tx.init(params))
+
+  def train(params, state, gs):
+    state = jax.tree.map(lambda v: v[0], state)
+    params = lax.pcast(params, "d", to="varying")
+
+    def step(carry, gt):
+      params, state = carry
+      upd, state = tx.update(gt, state, params)
+      return (optax.apply_updates(params, upd), state), None
+
+    (params, state), _ = lax.scan(step, (params, state), gs[:, 0])
+    return params[None], jax.tree.map(lambda v: v[None], state)
+
+  init_f = jax.jit(jax.shard_map(init, mesh=MESH, in_specs=P(), out_specs=P("d")))
+  train_f = jax.jit(jax.shard_map(train, mesh=MESH, in_specs=(P(), P("d"), P(None, "d")),
+                                  out_specs=(P("d"), P("d"))))
+  params = jnp.zeros(n)
+  straight = train_f(params, init_f(params), g)
+  p_mid, mid = train_f(params, init_f(params), g[:5])
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "mid", {"params": p_mid, "opt": mid})
+  with ocp.StandardCheckpointer() as ckpt:
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": p_mid, "opt": mid})
+    restored = ckpt.restore(tmp_path / "mid", abstract)
+  assert isinstance(restored["opt"], jaxring.MomentumCorrectionState)
+  resumed = train_f(restored["params"][0], restored["opt"], g[5:])
+  for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _adam_reference(gmean, b1, b2, eps):
+  mu, nu, out = 0.0, 0.0, []
+  for t, gt in enumerate(gmean, 1):
+    mu = b1 * mu + (1 - b1) * gt
+    nu = b2 * nu + (1 - b2) * gt * gt
+    out.append(mu / (1 - b1 ** t) / (np.sqrt(nu / (1 - b2 ** t)) + eps))
+  return np.asarray(out), mu, nu
+
+
+@pytest.mark.parametrize("name", ["none", "topk"])
+def test_compressed_adam_is_adam_then_keeps_the_frozen_preconditioned_total(name):
+  b1, b2, eps, warm, steps, n = 0.9, 0.999, 1e-8, 5, 25, 1500
+  g = gradients(5, steps, n)
+  gmean = np.asarray(g, np.float64).mean(1)
+  tx = jaxring.compressed_adam("d", algorithm="ring", compression=CODECS[name], warmup_steps=warm)
+  applied, state = run(tx, g)
+  want, mu, nu = _adam_reference(gmean[:warm], b1, b2, eps)
+  np.testing.assert_allclose(applied[:warm], want, rtol=2e-4, atol=2e-4)   # exact Adam
+  # afterwards: sum of updates + pending = b1/(1-b1) u0 + sum_t g_t pre (frozen pre)
+  pre = 1 / (np.sqrt(nu / (1 - b2 ** warm)) + eps)
+  c = b1 / (1 - b1)
+  pending = np.asarray(state.residual, np.float64) + c * np.asarray(state.velocity, np.float64)
+  true = c * mu / (1 - b1 ** warm) * pre + gmean[warm:].sum(0) * pre
+  np.testing.assert_allclose(applied[warm:].sum(0) + pending.mean(0), true, rtol=2e-4,
+                             atol=2e-4 * np.abs(true).max())
+  if name == "none":  # nothing pending after an exact reduction but the velocity's tail
+    np.testing.assert_allclose(np.asarray(state.residual), 0, atol=1e-6 * np.abs(true).max())
+
+
+def test_compressed_optimizer_picks_the_supported_composition():
+  params = jnp.zeros(64)
+  topk = codecs.topk_chunks(0.01)
+
+  def state_types(tx):
+    return {type(s).__name__ for s in jax.tree.leaves(
+        jax.eval_shape(tx.init, params), is_leaf=lambda s: isinstance(s, tuple) and hasattr(
+            s, "_fields"))}
+
+  assert "MomentumCorrectionState" in state_types(
+      jaxring.compressed_optimizer("nesterov", 0.1, "d", compression=topk))
+  assert "CompressedAdamState" in state_types(
+      jaxring.compressed_optimizer("adamw", 1e-3, "d", compression=topk, weight_decay=1e-4))
+  dense = state_types(jaxring.compressed_optimizer("momentum", 0.1, "d",
+                                                   compression=codecs.int8()))
+  assert "TraceState" in dense and "ReduceGradientsState" in dense
+  with pytest.raises(ValueError, match="unknown optimizer"):
+    jaxring.compressed_optimizer("lion", 0.1, "d")
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="momentum must be in"):
+    jaxring.momentum_correction("d", momentum=1.0)
+  with pytest.raises(ValueError, match="masking must be one of"):
+    jaxring.momentum_correction("d", masking="half")
+  with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
+    jaxring.compressed_adam("d", warmup_steps=0)
