@@ -276,14 +276,19 @@ def test_dali_is_an_optional_extra():
 
 # --- jaxring bench data -------------------------------------------------------------------------
 
+@needs_turbo
 def test_bench_data_rows_and_json(tmp_path, capsys):
   from jaxring._src.tools.bench import data as bench_data
   bench_data.main(["--source-size", "64", "--files", "16", "--batch-size", "8", "--batches", "1",
                    "--workers", "1,2", "--worker-types", "thread", "--decoders", "pil",
-                   "--image-sizes", "32", "--gpu-rate", "1e9", "--out-dir", str(tmp_path)])
+                   "--image-sizes", "32", "--gpu-rate", "1e9", "--stages",
+                   "--out-dir", str(tmp_path)])
   out = capsys.readouterr().out
   (path,) = glob.glob(str(tmp_path / "data-*.json"))
-  rows = json.loads(open(path).read())["rows"]
+  result = json.loads(open(path).read())
+  rows = result["rows"]
+  stages = {r["stage"]: r["cpu_ms_per_image"] for r in result["stages"]}
+  assert stages["simplejpeg decode 1/8"] > 0 and "OpenCV bilinear crop->32" in stages
   assert [(r["transform"], r["workers"]) for r in rows] == [("train", 1), ("train", 2),
                                                              ("eval", 1), ("eval", 2)]
   assert all(r["images_per_s"] > 0 and r["cpu_ms_per_image"] > 0 for r in rows)

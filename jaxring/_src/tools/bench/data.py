@@ -14,8 +14,11 @@ With ``--gpu-rate`` (the images/s the accelerator trains at, e.g. from ``jaxring
 each row also says whether the pipeline keeps up: "input-bound by X" is how many times slower
 than the accelerator it is.
 
+``--stages`` also times, on one thread, each stage the decoders are built from (reading a file,
+libjpeg-turbo decoding at each scale, PIL's decode, OpenCV's and PIL's resize of the crop).
+
 Example:
-  $ jaxring bench data --image-sizes 224 --workers 1,2 --decoders turbo,pil
+  $ jaxring bench data --image-sizes 224 --workers 1,2 --decoders turbo,pil --stages
   $ jaxring bench data --workers 1,8,16 --gpu-rate 6150     # on a 16-core GPU host
 """
 from __future__ import annotations
@@ -102,6 +105,54 @@ def _dataset(args, tmp: str):
   return ImageFolder(tmp, "train")
 
 
+def stage_costs(paths: list[str], image_size: int) -> list[dict]:
+  """Single-threaded CPU ms per image of each stage the decoders are made of, on ``paths``."""
+  import io
+
+  import cv2
+  import simplejpeg
+  from PIL import Image
+
+  datas = [pathlib.Path(p).read_bytes() for p in paths]
+  heights = [simplejpeg.decode_jpeg_header(d)[:2] for d in datas]
+  pixels = [simplejpeg.decode_jpeg(d, "RGB") for d in datas]
+  out = np.empty((image_size, image_size, 3), np.uint8)
+
+  def crop(a):  # the eval crop: 87.5% of the shorter side, centered
+    side = int(0.875 * min(a.shape[:2]))
+    y, x = (a.shape[0] - side) // 2, (a.shape[1] - side) // 2
+    return a[y:y + side, x:x + side]
+
+  def scaled(num: int):
+    return lambda i: simplejpeg.decode_jpeg(
+        datas[i], "RGB", min_height=-(-heights[i][0] * num // 8),
+        min_width=-(-heights[i][1] * num // 8))
+
+  stages = {
+      "read file": lambda i: pathlib.Path(paths[i]).read_bytes(),
+      "simplejpeg decode 1/1": scaled(8),
+      "simplejpeg decode 7/8": scaled(7),
+      "simplejpeg decode 6/8": scaled(6),
+      "simplejpeg decode 1/2": scaled(4),
+      "simplejpeg decode 1/8": scaled(1),
+      "PIL decode 1/1": lambda i: Image.open(io.BytesIO(datas[i])).load(),
+      f"OpenCV bilinear crop->{image_size}": lambda i: cv2.resize(
+          crop(pixels[i]), (image_size, image_size), dst=out, interpolation=cv2.INTER_LINEAR),
+      f"OpenCV area crop->{image_size}": lambda i: cv2.resize(
+          crop(pixels[i]), (image_size, image_size), dst=out, interpolation=cv2.INTER_AREA),
+      f"PIL antialiased bilinear crop->{image_size}": lambda i: Image.fromarray(
+          crop(pixels[i])).resize((image_size, image_size), Image.Resampling.BILINEAR),
+  }
+  rows = []
+  for name, fn in stages.items():
+    fn(0)
+    start = time.thread_time()
+    for i in range(len(datas)):
+      fn(i)
+    rows.append({"stage": name, "cpu_ms_per_image": 1e3 * (time.thread_time() - start) / len(datas)})
+  return rows
+
+
 def _ints(text: str) -> list[int]:
   return [int(t) for t in text.split(",") if t]
 
@@ -122,9 +173,11 @@ def main(argv=None) -> int:
   ap.add_argument("--batches", type=int, default=8)
   ap.add_argument("--gpu-rate", type=float, default=None,
                   help="the accelerator's training images/s: say whether the pipeline keeps up")
+  ap.add_argument("--stages", action="store_true",
+                  help="also time each stage (decode at each scale, resize) on one thread")
   ap.add_argument("--out-dir", default=None)
   args = ap.parse_args(argv)
-  rows = []
+  rows, stages = [], []
   with tempfile.TemporaryDirectory(prefix="jaxring-bench-data-") as tmp:
     ds = _dataset(args, tmp)
     sizes = [os.path.getsize(p) for p in ds.paths]
@@ -144,14 +197,20 @@ def main(argv=None) -> int:
               print(f"  {rows[-1]['transform']} {image_size} {rows[-1]['decoder']} "
                     f"{worker_type} x{workers}: {rows[-1]['images_per_s']:.0f} images/s",
                     file=sys.stderr, flush=True)
+    if args.stages:
+      stages = stage_costs(ds.paths, _ints(args.image_sizes)[-1])
   _add_comparisons(rows, args.gpu_rate)
   common.print_table(rows, COLUMNS)
+  if stages:
+    print(f"\nper stage, one thread ({len(ds)} files):")
+    common.print_table(stages, (("stage", "stage", "s"), ("cpu_ms_per_image", "CPU ms/image",
+                                                         ".3f")))
   machine = common.machine()
   if args.gpu_rate is None and any("cuda" in d.lower() or "gpu" in d.lower()
                                    for d in machine["devices"]):
     print("a GPU is present: --gpu-rate <its training images/s> says whether this keeps up")
   path = common.write_json("data", {
-      "rows": rows, "files": len(ds), "mean_file_bytes": float(np.mean(sizes)),
+      "rows": rows, "stages": stages, "files": len(ds), "mean_file_bytes": float(np.mean(sizes)),
       "source_size": None if args.data_dir else args.source_size, "cpus": cpus,
       "batch_size": args.batch_size, "batches": args.batches, "gpu_rate": args.gpu_rate,
       "machine": machine}, args.out_dir)
