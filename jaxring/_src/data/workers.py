@@ -143,8 +143,9 @@ class _SharedArray:
   def __init__(self, shape, dtype, path: str | None = None):
     self.owner = path is None
     if path is None:
-      folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-      path = os.path.join(folder, f"jaxring-data-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+      nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+      path = os.path.join(_shared_folder(nbytes),
+                          f"jaxring-data-{os.getpid()}-{uuid.uuid4().hex[:12]}")
       np.lib.format.open_memmap(path, "w+", np.dtype(dtype), tuple(shape)).flush()
       self._finalizer = weakref.finalize(self, _unlink, path)
     self.path = path
@@ -153,6 +154,18 @@ class _SharedArray:
   def unlink(self) -> None:
     if self.owner:
       self._finalizer()
+
+
+def _shared_folder(nbytes: int) -> str:
+  """/dev/shm where it has room (a container's is often 64 MiB, and a process touching a page of
+  a full tmpfs dies of SIGBUS), else the temporary folder (the page cache holds it)."""
+  try:
+    stat = os.statvfs("/dev/shm")
+    if stat.f_bavail * stat.f_frsize > nbytes + (64 << 20):
+      return "/dev/shm"
+  except OSError:
+    pass
+  return tempfile.gettempdir()
 
 
 def _unlink(path: str) -> None:
