@@ -120,23 +120,25 @@ def odd_root(tmp_path_factory):
   (folder / "truncated.JPEG").write_bytes(good[:len(good) // 2])
   (folder / "empty.JPEG").write_bytes(b"")
   (folder / "noise.JPEG").write_bytes(b"\xff\xd8" + np.random.default_rng(0).bytes(3000))
+  sof = good.index(b"\xff\xc0") + 5  # baseline frame header: length, precision, then H, W
+  (folder / "bomb.JPEG").write_bytes(good[:sof] + (60000).to_bytes(2, "big") * 2 + good[sof + 4:])
   return root
 
 
-BAD = {"truncated.JPEG", "empty.JPEG", "noise.JPEG"}
+BAD = {"truncated.JPEG", "empty.JPEG", "noise.JPEG", "bomb.JPEG"}
 
 
 @pytest.mark.parametrize("decoder", ["auto", "pil"])
 def test_odd_files_decode_or_are_logged_and_skipped(odd_root, decoder, caplog):
   ds = ImageFolder(odd_root, "train")
-  assert len(ds) == 14
+  assert len(ds) == 15
   caplog.set_level(logging.WARNING, logger="jaxring._src.data.loader")
-  with ImageLoader(ds, 14, train=False, image_size=32, drop_remainder=False, num_workers=2,
+  with ImageLoader(ds, 15, train=False, image_size=32, drop_remainder=False, num_workers=2,
                    process_index=0, process_count=1, decoder=decoder) as ev:
     batch = next(ev)
     names = [os.path.basename(ds.paths[i]) for i in ev.example_indices(0, 0)]
   masked_out = {n for n, keep in zip(names, batch["mask"]) if not keep}
-  assert masked_out == BAD and ev.corrupt_count == 3
+  assert masked_out == BAD and ev.corrupt_count == 4
   logged = " ".join(r.getMessage() for r in caplog.records)
   assert all(name in logged for name in BAD)
   image = dict(zip(names, batch["image"]))
@@ -147,19 +149,19 @@ def test_odd_files_decode_or_are_logged_and_skipped(odd_root, decoder, caplog):
 
 def test_odd_files_in_training_refill_the_batch(odd_root):
   ds = ImageFolder(odd_root, "train")
-  with ImageLoader(ds, 14, train=True, image_size=32, num_workers=2, process_index=0,
+  with ImageLoader(ds, 15, train=True, image_size=32, num_workers=2, process_index=0,
                    process_count=1) as tr:
     batch = next(tr)  # every slot filled: the bad files' slots from the next readable examples
-    assert tr.corrupt_count == 3
-  assert batch["image"].reshape(14, -1).max(axis=1).min() > 0
+    assert tr.corrupt_count == 4
+  assert batch["image"].reshape(15, -1).max(axis=1).min() > 0
 
 
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_odd_file_raises_naming_it(odd_root, worker_type):
   ds = ImageFolder(odd_root, "train")
-  with ImageLoader(ds, 14, train=False, image_size=32, on_corrupt="raise", num_workers=2,
+  with ImageLoader(ds, 15, train=False, image_size=32, on_corrupt="raise", num_workers=2,
                    process_index=0, process_count=1, worker_type=worker_type) as ev:
-    with pytest.raises(CorruptImageError, match=r"(truncated|empty|noise)\.JPEG"):
+    with pytest.raises(CorruptImageError, match=r"(truncated|empty|noise|bomb)\.JPEG"):
       next(ev)
 
 

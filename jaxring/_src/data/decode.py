@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from PIL import Image
 
 from jaxring._src.data.transforms import (CorruptImageError, center_crop_box, load_image,
                                           random_resized_crop_box)
@@ -41,6 +42,7 @@ else:
   _IMPORT_ERROR = None
 
 DECODERS = ("auto", "turbo", "pil")
+_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 1 << 62
 _JPEG_SOI = b"\xff\xd8"
 _SCALES = (8, 4, 2, 1)  # denominators of the libjpeg scales worth using, largest first
 
@@ -140,8 +142,8 @@ class TurboDecoder:
       height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
       return False
-    if colorspace in ("CMYK", "YCCK") or width <= 0 or height <= 0:
-      return False
+    if colorspace in ("CMYK", "YCCK") or not 0 < width * height <= _MAX_PIXELS:
+      return False  # PIL: Adobe's CMYK convention; a decompression bomb is refused there
     if train:
       rng = np.random.default_rng(seed)
       box = random_resized_crop_box(width, height, rng)
