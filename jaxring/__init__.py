@@ -4,6 +4,7 @@ Drop-ins for ``jax.lax`` collectives inside ``shard_map``/``pmap`` with algorith
 ``ring``, ``hierarchical`` (BlueConnect) and ``auto``; codecs that keep the bandwidth-optimal ring.
 """
 from jaxring import codecs as codecs
+from jaxring._src.calibrate import calibrate as calibrate
 from jaxring._src.collectives import all_gather as all_gather
 from jaxring._src.collectives import pmean as pmean
 from jaxring._src.collectives import psum as psum

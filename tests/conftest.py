@@ -2,6 +2,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `auto` reads calibrated profiles from the cache: tests must not see the developer's own
+os.environ["JAXRING_CACHE_DIR"] = os.path.join(
+    __import__("tempfile").mkdtemp(prefix="jaxring-test-cache-"), "jaxring")
+os.environ.pop("JAXRING_PROFILE", None)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 

@@ -12,7 +12,17 @@ Sources:
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
 from collections.abc import Sequence
+
+import numpy as np
 
 from jaxring._src.topology import Level
 
@@ -70,3 +80,144 @@ def native_all_reduce(n: float, levels: Sequence[Level]) -> float:
 def link_bound(n: float, p: int, bw: float, ratio: float = 1.0) -> float:
   """The link-rate lower bound of an all-reduce: 2(p-1)/p * n * ratio / bw."""
   return 0.0 if p <= 1 else 2 * (p - 1) / p * n * ratio / bw
+
+
+# --- measured profiles ----------------------------------------------------------------------------
+#
+# The alpha-beta formulas above describe links; what a plan costs on a given machine also depends
+# on what the formulas leave out (XLA:CPU's buffer allocation, gloo's loopback between devices of
+# one process, encode/decode). On the emulated cluster (4 nodes x 2 devices, 1 Gbit/s, 32 MiB) the
+# formulas said "hierarchical" where it took 1.41x gloo's psum. ``auto`` therefore trusts a
+# profile measured on the mesh (``jaxring calibrate``): a line t(n) = alpha + beta * n fitted per
+# plan (algorithm x codecs) from timed calls, and without one it keeps the native collective for
+# lossless reductions.
+
+ENV_PROFILE = "JAXRING_PROFILE"          # a profile file to use, or "off"
+ENV_CACHE_DIR = "JAXRING_CACHE_DIR"      # where calibrated profiles are kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """One plan's measured cost line: ``seconds = alpha + beta * bytes`` (bytes per member)."""
+  algorithm: str
+  codecs: tuple[str, ...]                # repr of each level's codec, fast -> slow
+  alpha: float
+  beta: float
+  sizes: tuple[int, ...] = ()            # the measured points the line was fitted to
+  seconds: tuple[float, ...] = ()
+
+  def predict(self, nbytes: float) -> float:
+    return self.alpha + self.beta * nbytes
+
+  @classmethod
+  def from_points(cls, algorithm: str, codecs, sizes, seconds) -> Fit:
+    """Least-squares line through the points (alpha, beta >= 0)."""
+    x, y = np.asarray(sizes, np.float64), np.asarray(seconds, np.float64)
+    if len(x) == 1:
+      beta, alpha = float(y[0] / x[0]), 0.0
+    else:
+      beta, alpha = (float(v) for v in np.polyfit(x, y, 1))
+      if beta < 0:                       # noise on flat timings: a constant cost
+        beta, alpha = 0.0, float(np.median(y))
+      elif alpha < 0:                    # through the origin instead
+        beta, alpha = float(np.dot(x, y) / np.dot(x, x)), 0.0
+    return cls(algorithm, tuple(codecs), alpha, beta, tuple(int(s) for s in sizes),
+               tuple(float(t) for t in seconds))
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """Measured costs of the plans over one set of axes on one machine (see ``key``)."""
+  key: dict
+  fits: tuple[Fit, ...]
+  created: str = ""
+
+  def fit(self, algorithm: str, codecs: Sequence[str]) -> Fit | None:
+    for f in self.fits:
+      if f.algorithm == algorithm and f.codecs == tuple(codecs):
+        return f
+    return None
+
+  def to_json(self) -> str:
+    return json.dumps({"key": self.key, "created": self.created,
+                       "fits": [dataclasses.asdict(f) for f in self.fits]}, indent=1)
+
+  @classmethod
+  def from_json(cls, text: str) -> Profile:
+    d = json.loads(text)
+    fits = tuple(Fit(f["algorithm"], tuple(f["codecs"]), float(f["alpha"]), float(f["beta"]),
+                     tuple(f.get("sizes", ())), tuple(f.get("seconds", ()))) for f in d["fits"])
+    return cls(d["key"], fits, d.get("created", ""))
+
+
+def profile_key(axes, sizes, transport: str, processes: int, platform: str) -> dict:
+  """What a profile is valid for: the axes and their sizes, transport, processes, platform,
+  jaxring's version."""
+  try:
+    version = importlib.metadata.version("jaxring")
+  except importlib.metadata.PackageNotFoundError:
+    version = "unknown"
+  return {"axes": [str(a) for a in axes], "sizes": [int(s) for s in sizes],
+          "transport": transport, "processes": int(processes), "platform": platform,
+          "jaxring": version}
+
+
+def cache_dir() -> pathlib.Path:
+  base = os.environ.get(ENV_CACHE_DIR) or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxring")
+  return pathlib.Path(base) / "profiles"
+
+
+def profile_path(key: dict) -> pathlib.Path:
+  digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+  return cache_dir() / f"{digest}.json"
+
+
+def save_profile(profile: Profile) -> pathlib.Path:
+  """Writes the profile where :func:`find_profile` looks (atomically) and returns the path."""
+  path = profile_path(profile.key)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(f".tmp{os.getpid()}")
+  tmp.write_text(profile.to_json())
+  os.replace(tmp, path)
+  _read_profile.cache_clear()
+  return path
+
+
+_active: list[Profile] = []
+
+
+@contextlib.contextmanager
+def use_profile(profile: Profile | None):
+  """Makes ``profile`` the one ``auto`` reads in this block (None: no profile at all)."""
+  _active.append(profile)
+  try:
+    yield profile
+  finally:
+    _active.pop()
+
+
+@functools.lru_cache(maxsize=64)
+def _read_profile(path: str) -> Profile | None:
+  try:
+    return Profile.from_json(pathlib.Path(path).read_text())
+  except FileNotFoundError:
+    return None
+
+
+def find_profile(key: dict) -> Profile | None:
+  """The profile ``auto`` uses for ``key``: :func:`use_profile`'s, else ``JAXRING_PROFILE``'s
+  file, else the calibrated one in :func:`cache_dir`; None if there is none or it is for other
+  axes."""
+  if _active:
+    profile = _active[-1]
+  else:
+    env = os.environ.get(ENV_PROFILE, "")
+    if env.lower() in ("off", "0", "none"):
+      return None
+    profile = _read_profile(env or str(profile_path(key)))
+  if profile is None:
+    return None
+  mine = {k: v for k, v in profile.key.items() if k != "jaxring"}
+  want = {k: v for k, v in key.items() if k != "jaxring"}
+  return profile if mine == want else None

@@ -1,8 +1,9 @@
 """Turns (axes, message size, topology, codec, algorithm) into a plan: which algorithm, which groups.
 
-``auto`` reads the alpha-beta model (jaxring._src.cost_model) for the levels the axes span. On one
-host every level is in-process and the native collective is one fused operation, so ``auto`` picks
-``xla`` there unless a lossy codec is asked for (the native collectives cannot compress).
+``auto`` picks the plan a measured profile of these axes says is fastest (``jaxring calibrate``,
+jaxring._src.cost_model.find_profile). Without one it keeps the native collective for lossless
+reductions (the only choice that is never slower than the user's ``lax.psum``), and for a lossy
+codec the ring, hierarchical over several levels (the native collectives cannot compress).
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def levels_for(axes: tuple, sizes: tuple[int, ...], order: tuple | None = None):
   return [g], _level_params((str(axes[0]),), (total,)), [1]
 
 
-def _codec_for(compression, level_name: str, dtype) -> Codec:
+def codec_for(compression, level_name: str, dtype) -> Codec:
   if isinstance(compression, dict):
     return for_dtype(compression.get(level_name), dtype)
   return for_dtype(compression, dtype)
@@ -122,7 +123,7 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
     if unknown:
       raise ValueError(f"{what} names levels {sorted(map(str, unknown))} that are not among the "
                        f"levels {[g.name for g in groups]} of axes {axes}")
-  codecs = [_codec_for(compression, g.name, dtype) for g in groups]
+  codecs = [codec_for(compression, g.name, dtype) for g in groups]
   lossy = any(c.lossy for c in codecs)
   kind = algorithm if isinstance(algorithm, str) else "hierarchical"
   if kind == "xla":
@@ -131,7 +132,9 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
                        "algorithm='ring', 'hierarchical' or 'auto' with compression")
     return Plan("xla", transport=transport)
   if kind == "auto":
-    kind = _auto(nbytes, levels, codecs, lossy)
+    key = cost_model.profile_key(axes, sizes, transport.name, jax.process_count(),
+                                 jax.default_backend())
+    kind = choose(nbytes, len(groups), codecs, lossy, cost_model.find_profile(key))
   if kind == "xla":
     return Plan("xla", transport=transport)
   request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
@@ -139,12 +142,24 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
   return base.get(kind).plan(request)
 
 
-def _auto(nbytes: int, levels, codecs, lossy: bool) -> str:
+def codec_key(codecs) -> tuple[str, ...]:
+  """How a profile names the codecs of a plan's levels."""
+  return tuple(repr(c) for c in codecs)
+
+
+def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile) -> str:
+  """``xla`` or an algorithm's name: the fastest by the profile; without a measurement, the
+  native collective for a lossless reduction, else the ring (hierarchical over several levels).
+
+  The alpha-beta formulas alone are not trusted to beat the native collective: on the emulated
+  cluster they chose hierarchical at 1.41x gloo's time (docs/design.md, "Planner").
+  """
+  candidates = (("ring", "hierarchical") if lossy else ("xla", "ring", "hierarchical"))
+  if profile is not None:
+    key = codecs if isinstance(codecs[0], str) else codec_key(codecs)
+    fits = [f for a in candidates if (f := profile.fit(a, key)) is not None]
+    if fits:
+      return min(fits, key=lambda f: f.predict(nbytes)).algorithm
   if lossy:
-    return "hierarchical" if len(levels) > 1 else "ring"
-  native = cost_model.native_all_reduce(nbytes, levels)
-  if len(levels) > 1:
-    ratios = [c.compression_ratio() for c in codecs]
-    if cost_model.hierarchical_all_reduce(nbytes, levels, ratios) < native:
-      return "hierarchical"
+    return "hierarchical" if num_levels > 1 else "ring"
   return "xla"

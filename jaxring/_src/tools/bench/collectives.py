@@ -14,15 +14,6 @@ from jaxring._src.tools.bench import common
 DEFAULT_ALGOS = ("lax.psum", "xla", "ring", "hierarchical", "auto")
 
 
-def _parse_size(s: str) -> int:
-  s = s.strip().upper()
-  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-  for suffix in ("KIB", "MIB", "GIB", "KB", "MB", "GB", "K", "M", "G"):
-    if s.endswith(suffix):
-      return int(float(s[: -len(suffix)]) * mult[suffix[0]])
-  return int(s)
-
-
 def _codec(spec: str):
   from jaxring import codecs
   try:
@@ -138,10 +129,10 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   common.set_cpu_devices(args.devices)
   if args.sizes:
-    sizes = [_parse_size(s) for s in args.sizes.split(",")]
+    sizes = [common.parse_size(s) for s in args.sizes.split(",")]
   else:
-    sizes, s = [], _parse_size(args.min_size)
-    while s <= _parse_size(args.max_size):
+    sizes, s = [], common.parse_size(args.min_size)
+    while s <= common.parse_size(args.max_size):
       sizes.append(s)
       s *= args.factor
   mesh_shape = tuple(int(v) for v in args.mesh.split("x")) if args.mesh else (args.devices,)

@@ -40,6 +40,21 @@ def _block(out):
   jax.block_until_ready(out)
 
 
+def parse_size(s: str) -> int:
+  """``"64KiB"``, ``"1M"``, ``"4096"`` -> bytes.
+
+  Example:
+    >>> parse_size("1MiB"), parse_size("64k"), parse_size("512")
+    (1048576, 65536, 512)
+  """
+  s = s.strip().upper()
+  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+  for suffix in ("KIB", "MIB", "GIB", "KB", "MB", "GB", "K", "M", "G"):
+    if s.endswith(suffix):
+      return int(float(s[: -len(suffix)]) * mult[suffix[0]])
+  return int(s)
+
+
 def fmt_bytes(n: float) -> str:
   for unit in ("B", "KiB", "MiB", "GiB"):
     if n < 1024 or unit == "GiB":
