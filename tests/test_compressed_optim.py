@@ -169,11 +169,13 @@ def test_compressed_adam_is_adam_then_keeps_the_frozen_preconditioned_total(name
   applied, state = run(tx, g)
   want, mu, nu = _adam_reference(gmean[:warm], b1, b2, eps)
   np.testing.assert_allclose(applied[:warm], want, rtol=2e-4, atol=2e-4)   # exact Adam
-  # afterwards: sum of updates + pending = b1/(1-b1) u0 + sum_t g_t pre (frozen pre)
+  # afterwards: sum of updates + pending = (b1/(1-b1) u0 + sum_t g_t) pre (frozen pre; the
+  # velocity and residual are in gradient units, u0 the bias-corrected first moment)
   pre = 1 / (np.sqrt(nu / (1 - b2 ** warm)) + eps)
   c = b1 / (1 - b1)
-  pending = np.asarray(state.residual, np.float64) + c * np.asarray(state.velocity, np.float64)
-  true = c * mu / (1 - b1 ** warm) * pre + gmean[warm:].sum(0) * pre
+  pending = (np.asarray(state.residual, np.float64)
+             + c * np.asarray(state.velocity, np.float64)) * pre
+  true = (c * mu / (1 - b1 ** warm) + gmean[warm:].sum(0)) * pre
   np.testing.assert_allclose(applied[warm:].sum(0) + pending.mean(0), true, rtol=2e-4,
                              atol=2e-4 * np.abs(true).max())
   if name == "none":  # nothing pending after an exact reduction but the velocity's tail

@@ -1,19 +1,25 @@
 """Adam over compressed gradients: an exact warm-up, then frozen variance and compressed momentum.
 
 Adam's second moment is a nonlinear function of the gradient: fed the bursts that top-k with
-error feedback releases, it blows up where they land and the step shrinks there (measured: top-k
-1% + EF before ``optax.adam`` is ~5 points behind on digits, no better than without feedback).
+error feedback releases, it blows up where they land and the step shrinks there (measured on
+digits: top-k 1% + EF before ``optax.adam`` 80.7% against 97.8% uncompressed).
 1-bit Adam (Tang et al. 2021) observes that the variance settles early and that with it frozen
 Adam is momentum SGD with a fixed per-coordinate preconditioner, which *is* linear, so error
 feedback and momentum correction apply:
 
 * steps ``< warmup_steps``: exact (uncompressed) all-reduce, plain Adam; the moments are
   identical on every member;
-* afterwards: ``nu`` frozen; each member preconditions its own gradient,
-  ``u_i <- b1 u_i + (1 - b1) g_i / (sqrt(nu_hat) + eps)`` (starting from the shared momentum),
-  and sends ``u_i`` with error feedback and momentum masking, exactly as
-  :func:`jaxring.momentum_correction` does (its ``corrected_mean``); the averaged result is the
-  Adam direction.
+* afterwards: each member keeps its own first moment of its own gradient,
+  ``u_i <- b1 u_i + (1 - b1) g_i`` (starting from the shared, bias-corrected one), and sends it
+  with error feedback and momentum flush/masking exactly as :func:`jaxring.momentum_correction`
+  does (its ``corrected_mean``); the average is divided by ``sqrt(nu_hat) + eps``, identical on
+  every member. ``nu`` stays frozen, or (``variance_every``) is refreshed from an exact
+  all-reduce of the gradient every that many steps.
+
+The momentum is sent in gradient units, not preconditioned: top-k then picks the chunks whose
+gradient matters most, as it does for SGD, rather than nearly all alike (Adam's steps are all of
+about the learning rate). Measured on digits, top-k 1%: 96.3% against 95.1% preconditioned
+(Adam uncompressed 97.4%; means of 3 seeds).
 
 The warm-up costs uncompressed reductions (``warmup_steps`` of them); the rest run at the codec's
 size.
@@ -41,8 +47,8 @@ class CompressedAdamState(NamedTuple):
     count: updates applied (int32).
     mu: Adam's first moment during the warm-up (the same on every member).
     nu: Adam's second moment, frozen after the warm-up (the same on every member).
-    velocity: this member's preconditioned momentum after the warm-up.
-    residual: this member's accumulated, not yet sent, preconditioned momentum.
+    velocity: this member's first moment after the warm-up (gradient units).
+    residual: this member's accumulated, not yet sent, first moment (gradient units).
   """
 
   count: jax.Array
@@ -142,19 +148,14 @@ def compressed_adam(axis_name, *, compression=None, b1: float = 0.9, b2: float =
     def compressed(args):
       g, (mu, nu, vel, res) = args
       out, new_vel, new_res = {}, {}, {}
-      first = state.count == warm
-      old_t = (warm + (0 if not variance_every else
-                       variance_every * ((state.count - warm) // variance_every)))
       new_nu, new_t = refreshed(g, nu)
       for d, gd in g.items():
-        old_pre = 1.0 / (jnp.sqrt(nu[d] / (1 - b2 ** jnp.asarray(old_t, jnp.float32))) + eps)
         pre = 1.0 / (jnp.sqrt(new_nu[d] / (1 - b2 ** new_t)) + eps)
-        # the velocity and residual are in preconditioned units: carried over to the new ones
-        ratio = pre / old_pre
-        u = jnp.where(first, mu[d] / (1 - b1 ** warm) * pre, vel[d] * ratio)
-        out[d], new_vel[d], new_res[d] = corrected_mean(
-            u, (1 - b1) * gd * pre, res[d] * ratio, d, binding, algorithm, compression,
-            momentum=b1, nesterov=False, masking=masking)
+        u = jnp.where(state.count == warm, mu[d] / (1 - b1 ** warm), vel[d])
+        mean, new_vel[d], new_res[d] = corrected_mean(
+            u, (1 - b1) * gd, res[d], d, binding, algorithm, compression, momentum=b1,
+            nesterov=False, masking=masking)
+        out[d] = mean * pre
       return out, (mu, new_nu, new_vel, new_res)
 
     if binding.size <= 1:
