@@ -28,6 +28,7 @@ from jaxring._src.algorithms import base, linear
 from jaxring._src.algorithms.base import Plan
 from jaxring._src.algorithms.planner import make_plan
 from jaxring._src.codecs.base import accum_dtype
+from jaxring._src.transport import fingerprint
 from jaxring._src.transport.binding import bind as bind
 from jaxring._src.transport.groups import axis_arg
 
@@ -41,6 +42,15 @@ def plan_for(binding, nbytes: int, dtype, algorithm, compression) -> Plan:
   """The planner's plan for ``nbytes`` of ``dtype`` over ``binding``'s axes and levels."""
   return make_plan(binding.axes, binding.sizes, nbytes, dtype, algorithm, compression,
                    hierarchy=binding.hierarchy)
+
+
+def _fingerprint(op: str, binding, shape, dtype, algorithm, plan: Plan) -> None:
+  """Every process of a multi-process job must plan this collective alike (transport/fingerprint)."""
+  fingerprint.check({
+      "op": op, "axes": [str(a) for a in binding.axes], "axis_sizes": list(binding.sizes),
+      "shape": [int(d) for d in shape], "dtype": str(jnp.dtype(dtype)),
+      "algorithm": algorithm if isinstance(algorithm, str) else dict(algorithm),
+      "plan": plan.kind, "codecs": [repr(c) for c in plan.codecs]})
 
 
 def _pad_to(flat, multiple: int):
@@ -122,6 +132,7 @@ def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error:
   """
   plan = plan_for(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype, algorithm,
                   compression)
+  _fingerprint("all_reduce", binding, flat.shape, dtype, algorithm, plan)
   if plan.kind == "xla":
     return _native_all_reduce(flat, binding.axes, plan), None
   return _all_reduce_planned(flat, dtype, binding.axes, plan, want_error)
@@ -154,6 +165,7 @@ def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
   for dtype, idxs in by_dtype.items():
     nbytes = sum(np.size(leaves[i]) for i in idxs) * dtype.itemsize
     plan = plan_for(binding, nbytes, dtype, algorithm, compression)
+    _fingerprint("psum", binding, (nbytes // dtype.itemsize,), dtype, algorithm, plan)
     if plan.kind == "xla":
       for i in idxs:
         out[i] = _native_all_reduce(leaves[i], binding.axes, plan)
@@ -188,6 +200,7 @@ def reduce_scatter(leaf, d: int, tiled: bool, binding, algorithm, compression):
   _check_per_hop(plan, "psum_scatter")
   if plan.kind == "xla" and not plan.transport.has_reduce_scatter:
     plan = plan_for(binding, nbytes, dtype, "ring", None)
+  _fingerprint("psum_scatter", binding, np.shape(leaf), dtype, algorithm, plan)
   _check_block_order(plan, binding, "psum_scatter")
   p = binding.size
   if not binding.lax_bound:
@@ -208,6 +221,7 @@ def all_gather(leaf, ax: int, tiled: bool, binding, algorithm, compression):
   p = binding.size
   nbytes = leaf.size * dtype.itemsize * p
   plan = plan_for(binding, nbytes, dtype, algorithm, compression)
+  _fingerprint("all_gather", binding, leaf.shape, dtype, algorithm, plan)
   _check_per_hop(plan, "all_gather")
   _check_block_order(plan, binding, "all_gather")
   if not binding.lax_bound:

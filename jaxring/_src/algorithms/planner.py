@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 
@@ -18,7 +17,12 @@ from jaxring._src import topology as topo_mod
 from jaxring._src.algorithms import base
 from jaxring._src.algorithms.base import Plan, PlanRequest
 from jaxring._src.codecs.base import Codec, for_dtype
-from jaxring._src.transport.groups import Group, Hierarchy, check_factorization, whole_group
+from jaxring._src.transport.groups import (
+  Group,
+  Hierarchy,
+  check_factorization,
+  whole_group,
+)
 from jaxring._src.transport.xla import XLA
 
 LEVEL_ALGORITHMS = ("auto", "xla", "ring")
@@ -148,18 +152,27 @@ def codec_key(codecs) -> tuple[str, ...]:
 
 
 def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile) -> str:
-  """``xla`` or an algorithm's name: the fastest by the profile; without a measurement, the
-  native collective for a lossless reduction, else the ring (hierarchical over several levels).
+  """``xla`` or an algorithm's name for a message of ``nbytes`` per member.
 
-  The alpha-beta formulas alone are not trusted to beat the native collective: on the emulated
-  cluster they chose hierarchical at 1.41x gloo's time (docs/design.md, "Planner").
+  The default, where nothing was measured: the native collective for a lossless reduction (never
+  slower than ``lax.psum``), else the ring (hierarchical over several levels). A profile moves
+  ``auto`` off the default only for a measured gain above :data:`MARGIN`: timings on a shared
+  machine are noisy, and the alpha-beta formulas alone chose hierarchical at 1.41x gloo's time
+  on the emulated cluster (docs/design.md, "Planner").
   """
-  candidates = (("ring", "hierarchical") if lossy else ("xla", "ring", "hierarchical"))
-  if profile is not None:
-    key = codecs if isinstance(codecs[0], str) else codec_key(codecs)
-    fits = [f for a in candidates if (f := profile.fit(a, key)) is not None]
-    if fits:
-      return min(fits, key=lambda f: f.predict(nbytes)).algorithm
-  if lossy:
-    return "hierarchical" if num_levels > 1 else "ring"
-  return "xla"
+  default = ("hierarchical" if num_levels > 1 else "ring") if lossy else "xla"
+  if profile is None:
+    return default
+  key = codecs if isinstance(codecs[0], str) else codec_key(codecs)
+  candidates = ("ring", "hierarchical") if lossy else ("xla", "ring", "hierarchical")
+  fits = {a: f for a in candidates if (f := profile.fit(a, key)) is not None}
+  if not fits:
+    return default
+  best = min(fits.values(), key=lambda f: f.predict(nbytes))
+  if default in fits and best.predict(nbytes) > (1 - MARGIN) * fits[default].predict(nbytes):
+    return default
+  return best.algorithm
+
+
+#: The measured gain a profile must show before ``auto`` leaves its default plan.
+MARGIN = 0.05

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
   log = print if me == 0 else None
   if log:
     print(f"# jaxring calibrate: axes {axes} of mesh {dict(mesh.shape)}, {jax.process_count()} "
-          f"process(es), {jax.default_backend()}; median of {args.reps} per point")
+          f"process(es), {jax.default_backend()}; fastest of {args.reps} per point")
   t0 = time.perf_counter()
   profile = calib.calibrate(mesh, axes, sizes=sizes, codecs=args.codecs.split(","),
                             reps=args.reps, reuse=not args.fresh, log=log)

@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr)
 
   nbytes = args.mib * (1 << 20)
+  calibration = [r for r in recs if r.get("calibration")]
+  recs = [r for r in recs if not r.get("calibration")]
   order: list[str] = []
   by: dict[str, list[dict]] = {}
   for r in recs:
@@ -180,12 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         "wire_ratio": ratio,
         "t_min_ms": cost_model.link_bound(nbytes, nodes, bandwidth, ratio) * 1e3,
         "rel_err": r0.get("rel_err"), "times_ms": [t * 1e3 for t in r0["times"]],
-        "nodes_reported": len(rs)})
-  base = [r["ms"] for r in rows if "ms" in r and not r["contender"].startswith("jaxring")]
+        "nodes_reported": len(rs), "plan": r0.get("plan"), "codec": codec})
+  base_rows = [r for r in rows if "ms" in r and not r["contender"].startswith("jaxring")]
+  base = [r["ms"] for r in base_rows]
   for r in rows:
     if "ms" in r:
       r["vs_best_baseline"] = r["ms"] / min(base) if base else None
       r["vs_t_min"] = r["ms"] / r["t_min_ms"] if r["t_min_ms"] else None
+      # auto against every contender it could have been: the baselines when lossless, and every
+      # jaxring plan of the same codec
+      if " auto " in r["contender"]:
+        rivals = [o["ms"] for o in rows if "ms" in o and o is not r and (
+            o["codec"] == r["codec"] or (r["codec"] == "none" and o in base_rows))]
+        r["auto_vs_best"] = r["ms"] / min(rivals) if rivals else None
 
   print(f"\nall-reduce of {args.mib} MiB f32 per device, {nodes} nodes x {args.devices_per_node} "
         f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s), median of {args.reps} "
@@ -194,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
       ("contender", "contender", ""), ("ms", "median ms", ".1f"), ("algbw", "algbw GB/s", ".3f"),
       ("tx_mib", "MiB/node link/call", ".2f"), ("wire_ratio", "wire", ".3f"),
       ("t_min_ms", "T_min ms", ".1f"), ("vs_t_min", "T/T_min", ".2f"),
-      ("vs_best_baseline", "vs best(gloo,MPI)", ".3f"), ("rel_err", "rel err", ".1e")])
+      ("vs_best_baseline", "vs best(gloo,MPI)", ".3f"), ("plan", "auto chose", ""),
+      ("auto_vs_best", "auto vs best", ".3f"), ("rel_err", "rel err", ".1e")])
+  for c in calibration[:1]:
+    print(f"calibration (jaxring.calibrate in the job, before the auto rows): {c['seconds']:.1f} s")
   for r in rows:
     if "error" in r:
       print(f"{r['contender']}: ERROR {r['error']}")
@@ -202,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
   payload = {"bench": "cluster", "args": vars(args), "nodes": nodes, "link": link_rate,
              "bandwidth_bytes_per_s": bandwidth, "bytes_per_device": nbytes,
              "allocator": common.allocator(), "jax": jax.__version__, "cpu_count": os.cpu_count(),
+             "calibration": calibration,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job_exit": rcs, "rows": rows,
              "raw": recs,
              "log_tails": {k: v[-4000:] for k, v in logs.items()}}

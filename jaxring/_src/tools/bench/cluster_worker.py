@@ -2,7 +2,9 @@
 
 ``--mode jax``: one process per node (``jaxring cluster run --procs-per-node 1
 --devices-per-proc D``); times ``lax.psum`` (gloo) over the global (node, local) mesh and jaxring's
-``hierarchical`` all-reduce, uncompressed and with a codec on the node level.
+``hierarchical`` all-reduce, uncompressed and with a codec on the node level, the uncompressed
+ring, and ``auto`` after ``jaxring.calibrate`` has measured the plans in this job (its time and
+the plan ``auto`` chose are reported).
 ``--mode mpi``: one MPI rank per device (``--transport mpi``); times ``MPI_Allreduce`` (mpi4py,
 numpy buffers), then jaxring's hierarchical all-reduce over the MPI transport (mpi4jax) with each
 codec of ``--codecs`` on the node level (its error against MPICH's result), then each codec's
@@ -63,11 +65,26 @@ def run_jax(args) -> int:
     else:
       codec = jaxring.codecs.parse(codec_name)
       comp = None if codec is None else {"node": codec}
-      body = lambda v: jaxring.psum(v, axes, algorithm="hierarchical", compression=comp)
+      body = lambda v: jaxring.psum(v, axes, algorithm=kind, compression=comp)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P()))
 
+  codecs = [c for c in args.codecs.split(",") if c]
   contenders = [("gloo lax.psum", "gloo", "none")] + [
-      (f"jaxring hierarchical {c}", "hier", c) for c in args.codecs.split(",") if c]
+      (f"jaxring {a} {c}", a, c) for a in args.algorithms.split(",") for c in codecs
+      if a != "ring" or c == "none"]
+  plans = {}
+  if args.auto:
+    # auto's choice comes from a profile measured here, in this job, like a user's first run
+    t0 = time.perf_counter()
+    profile = jaxring.calibrate(mesh, axes, reuse=False, codecs=codecs)
+    emit(calibration=True, node=me, seconds=time.perf_counter() - t0,
+         fits=[[f.algorithm, f.codecs[-1], f.alpha, f.beta] for f in profile.fits])
+    from jaxring._src.calibrate import choices
+    picks = choices(profile, [n * 4])[n * 4]
+    for c in codecs:
+      codec = jaxring.codecs.parse(c)
+      plans[f"jaxring auto {c}"] = picks.get("none" if codec is None else repr(codec), "?")
+    contenders += [(f"jaxring auto {c}", "auto", c) for c in codecs]
   ref = None
   for label, kind, codec_name in contenders:
     try:
@@ -95,7 +112,7 @@ def run_jax(args) -> int:
       jaxring.distributed.barrier(f"post-{label}", timeout_s=300)
       emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
            tx_per_call=(b1 - b0) / args.reps, first_call_s=compile_s, head=first,
-           rel_err=rel_err)
+           rel_err=rel_err, plan=plans.get(label))
     except Exception as exc:  # noqa: BLE001 - report and go on with the next contender
       emit(contender=label, node=me, rank=me, error=f"{type(exc).__name__}: {str(exc)[:500]}")
       raise
@@ -183,6 +200,10 @@ def main(argv=None) -> int:
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--codecs", default="none,bf16,int8,topk")
+  ap.add_argument("--algorithms", default="hierarchical,ring",
+                  help="jaxring plans timed in jax mode (ring: uncompressed only)")
+  ap.add_argument("--no-auto", dest="auto", action="store_false",
+                  help="jax mode: skip calibrating and timing algorithm='auto'")
   ap.add_argument("--procs-per-node", type=int, default=1)
   ap.add_argument("--node-pieces", type=int, default=1,
                   help="sub-chunks per node-level ring hop (mpi mode)")
