@@ -194,3 +194,39 @@ def test_startup_with_everyone_present_reuses_the_port_for_jax():
   mp.assert_all_ok(results)
   for r, pid in zip(results, [2, 0, 1]):
     assert f"STARTED {pid} of 3" in r.stdout, mp.report(results)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case,fields", [
+    ("codec", r"codecs=.*Int8"), ("shape", r"shape=\[100[34]\] \(here \[100[34]\]\)"),
+    ("skip", r"op=.*'all_gather'")])
+def test_processes_that_plan_a_collective_differently_all_say_how(case, fields):
+  port = mp.free_port()
+  results = mp.spawn(2, lambda i: mp.python_worker("dist_mismatch.py", "--case", case),
+                     _env(2, port, 2, FAILURE_TIMEOUT), timeout=100)
+  for r in results:
+    assert r.returncode == 3, mp.report(results)
+    assert "RAISED CollectiveMismatchError: jaxring: processes disagree on collective #0" in \
+        r.stdout, mp.report(results)
+    other = 1 - r.rank
+    assert re.search(rf"process {other}: [^\n]*{fields}", r.stdout), mp.report(results)
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_never_plans_the_collective_is_named():
+  port = mp.free_port()
+  results = mp.spawn(2, lambda i: mp.python_worker("dist_mismatch.py", "--case", "absent"),
+                     _env(2, port, 2, FAILURE_TIMEOUT), timeout=100)
+  assert results[0].returncode == 3, mp.report(results)
+  assert re.search(r"RAISED FingerprintTimeoutError: jaxring: collective #0, psum over \(node, "
+                   r"local\) of float32\[\d+\] .* process\(es\) \[1\] of 2 did not plan it within "
+                   r"3 s", results[0].stdout), mp.report(results)
+
+
+@pytest.mark.timeout(120)
+def test_processes_that_agree_pass_the_fingerprint_check():
+  port = mp.free_port()
+  results = mp.spawn(2, lambda i: mp.python_worker("dist_mismatch.py", "--case", "same"),
+                     _env(2, port, 2, FAILURE_TIMEOUT), timeout=100)
+  mp.assert_all_ok(results)
+  assert all("OK" in r.stdout for r in results), mp.report(results)
