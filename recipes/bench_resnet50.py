@@ -62,7 +62,8 @@ def run(args) -> dict:
     raise SystemExit(f"--batch-size {config.batch_size} is not a multiple of {mesh.size} devices")
   schedule = optim.learning_rate_schedule(
       optim.peak_learning_rate(config.learning_rate, config.batch_size), 10_000, 100)
-  tx = optim.make_optimizer(schedule, weight_decay=config.weight_decay)
+  tx = optim.make_optimizer(schedule, weight_decay=config.weight_decay,
+                            momentum_in_step=train.momentum_in_step(config))
   model = train.create_model(config)
   fresh = train.create_train_state(config, model, tx)
   n_params = sum(int(np.size(p)) for p in jax.tree_util.tree_leaves(fresh.params))

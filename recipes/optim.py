@@ -73,17 +73,29 @@ def weight_decay_mask(params: Any) -> Any:
 
 def make_optimizer(schedule: optax.Schedule, *, optimizer: str = "sgd", momentum: float = 0.9,
                    nesterov: bool = True, weight_decay: float = 1e-4,
-                   trust_coefficient: float = 0.001) -> optax.GradientTransformation:
+                   trust_coefficient: float = 0.001,
+                   momentum_in_step: bool = False) -> optax.GradientTransformation:
   """SGD with (Nesterov) momentum and masked decoupled-from-BN weight decay, or LARS.
 
   With ``"sgd"``, ``weight_decay * w`` is added to the gradient of every kernel before momentum
   (PyTorch's ``SGD(weight_decay=...)``); with ``"lars"``, ``optax.lars`` with the same mask for the
   decay and the trust ratio.
 
+  With ``momentum_in_step`` the train step runs the momentum inside the gradient reduction
+  (``jaxring.train_step(momentum=...)``: momentum correction, needed for top-k compression) and
+  the optimizer here is momentum-free. The weight decay, added after the reduction, then no longer
+  passes through the momentum: it is scaled by ``1 / (1 - momentum)``, its weight under momentum
+  in the steady state. LARS's trust ratio then sees the averaged velocity, not the gradient.
+
   Example:
     >>> tx = make_optimizer(learning_rate_schedule(0.4, 1000, 100), weight_decay=1e-4)
     >>> opt_state = tx.init(params)
   """
+  if momentum_in_step:
+    weight_decay, momentum = weight_decay / (1 - momentum), 0.0
+  if optimizer == "sgd" and momentum_in_step:
+    return optax.chain(optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
+                       optax.sgd(schedule))
   if optimizer == "sgd":
     return optax.chain(
         optax.add_decayed_weights(weight_decay, mask=weight_decay_mask),
@@ -91,5 +103,5 @@ def make_optimizer(schedule: optax.Schedule, *, optimizer: str = "sgd", momentum
   if optimizer == "lars":
     return optax.lars(schedule, weight_decay=weight_decay, weight_decay_mask=weight_decay_mask,
                       trust_coefficient=trust_coefficient, trust_ratio_mask=weight_decay_mask,
-                      momentum=momentum, nesterov=nesterov)
+                      momentum=momentum, nesterov=nesterov and not momentum_in_step)
   raise ValueError(f"optimizer must be 'sgd' or 'lars', got {optimizer!r}")

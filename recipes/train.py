@@ -110,15 +110,29 @@ def axis_name(config: Config):
   return ("node", "local") if config.mesh == "hierarchical" else "data"
 
 
+def momentum_in_step(config: Config, compression: str | None = None) -> bool:
+  """Whether the momentum runs inside the gradient reduction (momentum correction): with a
+  sparsifying codec (top-k) and error feedback, where momentum after the reduction trains to
+  chance (README, "Compression and optimizers")."""
+  codec = jaxring.codecs.parse(config.compression if compression is None else compression)
+  return bool(getattr(codec, "sparsifying", False) and config.error_feedback and config.momentum)
+
+
 def make_train_step(config: Config, schedule: optax.Schedule, mesh=None,
                     compression: str | None = None) -> jt.TrainStep:
-  """The recipe's step under ``@jaxring.train_step`` (``compression`` overrides the config's)."""
+  """The recipe's step under ``@jaxring.train_step`` (``compression`` overrides the config's).
+
+  With top-k the step runs the optimizer's momentum itself (:func:`momentum_in_step`); the state's
+  optimizer is then :func:`recipes.optim.make_optimizer`'s momentum-free form.
+  """
+  in_step = momentum_in_step(config, compression)
   return jt.train_step(
       mesh if mesh is not None else jt.default_mesh(axis_name(config)),
       axis_name=axis_name(config), algorithm=config.algorithm,
       compression=jaxring.codecs.parse(config.compression if compression is None
                                        else compression),
-      error_feedback=config.error_feedback, bucket_bytes=int(config.bucket_mib * (1 << 20)))(
+      error_feedback=config.error_feedback, bucket_bytes=int(config.bucket_mib * (1 << 20)),
+      momentum=config.momentum if in_step else None, nesterov=in_step and config.nesterov)(
           train_step_fn(schedule, config.label_smoothing))
 
 
@@ -194,7 +208,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                                           int(round(config.warmup_epochs * steps_per_epoch)))
   tx = optim.make_optimizer(schedule, optimizer=config.optimizer, momentum=config.momentum,
                             nesterov=config.nesterov, weight_decay=config.weight_decay,
-                            trust_coefficient=config.lars_trust_coefficient)
+                            trust_coefficient=config.lars_trust_coefficient,
+                            momentum_in_step=momentum_in_step(config))
   model = create_model(config)
   step = make_train_step(config, schedule, mesh)
   state = create_train_state(config, model, tx)   # fit prepares it for the step

@@ -77,3 +77,64 @@ def test_applied_plus_residuals_equals_exact_mean_gradient(name):
     lossy |= np.abs(a - e).max() > 1e-4
   assert lossy, "compression lost nothing: the test would not see a missing residual"
   assert any(np.abs(r[0] - r[1]).max() > 0 for r in jax.tree.leaves(residuals))
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
+def test_momentum_in_the_step_gives_every_gradient_momentum_sgds_weight(nesterov):
+  """train_step(momentum=m) with top-k: sum of applied updates + mean_i (r_i + c u_i) equals the
+  sum of exact mean gradients / (1 - m) (c = m / (1 - m), Nesterov m^2 / (1 - m))."""
+  m = 0.9
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+  model = MLP()
+  p0 = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16)))["params"]
+  state = jt.TrainState.create(apply_fn=model.apply, params=p0, tx=optax.sgd(1.0))
+
+  @jt.train_step(mesh, bucket_bytes=8192, algorithm="ring", momentum=m, nesterov=nesterov,
+                 compression=jaxring.codecs.topk_chunks(density=0.25, chunk_size=64))
+  def step(state, batch):
+    loss, grads = jt.value_and_grad(lambda p: _loss(state.apply_fn, p, batch))(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  exact_grad = jax.jit(jax.grad(lambda p, b: _loss(model.apply, p, b)))
+  params = jax.tree.map(np.asarray, p0)
+  exact_sum = jax.tree.map(np.zeros_like, params)
+  applied_sum = jax.tree.map(np.zeros_like, params)
+  for batch in _batches(3):
+    g = jax.tree.map(np.asarray, exact_grad(params, batch))
+    exact_sum = jax.tree.map(np.add, exact_sum, g)
+    state, _ = step(state, batch)
+    new = jax.tree.map(np.asarray, state.params)
+    applied_sum = jax.tree.map(lambda s, a, b: s + (a - b), applied_sum, params, new)
+    params = new
+  c = (m * m if nesterov else m) / (1 - m)
+  held = False
+  for a, r, e in zip(jax.tree.leaves(applied_sum), jax.tree.leaves(state.residuals),
+                     jax.tree.leaves(exact_sum)):
+    r = np.asarray(r, np.float64)
+    assert r.shape == (8, 2) + e.shape   # per replica: residual, velocity
+    pending = (r[:, 0] + c * r[:, 1]).mean(0)
+    np.testing.assert_allclose(a + pending, e / (1 - m), atol=2e-4)
+    held |= np.abs(pending).max() > 1e-3
+  assert held
+
+
+def test_momentum_in_the_step_refuses_a_second_momentum_and_topk_refuses_stateful_optimizers():
+  model = MLP()
+  p0 = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16)))["params"]
+  topk = jaxring.codecs.topk_chunks(density=0.25, chunk_size=64)
+
+  def make(**kw):
+    @jt.train_step(bucket_bytes=8192, algorithm="ring", **kw)
+    def step(state, batch):
+      loss, grads = jt.value_and_grad(lambda p: _loss(state.apply_fn, p, batch))(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+    return step
+
+  for tx in (optax.sgd(0.1, momentum=0.9), optax.adam(1e-3)):
+    state = jt.TrainState.create(apply_fn=model.apply, params=p0, tx=tx)
+    with pytest.raises(ValueError, match=r"train_step\(compression=c, momentum=0.9"):
+      make(compression=topk).prepare(state)
+    with pytest.raises(ValueError, match="momentum-free"):
+      make(compression=jaxring.codecs.int8(), momentum=0.9).prepare(state)
+  make(compression=jaxring.codecs.int8()).prepare(
+      jt.TrainState.create(apply_fn=model.apply, params=p0, tx=optax.adam(1e-3)))  # dense: fine

@@ -45,6 +45,9 @@ class Codec:
   lossy = False
   align = 1
   per_hop = True
+  # sends only part of the values each step (the rest waits in error feedback): momentum and
+  # Adam must then run before compression (jaxring.momentum_correction, compressed_adam)
+  sparsifying = False
 
   def applies_to(self, dtype) -> bool:
     """Whether this codec compresses ``dtype``; other dtypes travel uncompressed."""

@@ -65,6 +65,7 @@ class TopKChunks(Codec):
   name = "topk_chunks"
   lossy = True
   per_hop = False
+  sparsifying = True
 
   def __post_init__(self):
     density = self.density
