@@ -71,6 +71,7 @@ def test_every_algorithm_and_codec_matches_float64_reference(n):
     args.append("--extras")   # eager calls, constants, pmean, grad, reduce_gradients, unbinding
   else:
     args.append("--topology")  # local=2 x node=2: hierarchical has two levels on one host
+    args.append("--calibrate")  # and auto follows a profile measured over the MPI transport
   rc, out, _ = mpirun(n, *args, timeout=180)
   assert rc == 0, f"mpirun -n {n} exited {rc}\n{out[-8000:]}"
   for rank in range(n):
@@ -82,6 +83,9 @@ def test_every_algorithm_and_codec_matches_float64_reference(n):
             f"rank {rank} did not finish {algorithm}/{codec}\n{out[-8000:]}")
   if n == 4:
     assert "levels [('local', 2), ('node', 2)]" in out, out[-4000:]
+    picks = set(re.findall(r"rank \d: OK calibrate fits=5 transport=mpi reused=True (picks=.*)",
+                           out))
+    assert len(picks) == 1, f"every rank must plan alike after calibrating\n{out[-8000:]}"
 
 
 FAILURE_TIMEOUT = 3.0

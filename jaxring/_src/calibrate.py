@@ -11,7 +11,6 @@ plans alike (different plans on different processes would not meet).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import time
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src import collectives, cost_model
 from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
+from jaxring._src.transport import mpi_axis
 
 DEFAULT_SIZES = (64 << 10, 1 << 20, 16 << 20)
 DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
@@ -40,11 +40,68 @@ def _candidates(groups, codecs: Sequence[str]):
   return out
 
 
-def _same_everywhere(value: np.ndarray) -> np.ndarray:
-  if jax.process_count() == 1:
-    return value
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.broadcast_one_to_all(value))
+class _MeshTarget:
+  """psum over axes of a mesh (XLA collectives; every process of a jax.distributed job)."""
+
+  def __init__(self, mesh, axes):
+    self.mesh, self.axes = mesh, axes
+    self.sizes = tuple(mesh.shape[a] for a in axes)
+    self.groups = tuple(planner.levels_for(axes, self.sizes)[0])
+    self.transport = "xla"
+
+  def program(self, algorithm, comp):
+    spec = P(self.axes)
+    return jax.jit(jax.shard_map(
+        lambda v: collectives.psum(v, self.axes, algorithm=algorithm, compression=comp),
+        mesh=self.mesh, in_specs=spec, out_specs=P()))
+
+  def input(self, n: int):
+    return jax.device_put(jnp.ones((self.mesh.size * n,), jnp.float32),
+                          NamedSharding(self.mesh, P(self.axes)))
+
+  def broadcast(self, values: np.ndarray) -> np.ndarray:
+    if jax.process_count() == 1:
+      return values
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))
+
+  def gather(self, value: int) -> list[int]:
+    if jax.process_count() == 1:
+      return [value]
+    from jax.experimental import multihost_utils
+    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value)))]
+
+
+class _MpiTarget:
+  """psum over an axis name bound to an MPI communicator (one process per device)."""
+
+  def __init__(self, binding):
+    self.binding, self.axes, self.sizes = binding, binding.axes, binding.sizes
+    self.groups = tuple(binding.hierarchy.groups)
+    self.transport = binding.hierarchy.transport.name
+
+  def program(self, algorithm, comp):
+    return jax.jit(lambda v: collectives.psum(v, self.axes, algorithm=algorithm,
+                                              compression=comp))
+
+  def input(self, n: int):
+    return jnp.ones((n,), jnp.float32)
+
+  def broadcast(self, values: np.ndarray) -> np.ndarray:
+    return np.asarray(self.binding.comm.bcast(values, root=0))
+
+  def gather(self, value: int) -> list[int]:
+    return [int(v) for v in self.binding.comm.allgather(int(value))]
+
+
+def _target(mesh, axes):
+  if mesh is not None:
+    return _MeshTarget(mesh, tuple(mesh.axis_names if axes is None else axes))
+  binding = mpi_axis.lookup(tuple(axes or ()))
+  if binding is None:
+    raise ValueError(f"calibrate: give the mesh of axes {axes}, or an axis name bound to an MPI "
+                     "communicator by jaxring.distributed.bind_mpi_axis")
+  return _MpiTarget(binding)
 
 
 def _time(fn, x, reps: int, warmup: int) -> float:
@@ -58,14 +115,17 @@ def _time(fn, x, reps: int, warmup: int) -> float:
   return min(times)   # the machine's noise only ever adds time
 
 
-def calibrate(mesh: jax.sharding.Mesh, axes: Sequence[str] | None = None, *,
+def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
               sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] = DEFAULT_CODECS,
               reps: int = 3, warmup: int = 1, reuse: bool = True, save: bool = True,
               log=None) -> cost_model.Profile:
-  """Times the candidate plans of ``psum`` over ``axes`` of ``mesh`` and returns their profile.
+  """Times the candidate plans of ``psum`` over ``axes`` and returns (and keeps) their profile.
+
+  Collective: every process of the job calls it, with the same arguments.
 
   Args:
-    mesh: the mesh the program reduces over (every device of it takes part).
+    mesh: the mesh the program reduces over (every device of it takes part); None for an axis
+      name bound to an MPI communicator (``jaxring.distributed.bind_mpi_axis``).
     axes: the axis names, as the program passes them to ``psum`` (default: all of the mesh's).
     sizes: bytes per device to time each plan at (at least two: a line is fitted).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
@@ -78,38 +138,34 @@ def calibrate(mesh: jax.sharding.Mesh, axes: Sequence[str] | None = None, *,
     The :class:`~jaxring._src.cost_model.Profile`; ``auto`` uses it from now on (and in later
     processes, through the cache).
 
+  Raises:
+    ValueError: fewer than two sizes, or no mesh and no MPI-bound axis name.
+
   Example:
     >>> mesh = jax.make_mesh((2, 4), ("node", "local"))  # doctest: +SKIP
     >>> profile = jaxring.calibrate(mesh, sizes=(1 << 20, 8 << 20))  # doctest: +SKIP
   """
-  axes = tuple(mesh.axis_names if axes is None else axes)
   if len(sizes) < 2:
     raise ValueError(f"calibrate: need at least two sizes to fit a line, got {tuple(sizes)}")
-  axis_sizes = tuple(mesh.shape[a] for a in axes)
-  key = cost_model.profile_key(axes, axis_sizes, "xla", jax.process_count(),
+  if isinstance(axes, str):
+    axes = (axes,)
+  target = _target(mesh, axes)
+  key = cost_model.profile_key(target.axes, target.sizes, target.transport, jax.process_count(),
                                jax.default_backend())
   if reuse:
     cached = cost_model.find_profile(key)
-    digest = int(hashlib.sha1(cached.to_json().encode()).hexdigest()[:12], 16) if cached else -1
-    if _all_agree(digest) and cached is not None:   # decided alike on every process
+    digest = cached.digest() if cached else -1
+    everyone = set(target.gather(digest))   # every process takes part, cached or not
+    if cached is not None and everyone == {digest}:
       return cached
-  groups, _, _ = planner.levels_for(axes, axis_sizes)
-  spec = P(axes)
   fits = []
-  for algorithm, comp in _candidates(groups, codecs):
+  for algorithm, comp in _candidates(target.groups, codecs):
     codec_names = planner.codec_key(
-        [planner.codec_for(comp, g.name, jnp.float32) for g in groups])
-    fn = jax.jit(jax.shard_map(
-        lambda v, a=algorithm, c=comp: collectives.psum(v, axes, algorithm=a, compression=c),
-        mesh=mesh, in_specs=spec, out_specs=P()))
-    seconds = []
-    for nbytes in sizes:
-      n = max(1, nbytes // 4)
-      x = jax.device_put(jnp.ones((mesh.size * n,), jnp.float32), NamedSharding(mesh, spec))
-      seconds.append(_time(fn, x, reps, warmup))
-    seconds = [float(s) for s in _same_everywhere(np.asarray(seconds, np.float64))]
-    fit = cost_model.Fit.from_points(algorithm, codec_names, sizes, seconds)
-    fits.append(fit)
+        [planner.codec_for(comp, g.name, jnp.float32) for g in target.groups])
+    fn = target.program(algorithm, comp)
+    seconds = [_time(fn, target.input(max(1, nbytes // 4)), reps, warmup) for nbytes in sizes]
+    seconds = [float(t) for t in target.broadcast(np.asarray(seconds, np.float64))]
+    fits.append(cost_model.Fit.from_points(algorithm, codec_names, sizes, seconds))
     if log is not None:
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
           f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, seconds)))
@@ -118,14 +174,6 @@ def calibrate(mesh: jax.sharding.Mesh, axes: Sequence[str] | None = None, *,
   if save:
     cost_model.save_profile(profile)
   return profile
-
-
-def _all_agree(digest: int) -> bool:
-  if jax.process_count() == 1:
-    return True
-  from jax.experimental import multihost_utils
-  everyone = np.asarray(multihost_utils.process_allgather(np.int64(digest)))
-  return bool((everyone == digest).all())
 
 
 def _label(comp) -> str:

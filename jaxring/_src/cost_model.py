@@ -138,6 +138,12 @@ class Profile:
         return f
     return None
 
+  def digest(self) -> int:
+    """A hash of what ``auto`` reads (not when it was made): equal on processes that agree."""
+    what = json.dumps({"key": self.key, "fits": [dataclasses.asdict(f) for f in self.fits]},
+                      sort_keys=True)
+    return int(hashlib.sha1(what.encode()).hexdigest()[:12], 16)
+
   def to_json(self) -> str:
     return json.dumps({"key": self.key, "created": self.created,
                        "fits": [dataclasses.asdict(f) for f in self.fits]}, indent=1)

@@ -230,6 +230,8 @@ def main() -> int:
   ap.add_argument("--codecs", default=",".join(CODECS))
   ap.add_argument("--topology", action="store_true", help="levels local=2, node=2 (4 ranks)")
   ap.add_argument("--extras", action="store_true", help="eager calls, grad, reduce_gradients")
+  ap.add_argument("--calibrate", action="store_true",
+                  help="jaxring.calibrate over the axis first: auto then follows the profile")
   ap.add_argument("--failure-timeout", type=float, default=None)
   ap.add_argument("--die-rank", type=int, default=-1)
   ap.add_argument("--die-at", type=int, default=-1)
@@ -256,6 +258,16 @@ def main() -> int:
     say(f"rank {rank}: OK extras")
     axis = jaxring.distributed.bind_mpi_axis("data", comm, topo)
   say(f"rank {rank}/{p}: pid {os.getpid()}, {jax.local_device_count()} device(s), levels {[(lv.name, lv.size) for lv in axis.topology.levels]}")
+  if args.calibrate:
+    from jaxring._src.calibrate import choices
+    os.environ["JAXRING_CACHE_DIR"] = os.path.join(
+        os.environ.get("JAXRING_CACHE_DIR", "/tmp"), f"rank{rank}")   # one cache per rank
+    prof = jaxring.calibrate(axes="data", sizes=(4 << 10, 64 << 10), codecs=("none", "int8"),
+                             reps=1)
+    again = jaxring.calibrate(axes="data", sizes=(4 << 10, 64 << 10))   # cached everywhere
+    picks = choices(prof, [4 << 10, 1 << 20])
+    say(f"rank {rank}: OK calibrate fits={len(prof.fits)} transport={prof.key['transport']} "
+        f"reused={again == prof} picks={picks}")
   if args.finish_rank >= 0:
     comm.Barrier()
     if rank != args.finish_rank:

@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "wire_ratio": ratio,
         "t_min_ms": cost_model.link_bound(nbytes, nodes, bandwidth, ratio) * 1e3,
         "rel_err": r0.get("rel_err"), "times_ms": [t * 1e3 for t in r0["times"]],
-        "nodes_reported": len(rs), "plan": r0.get("plan"), "codec": codec})
+        "nodes_reported": len(rs), "plan": r0.get("plan"), "codec": codec, "job": r0.get("job")})
   base_rows = [r for r in rows if "ms" in r and not r["contender"].startswith("jaxring")]
   base = [r["ms"] for r in base_rows]
   for r in rows:
@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
       # auto against every contender it could have been: the baselines when lossless, and every
       # jaxring plan of the same codec
       if " auto " in r["contender"]:
-        rivals = [o["ms"] for o in rows if "ms" in o and o is not r and (
-            o["codec"] == r["codec"] or (r["codec"] == "none" and o in base_rows))]
+        rivals = [o["ms"] for o in rows if "ms" in o and o is not r and o["job"] == r["job"]
+                  and "node-ring" not in o["contender"] and " auto " not in o["contender"]
+                  and (o["codec"] == r["codec"] or (r["codec"] == "none" and o in base_rows))]
         r["auto_vs_best"] = r["ms"] / min(rivals) if rivals else None
 
   print(f"\nall-reduce of {args.mib} MiB f32 per device, {nodes} nodes x {args.devices_per_node} "
@@ -205,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
       ("t_min_ms", "T_min ms", ".1f"), ("vs_t_min", "T/T_min", ".2f"),
       ("vs_best_baseline", "vs best(gloo,MPI)", ".3f"), ("plan", "auto chose", ""),
       ("auto_vs_best", "auto vs best", ".3f"), ("rel_err", "rel err", ".1e")])
-  for c in calibration[:1]:
-    print(f"calibration (jaxring.calibrate in the job, before the auto rows): {c['seconds']:.1f} s")
+  for c in calibration:
+    print(f"calibration ({c.get('job')} job, jaxring.calibrate before the auto rows): "
+          f"{c['seconds']:.1f} s")
   for r in rows:
     if "error" in r:
       print(f"{r['contender']}: ERROR {r['error']}")

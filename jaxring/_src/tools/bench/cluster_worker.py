@@ -8,7 +8,8 @@ the plan ``auto`` chose are reported).
 ``--mode mpi``: one MPI rank per device (``--transport mpi``); times ``MPI_Allreduce`` (mpi4py,
 numpy buffers), then jaxring's hierarchical all-reduce over the MPI transport (mpi4jax) with each
 codec of ``--codecs`` on the node level (its error against MPICH's result), then each codec's
-inter-node step alone (the node-level ring on the shard left by the local reduce-scatter).
+inter-node step alone (the node-level ring on the shard left by the local reduce-scatter), and
+``auto`` after calibrating over the MPI transport.
 
 Each contender: ``--warmup`` calls, then ``--reps`` individually timed calls. Around the timed calls
 the node's link counter (``/sys/class/net/<iface>/statistics/tx_bytes`` inside the node's
@@ -137,7 +138,7 @@ def run_mpi(args) -> int:
   return 0
 
 
-def _time_mpi(label, call, args, comm, iface, node, head, rel_err=None) -> None:
+def _time_mpi(label, call, args, comm, iface, node, head, rel_err=None, plan=None) -> None:
   for _ in range(args.warmup):
     call()
   comm.Barrier()
@@ -154,7 +155,7 @@ def _time_mpi(label, call, args, comm, iface, node, head, rel_err=None) -> None:
   if comm.Get_rank() % args.procs_per_node == 0:
     emit(contender=label, node=node, rank=comm.Get_rank(), times=times,
          median=statistics.median(times), tx_per_call=(b1 - b0) / args.reps,
-         size=comm.Get_size(), head=head(), rel_err=rel_err)
+         size=comm.Get_size(), head=head(), rel_err=rel_err, plan=plan)
 
 
 def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
@@ -174,16 +175,31 @@ def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
   jaxring.distributed.bind_mpi_axis("node", ring_comm, jaxring.Topology((node_level,)))
   x = jax.device_put(send)
   shard = jax.device_put(send[: send.shape[0] // local])
-  for codec_name in args.codecs.split(","):
+  codecs = [c for c in args.codecs.split(",") if c]
+  plans = {}
+  if args.auto:
+    from jaxring._src.calibrate import choices
+    t0 = time.perf_counter()
+    profile = jaxring.calibrate(axes="mpi", reuse=False, codecs=codecs)
+    if comm.Get_rank() == 0:
+      emit(calibration=True, node=0, seconds=time.perf_counter() - t0,
+           fits=[[f.algorithm, f.codecs[-1], f.alpha, f.beta] for f in profile.fits])
+    picks = choices(profile, [send.nbytes])[send.nbytes]
+    for c in codecs:
+      codec = jaxring.codecs.parse(c)
+      plans[c] = picks.get("none" if codec is None else repr(codec), "?")
+  runs = [("hierarchical", c) for c in codecs] + [("auto", c) for c in codecs if args.auto]
+  for algorithm, codec_name in runs:
     codec = jaxring.codecs.parse(codec_name)
     comp = None if codec is None else {"node": codec}
-    f = jax.jit(lambda v, comp=comp: jaxring.psum(v, "mpi", algorithm="hierarchical",
-                                                  compression=comp))
+    f = jax.jit(lambda v, comp=comp, a=algorithm: jaxring.psum(v, "mpi", algorithm=a,
+                                                               compression=comp))
     got = np.asarray(f(x), np.float64)  # every rank: the call is collective
     rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-    _time_mpi(f"jaxring hierarchical {codec_name} (MPI transport)",
+    _time_mpi(f"jaxring {algorithm} {codec_name} (MPI transport)",
               lambda f=f: jax.block_until_ready(f(x)), args, comm, iface, node,
-              head=lambda got=got: got[:4].tolist(), rel_err=rel)
+              head=lambda got=got: got[:4].tolist(), rel_err=rel,
+              plan=plans.get(codec_name) if algorithm == "auto" else None)
   for codec_name in args.codecs.split(","):
     g = jax.jit(lambda v, c=jaxring.codecs.parse(codec_name): jaxring.psum(
         v, "node", algorithm="ring", compression=c))
