@@ -25,3 +25,4 @@ from jaxring._src.data.transforms import CorruptImageError as CorruptImageError
 from jaxring._src.data.transforms import center_crop_box as center_crop_box
 from jaxring._src.data.transforms import load_image as load_image
 from jaxring._src.data.transforms import random_resized_crop_box as random_resized_crop_box
+from jaxring._src.data.hard_shapes import hard_shapes as hard_shapes

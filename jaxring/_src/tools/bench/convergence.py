@@ -1,8 +1,10 @@
 """``jaxring bench convergence``: test accuracy after a fixed step budget, per optimizer and codec.
 
-The model is a 64-64-10 MLP on scikit-learn's bundled digits (1440 training, 357 test images),
-trained full-batch and data-parallel on 8 members (180 images each) inside one ``shard_map`` +
-``lax.scan``. For every optimizer it trains uncompressed, then per codec:
+Task ``digits``: a 64-64-10 MLP on scikit-learn's bundled digits (1440 training, 357 test
+images), trained full-batch and data-parallel on 8 members (180 images each). Task ``shapes``: a
+small CNN on ``hard_shapes`` (jaxring._src.data.hard_shapes: 16 classes, 4096 training images
+with 10% label noise, 1024 clean test images), 16 images per member a step. Each run is one
+``shard_map`` + ``lax.scan``. For every optimizer it trains uncompressed, then per codec:
 
 * ``EF``: ``optax.chain(jr.reduce_gradients(axis, compression=c), <optimizer>)``, the composition
   people write (with top-k it needs ``plain_sgd_after=True`` to be built at all: measured here
@@ -15,8 +17,9 @@ trained full-batch and data-parallel on 8 members (180 images each) inside one `
 Every member must end with the same parameters (checked). Prints a table and writes JSON under
 benchmarks/results/.
 
-  jaxring bench convergence                       # digits, 5 optimizers x 4 codecs (~3 min)
-  jaxring bench convergence --optimizers momentum,adam --codecs topk --steps 300
+  jaxring bench convergence                       # digits, 5 optimizers x 3 codecs (~3 min)
+  jaxring bench convergence --optimizers momentum,adam --codecs topk --seeds 3
+  jaxring bench convergence --task shapes --optimizers momentum,adamw --modes ""   # the hard task
 """
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ def naive_optimizer(name, lr, axis, codec, error_feedback: bool):
 
 
 def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_warmup: int = 100,
-                        adam_variance_every: int = 10):
+                        adam_variance_every: int = 5):
   """The composition jaxring supports for optimizer ``name`` over ``codec`` (see the README)."""
   import jaxring as jr
   return jr.compressed_optimizer(name, lr, axis, compression=codec, algorithm=ALGORITHM,
@@ -136,25 +139,111 @@ def train_digits(tx, steps: int, data=None, seed: int = 0):
   return acc, params
 
 
-def run(optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int, adam_warmup: int,
-        adam_variance_every: int, seeds: int = 1) -> list[dict]:
+def init_cnn(key, num_classes: int = 16):
+  """A small CNN for 16x16x3 images: two 3x3 convolutions (16, 32 channels), each followed by
+  ReLU and 2x2 average pooling, then a dense layer (~13k parameters)."""
+  import jax
+  import jax.numpy as jnp
+  k1, k2, k3 = jax.random.split(key, 3)
+  return {"c1": jax.random.normal(k1, (3, 3, 3, 16)) * (2 / 27) ** 0.5, "b1": jnp.zeros(16),
+          "c2": jax.random.normal(k2, (3, 3, 16, 32)) * (2 / 144) ** 0.5, "b2": jnp.zeros(32),
+          "w": jax.random.normal(k3, (4 * 4 * 32, num_classes)) / 512 ** 0.5,
+          "b": jnp.zeros(num_classes)}
+
+
+def cnn_logits(params, x):
+  import jax
+  from jax import lax
+
+  def conv(x, w, b):
+    y = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    y = jax.nn.relu(y + b)
+    n, h, w_, c = y.shape
+    return y.reshape(n, h // 2, 2, w_ // 2, 2, c).mean((2, 4))
+
+  x = conv(conv(x, params["c1"], params["b1"]), params["c2"], params["b2"])
+  return x.reshape(x.shape[0], -1) @ params["w"] + params["b"]
+
+
+def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0):
+  """Trains the CNN on ``hard_shapes`` with ``tx`` (reducing over ``"d"``), 8 members of ``batch``
+  images a step each (a cyclic walk through each member's shard); returns test accuracy in %."""
+  import jax
+  import jax.numpy as jnp
   import numpy as np
-  data = digits()
+  import optax
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+
+  xtr, ytr, xte, yte = data
+
+  def loss(params, x, y):
+    return optax.softmax_cross_entropy_with_integer_labels(cnn_logits(params, x), y).mean()
+
+  def body(params, xs, ys):
+    params = jax.tree.map(lambda v: lax.pcast(v, "d", to="varying"), params)
+    state = tx.init(params)
+    per = xs.shape[0] // batch
+
+    def step(carry, t):
+      params, state = carry
+      i = (t % per) * batch
+      x = lax.dynamic_slice_in_dim(xs, i, batch)
+      y = lax.dynamic_slice_in_dim(ys, i, batch)
+      updates, state = tx.update(jax.grad(loss)(params, x, y), state, params)
+      return (optax.apply_updates(params, updates), state), None
+
+    (params, _), _ = lax.scan(step, (params, state), jnp.arange(steps))
+    return jax.tree.map(lambda v: v[None], params)
+
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P("d")))
+  out = f(init_cnn(jax.random.key(seed)), xtr, ytr)
+  for leaf in jax.tree.leaves(out):
+    leaf = np.asarray(leaf)
+    if not (leaf[1:] == leaf[:1]).all():
+      raise AssertionError("members ended with different parameters")
+  params = jax.tree.map(lambda v: v[0], out)
+  logits = jax.jit(cnn_logits)(params, xte)
+  return float((np.asarray(logits).argmax(1) == yte).mean() * 100)
+
+
+TASKS = {
+    # task: (default steps, learning rates, top-k chunk size, compressed Adam's warm-up)
+    "digits": (300, LEARNING_RATES, 16, 100),
+    "shapes": (1500, {"sgd": 0.5, "momentum": 0.1, "nesterov": 0.1, "adam": 3e-3,
+                      "adamw": 3e-3}, 16, 300),
+}
+
+
+def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int,
+        adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF")
+        ) -> list[dict]:
+  import numpy as np
+  if task == "digits":
+    data = digits()
+    train = lambda tx, seed: train_digits(tx, steps, data, seed)[0]  # noqa: E731
+  else:
+    from jaxring._src.data.hard_shapes import hard_shapes
+    data = hard_shapes()
+    train = lambda tx, seed: train_shapes(tx, steps, data, seed=seed)  # noqa: E731
+  rates = TASKS[task][1]
   rows = []
 
   def measure(make):
-    accs = [train_digits(make(), steps, data, seed)[0] for seed in range(seeds)]
-    return float(np.mean(accs))
+    return float(np.mean([train(make(), seed) for seed in range(seeds)]))
 
   for name in optimizers:
-    lr = LEARNING_RATES[name]
+    lr = rates[name]
     t0 = time.perf_counter()
     row = {"optimizer": name, "lr": lr,
            "none": measure(lambda: supported_optimizer(name, lr, "d", None))}
     for cname in codecs:
       codec = codec_of(cname, chunk_size)
-      row[f"{cname} EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, True))
-      row[f"{cname} no EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, False))
+      if "EF" in modes:
+        row[f"{cname} EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, True))
+      if "no EF" in modes:
+        row[f"{cname} no EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, False))
       row[f"{cname} supported"] = measure(lambda: supported_optimizer(
           name, lr, "d", codec, warmup_steps=warmup_steps, adam_warmup=adam_warmup,
           adam_variance_every=adam_variance_every))
@@ -167,38 +256,49 @@ def run(optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int, adam
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="jaxring bench convergence", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--task", default="digits", choices=sorted(TASKS),
+                      help="digits (MLP, full batch) or shapes (hard_shapes, small CNN)")
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
   parser.add_argument("--codecs", default=",".join(CODECS), help="bf16, int8, topk (1%%)")
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--chunk-size", type=int, default=16,
-                      help="top-k chunk size (16: 301 chunks, 4 sent per step)")
+  parser.add_argument("--steps", type=int, default=0, help="0: the task's default")
+  parser.add_argument("--chunk-size", type=int, default=0,
+                      help="top-k chunk size (0: the task's, 16: 1%% of digits' is 4 chunks)")
   parser.add_argument("--warmup-steps", type=int, default=0, help="top-k density warm-up")
-  parser.add_argument("--adam-warmup", type=int, default=100,
-                      help="compressed Adam's exact steps before the variance is frozen")
-  parser.add_argument("--adam-variance-every", type=int, default=10,
+  parser.add_argument("--adam-warmup", type=int, default=0,
+                      help="compressed Adam's exact steps (0: the task's default)")
+  parser.add_argument("--adam-variance-every", type=int, default=5,
                       help="compressed Adam's exact variance refresh interval (0: frozen)")
+  parser.add_argument("--modes", default="EF,no EF",
+                      help="naive compositions to run besides the supported one")
   parser.add_argument("--seeds", type=int, default=1, help="average over this many inits")
   parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
   args = parser.parse_args(argv)
 
   from jaxring._src.tools.bench import common
   common.set_cpu_devices(8)
+  default_steps, _, default_chunk, default_adam = TASKS[args.task]
+  steps = args.steps or default_steps
+  chunk = args.chunk_size or default_chunk
+  adam_warmup = args.adam_warmup or default_adam
   optimizers = [o for o in args.optimizers.split(",") if o]
   codecs = [c for c in args.codecs.split(",") if c]
-  print(f"digits MLP, 8 members, {args.steps} full-batch steps; top-k: 1% of "
-        f"{args.chunk_size}-value chunks; accuracy on 357 test images (%)", flush=True)
-  rows = run(optimizers, codecs, args.steps, args.chunk_size, args.warmup_steps,
-             args.adam_warmup, args.adam_variance_every, args.seeds)
+  modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+  what = ("digits MLP, full batch" if args.task == "digits"
+          else "hard_shapes small CNN, 16 images per member")
+  print(f"{what}, 8 members, {steps} steps; top-k: 1% of {chunk}-value chunks; compressed Adam: "
+        f"{adam_warmup} exact steps, variance every {args.adam_variance_every}; test accuracy (%)",
+        flush=True)
+  rows = run(args.task, optimizers, codecs, steps, chunk, args.warmup_steps, adam_warmup,
+             args.adam_variance_every, args.seeds, modes)
   cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
   for c in codecs:
-    cols += [(f"{c} EF", f"{c} EF", ".2f"), (f"{c} no EF", f"{c} no EF", ".2f"),
-             (f"{c} supported", f"{c} supported", ".2f")]
+    cols += [(f"{c} {m}", f"{c} {m}", ".2f") for m in modes]
+    cols.append((f"{c} supported", f"{c} supported", ".2f"))
   common.print_table(rows, cols)
   path = common.write_json("convergence", {
-      "benchmark": "convergence", "task": "digits-mlp", "steps": args.steps,
-      "chunk_size": args.chunk_size, "warmup_steps": args.warmup_steps,
-      "adam_warmup": args.adam_warmup, "adam_variance_every": args.adam_variance_every,
-      "seeds": args.seeds, "rows": rows,
+      "benchmark": "convergence", "task": args.task, "steps": steps, "chunk_size": chunk,
+      "warmup_steps": args.warmup_steps, "adam_warmup": adam_warmup,
+      "adam_variance_every": args.adam_variance_every, "seeds": args.seeds, "rows": rows,
       "machine": common.machine()}, args.out)
   print(f"wrote {path}")
   return 0
