@@ -78,7 +78,7 @@ def hard_shapes(num_train: int = 4096, num_test: int = 1024, image_size: int = 1
   """``(x_train, y_train, x_test, y_test)``: images [n, s, s, 3] float32, labels int32 in 0..15.
 
   Args:
-    num_train, num_test: examples per split (classes balanced up to rounding).
+    num_train, num_test: examples per split (classes balanced over the two together).
     image_size: side in pixels.
     label_noise: fraction of training labels replaced by a uniformly random class.
     seed: everything is a function of it.
