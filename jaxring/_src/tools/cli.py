@@ -1,4 +1,5 @@
-"""The ``jaxring`` command: ``bench``, ``calibrate``, ``cluster``, ``demo``, ``doctor``, ``train``.
+"""The ``jaxring`` command: ``bench``, ``calibrate``, ``cluster``, ``demo``, ``doctor``,
+``simulate``, ``train``.
 
 ``demo``, ``train <recipe>`` and ``bench resnet50`` run code of ``recipes/``, the application that
 sits on top of the library in a source checkout (configs, models, the demo, the ResNet-50 bench).
@@ -32,6 +33,7 @@ commands:
   bench {%s} [args]   benchmarks: print tables, write JSON under benchmarks/results/
   calibrate [--mesh 2x4 --axes node,local]   time the plans `auto` picks from, keep the profile
   cluster {up,down,run,status} [args]   the emulated multi-node cluster (root)
+  simulate [--cluster 8xh100-25gbe] [--reproduce baidu]   projected scaling to 1,024 GPUs
   demo [args]          the README's main job (recipes/demo.py)
   doctor [--require mpi,cuda,gpu,tcmalloc]   versions, kernels self-test, MPI, allocator: a report
   train <recipe> [--config.name=value ...]   a recipe of recipes/ (imagenet_resnet50, small_cpu)
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     return _module_main("jaxring._src.tools.doctor", rest)
   if cmd == "calibrate":
     return _module_main("jaxring._src.tools.calibrate", rest)
+  if cmd == "simulate":
+    return _module_main("jaxring._src.tools.simulate.cli", rest)
   if cmd == "demo":
     return exec_recipe("recipes.demo", rest, "demo")
   if cmd == "train":

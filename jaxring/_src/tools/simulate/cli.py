@@ -1,0 +1,131 @@
+"""``jaxring simulate``: projected step time and scaling efficiency of data-parallel training.
+
+Examples:
+  jaxring simulate                                   # ResNet-50, every shipped cluster, 8-1,024 GPUs
+  jaxring simulate --cluster 8xh100-25gbe --codecs none,int8,topk --bucket-mib 25
+  jaxring simulate --reproduce baidu                 # the ring all-reduce arithmetic of Baidu (2017)
+
+Prints a table per cluster (step ms, reduction ms, exposed ms, efficiency, images/s), writes JSON
+under benchmarks/results/ and, where matplotlib is installed (``pip install jaxring[plot]``), a
+PNG of the scaling curves beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from jaxring._src.tools.simulate import cluster as clusters
+from jaxring._src.tools.simulate import model, timeline
+
+GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def _codec_plan(spec: str, algorithm: str) -> timeline.Plan:
+  import jax.numpy as jnp
+
+  from jaxring import codecs
+  codec = codecs.parse(spec)
+  ratio = 1.0 if codec is None else float(codec.compression_ratio(jnp.float32, 1 << 24))
+  return timeline.Plan(algorithm, ratio, "none" if codec is None else codec.name)
+
+
+def _parser():
+  ap = argparse.ArgumentParser(prog="jaxring simulate", description=__doc__.splitlines()[0])
+  ap.add_argument("--cluster", default=",".join(c for c in clusters.CLUSTERS if c != "emulated"),
+                  help=f"comma list of {sorted(clusters.CLUSTERS)}")
+  ap.add_argument("--gpus", default=",".join(map(str, GPUS)))
+  ap.add_argument("--codecs", default="none,bf16,int8,topk")
+  ap.add_argument("--batch-per-gpu", type=int, default=256)
+  ap.add_argument("--bucket-mib", type=float, default=25.0)
+  ap.add_argument("--no-overlap", action="store_true")
+  ap.add_argument("--reproduce", choices=("baidu",), default=None)
+  ap.add_argument("--out-dir", default=None)
+  return ap
+
+
+def baidu() -> dict:
+  """Baidu's ring all-reduce (Gibiansky 2017): a 300 M-parameter model (1.2 GB of f32
+  gradients) on 5 nodes x 8 GPUs over ~6 GB/s InfiniBand, about 400 ms per iteration, and the
+  ring's time nearly flat from 1 to 40 GPUs (bandwidth term 2(p-1)/p of the buffer)."""
+  from jaxring._src import cost_model
+  n, bw = 1.2e9, 6e9
+  rows = [{"gpus": p, "ms": cost_model.ring_all_reduce(n, p, 0.0, bw) * 1e3}
+          for p in (2, 4, 8, 16, 24, 32, 40)]
+  return {"source_ms_at_40": 400.0, "rows": rows}
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  from jaxring._src.tools.bench import common
+  t0 = time.perf_counter()
+  if args.reproduce == "baidu":
+    result = baidu()
+    print("# Baidu ring all-reduce: 1.2 GB over 6 GB/s links, alpha ignored (source: ~400 ms "
+          "at 40 GPUs)")
+    common.print_table(result["rows"], [("gpus", "GPUs", "d"), ("ms", "ring ms", ".0f")])
+    print(f"wrote {common.write_json('simulate-baidu', result, args.out_dir)}")
+    return 0
+  layers = model.resnet50()
+  gpus = [int(g) for g in args.gpus.split(",")]
+  out = {"model": "resnet50", "batch_per_gpu": args.batch_per_gpu,
+         "bucket_bytes": args.bucket_mib * (1 << 20), "overlap": not args.no_overlap,
+         "clusters": {}}
+  for name in args.cluster.split(","):
+    c = clusters.CLUSTERS[name]
+    if not c.resnet50_images_per_s:
+      print(f"{name}: no compute reference, skipped", file=sys.stderr)
+      continue
+    flops = timeline.flops_per_s(c, layers)
+    plans = [("flat none", timeline.Plan("flat"))] + [
+        (f"hierarchical {s}", _codec_plan(s, "hierarchical")) for s in args.codecs.split(",")]
+    rows = []
+    for g in gpus:
+      for label, plan in plans:
+        s = timeline.step(layers, c, g, plan, batch_per_gpu=args.batch_per_gpu,
+                          flops_per_s=flops, bucket_bytes=args.bucket_mib * (1 << 20),
+                          overlap=not args.no_overlap)
+        rows.append({"gpus": g, "plan": label, "step_ms": s.step_s * 1e3,
+                     "comm_ms": s.comm_s * 1e3, "exposed_ms": s.exposed_s * 1e3,
+                     "efficiency": s.efficiency,
+                     "images_per_s": g * args.batch_per_gpu / s.step_s})
+    print(f"\n# {name}: {c.about}; ResNet-50, batch {args.batch_per_gpu}/GPU, "
+          f"{args.bucket_mib:g} MiB buckets, {'no ' if args.no_overlap else ''}overlap")
+    common.print_table(rows, [("gpus", "GPUs", "d"), ("plan", "plan", ""),
+                              ("step_ms", "step ms", ".1f"), ("comm_ms", "reduce ms", ".1f"),
+                              ("exposed_ms", "exposed ms", ".1f"),
+                              ("efficiency", "efficiency", ".3f"),
+                              ("images_per_s", "images/s", ".0f")])
+    out["clusters"][name] = rows
+  path = common.write_json("simulate", out, args.out_dir)
+  print(f"wrote {path} ({time.perf_counter() - t0:.2f} s)")
+  _plot(out, path)
+  return 0
+
+
+def _plot(out: dict, json_path) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  names = list(out["clusters"])
+  fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+  for ax, name in zip(axes[0], names):
+    rows = out["clusters"][name]
+    for plan in dict.fromkeys(r["plan"] for r in rows):
+      pts = [(r["gpus"], r["efficiency"]) for r in rows if r["plan"] == plan]
+      ax.plot(*zip(*pts), marker="o", label=plan)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(0, 1.05)
+    ax.set(title=name, xlabel="GPUs", ylabel="scaling efficiency")
+    ax.legend(fontsize=7)
+  png = str(json_path).replace(".json", ".png")
+  fig.tight_layout()
+  fig.savefig(png, dpi=110)
+  print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+  sys.exit(main())
