@@ -25,13 +25,12 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxring._src import vma
 from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype, is_float
 from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.optim.compose import sparse_refusal
-from jaxring._src.optim.sparse import is_sparsifying
+from jaxring._src.optim.sparse import is_sparsifying, zeros_per_member
 
 
 class ReduceGradientsState(NamedTuple):
@@ -39,25 +38,6 @@ class ReduceGradientsState(NamedTuple):
   accumulator dtype: f32 for 16-bit gradients)."""
 
   residual: Any
-
-
-def _bound(axes: tuple) -> bool:
-  try:
-    for a in axes:
-      lax.axis_size(a)
-  except NameError:
-    return False
-  return True
-
-
-def _zeros_like_residual(params, axes: tuple):
-  def zeros(p):
-    dtype = jnp.result_type(p)
-    return jnp.zeros(np.shape(p), accum_dtype(dtype) if is_float(dtype) else dtype)
-  tree = jax.tree_util.tree_map(zeros, params)
-  if _bound(axes):  # inside shard_map: a residual is per member, typed varying from the start
-    tree = jax.tree_util.tree_map(lambda z: vma.pvary(z, axes), tree)
-  return tree
 
 
 def next_residual(mean, err, dtype):
@@ -170,7 +150,7 @@ def reduce_gradients(axis_name, *, algorithm="auto", compression=None,
   def init_fn(params):
     if not error_feedback:
       return optax.EmptyState()
-    return ReduceGradientsState(residual=_zeros_like_residual(params, axes))
+    return ReduceGradientsState(residual=zeros_per_member(params, axes))
 
   def update_fn(updates, state, params=None):
     del params

@@ -19,14 +19,18 @@ from jax import lax
 
 from jaxring._src import vma
 from jaxring._src.algorithms import engine
-from jaxring._src.codecs.base import Codec, accum_dtype, is_float
+from jaxring._src.codecs.base import accum_dtype, is_float
 from jaxring._src.codecs.topk import TopKChunks
 
 
 def sparsifier(compression) -> TopKChunks | None:
   """The sparsifying codec in ``compression`` (a codec or a dict level -> codec), or None."""
   codecs = compression.values() if isinstance(compression, dict) else [compression]
-  return next((c for c in codecs if isinstance(c, TopKChunks)), None)
+  found = next((c for c in codecs if getattr(c, "sparsifying", False)), None)
+  if found is not None and not isinstance(found, TopKChunks):
+    raise NotImplementedError(f"{found.name}: the compressed optimizers know how to select and "
+                              "mask topk_chunks only")
+  return found
 
 
 def is_sparsifying(compression) -> bool:
@@ -171,6 +175,3 @@ class Groups:
 def global_norm(flats: dict) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(f.astype(jnp.float32))) for f in flats.values()))
 
-
-def is_codec_or_none(c) -> bool:
-  return c is None or isinstance(c, Codec)
