@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
