@@ -12,7 +12,8 @@ Nothing inside an ``optax.chain`` can see the transformations after it, so
 :func:`jaxring.reduce_gradients` refuses a sparsifying codec with error feedback unless told that
 plain SGD follows (``plain_sgd_after=True``), and :func:`compressed_optimizer` builds the right
 chain from the optimizer's name. Where the optimizer state is at hand (a train state),
-:func:`check_optimizer_state` refuses per-parameter optimizer state behind a sparsifying codec.
+``jaxring.train_step`` refuses per-parameter optimizer state behind a sparsifying codec
+(:func:`has_per_parameter_state`).
 """
 from __future__ import annotations
 
@@ -52,13 +53,6 @@ def has_per_parameter_state(opt_state, params) -> bool:
         and np.shape(leaf) in shapes):
       return True
   return False
-
-
-def check_optimizer_state(opt_state, params, compression, error_feedback: bool, where: str):
-  """Raises ValueError where a sparsifying codec with error feedback feeds a stateful optimizer."""
-  if error_feedback and is_sparsifying(compression) and has_per_parameter_state(opt_state,
-                                                                               params):
-    raise ValueError(sparse_refusal(where))
 
 
 def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=None,
