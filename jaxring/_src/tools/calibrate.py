@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--axes", default=None, help="axis names, comma-separated (default node,local "
                   "for two mesh dimensions, i for one)")
   ap.add_argument("--sizes", default=None, help="bytes per device, comma-separated (default "
-                  "64KiB,1MiB,16MiB)")
+                  "1MiB,16MiB)")
   ap.add_argument("--codecs", default="none,bf16,int8,topk")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--fresh", action="store_true", help="measure even if a profile is cached")
