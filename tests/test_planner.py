@@ -122,7 +122,8 @@ def test_auto_with_lossy_codec_never_picks_native():
   assert _plan(("d",), (8,), 1 << 20, compression=Lossy()).kind == "ring"
   topo = jaxring.Topology((LOCAL, NODE))
   plan = _plan(("node", "local"), (2, 4), 1 << 20, compression={"node": Lossy()}, topo=topo)
-  assert plan.kind == "hierarchical" and plan.algos == ("xla", "ring")
+  # one process: the fast level reduce-scatters in shared memory (transport/inprocess.py)
+  assert plan.kind == "hierarchical" and plan.algos == ("shm", "ring")
 
 
 def test_cross_process_levels_never_use_native_reduce_scatter():

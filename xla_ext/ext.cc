@@ -32,6 +32,13 @@ NB_MODULE(_ext, m) {
 #undef JAXRING_ADD_CPU
     return targets;
   });
+  m.def("inprocess_registrations", []() {
+    nb::dict targets;
+#define JAXRING_ADD_CPU(name, stem) targets["jaxring_" name] = EncapsulateFfiHandler(stem##Cpu);
+    JAXRING_FOR_EACH_INPROCESS_TARGET(JAXRING_ADD_CPU)
+#undef JAXRING_ADD_CPU
+    return targets;
+  });
   m.def("cuda_registrations", []() {
     nb::dict targets;
 #ifdef JAXRING_WITH_CUDA

@@ -17,8 +17,14 @@
   X("gather_chunks", JaxringGatherChunks)     \
   X("scatter_add_chunks", JaxringScatterAddChunks)
 
+// In-process collectives (cpu_inprocess.cc): CPU only, a transport rather than a kernel.
+#define JAXRING_FOR_EACH_INPROCESS_TARGET(X)               \
+  X("local_reduce_scatter", JaxringLocalReduceScatter) \
+  X("local_all_gather", JaxringLocalAllGather)
+
 #define JAXRING_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);
 JAXRING_FOR_EACH_TARGET(JAXRING_DECLARE_CPU)
+JAXRING_FOR_EACH_INPROCESS_TARGET(JAXRING_DECLARE_CPU)
 #undef JAXRING_DECLARE_CPU
 
 #ifdef JAXRING_WITH_CUDA

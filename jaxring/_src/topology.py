@@ -39,6 +39,8 @@ class Level:
       runs a collective beside computation (XLA:GPU's asynchronous collectives). XLA:CPU runs
       them in turn, and each piece pays the latency once more, so the default is 1 (measured on
       the emulated cluster: docs/benchmarks.md).
+    in_process: every group of this level lives in one process (``local`` of
+      :meth:`Topology.from_processes`): its reduce-scatter can run in shared memory.
   """
 
   name: str
@@ -46,6 +48,7 @@ class Level:
   bandwidth: float = LOCAL_BANDWIDTH
   latency: float = LOCAL_LATENCY
   pieces: int = 1
+  in_process: bool = False
 
   def __post_init__(self):
     if not isinstance(self.size, (int, np.integer)) or self.size < 1:
@@ -128,7 +131,7 @@ class Topology:
     if len(counts) != 1:
       raise ValueError(f"processes hold different numbers of devices: {by_proc}; jaxring's "
                        "hierarchy needs the same number of devices in every process")
-    local = Level("local", counts.pop(), local_bandwidth, local_latency)
+    local = Level("local", counts.pop(), local_bandwidth, local_latency, in_process=True)
     if len(by_proc) == 1:
       return cls((local,))
     return cls((local, Level("node", len(by_proc), network_bandwidth, network_latency)))

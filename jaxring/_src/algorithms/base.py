@@ -21,7 +21,7 @@ class Plan:
   kind: str                       # "xla" or a registered algorithm's name
   groups: tuple[Group, ...] = ()  # fast -> slow
   codecs: tuple[Codec, ...] = ()
-  algos: tuple[str, ...] = ()     # per level: "xla" | "ring"
+  algos: tuple[str, ...] = ()     # per level: "xla" | "ring" | "shm" (shared memory)
   strides: tuple[int, ...] = ()   # each level's weight in the member's linear index
   # ring over several axes: the ring runs in mesh axis order (ppermute over axes named out of mesh
   # order transposes wrongly in jax 0.10); member_order[k] is the lax-numbered index (axes as the
@@ -54,6 +54,7 @@ class PlanRequest:
   transport: Any
   algorithm: Any                  # the caller's argument: a name or a dict level -> "xla"|"ring"
   multi_process: bool
+  dtype: Any = None               # the values' dtype
 
 
 class Algorithm(Protocol):

@@ -17,10 +17,13 @@ from jaxring._src import vma
 from jaxring._src.algorithms import ring
 from jaxring._src.algorithms.base import Plan, PlanRequest, register
 from jaxring._src.codecs.base import Codec
+from jaxring._src.transport import inprocess
 from jaxring._src.transport.groups import Group
 
 
 def _level_reduce_scatter(x, group, codec, algo, dtype, transport, want_error, pieces=1):
+  if algo == "shm":   # members in this process: read each other's buffers (transport/inprocess)
+    return inprocess.reduce_scatter(x, group), (jnp.zeros_like(x) if want_error else None)
   if algo == "xla" and transport.has_reduce_scatter:
     # a transport without a native reduce-scatter (MPI through mpi4jax) runs the ring instead
     return transport.reduce_scatter(x, group), (jnp.zeros_like(x) if want_error else None)
@@ -87,7 +90,12 @@ def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str],
         err = lax.dynamic_update_slice(
             err, lax.dynamic_slice(err, (offsets[depth + 1],), (e.shape[0],)) + e.astype(err.dtype),
             (offsets[depth + 1],))
-    payload = ring.all_gather_payload(payload, g, transport)
+    if algos[depth] == "shm" and not vma.is_varying(payload[0], g.axes):
+      # shared memory where nothing needs typing invariant (check_vma=False, pmap); otherwise
+      # only a native collective can type the result invariant
+      payload = inprocess.all_gather(payload, g)
+    else:
+      payload = ring.all_gather_payload(payload, g, transport)
     replicas *= g.size
   return (payload[0] if carrier is None else carrier.decode(payload, dtype)), err
 
@@ -158,6 +166,16 @@ def all_gather(payload: tuple, groups: list[Group], transport) -> tuple:
   return payload
 
 
+def _shared_memory(r: PlanRequest, level, codec: Codec, last: bool = False) -> bool:
+  """Whether a level can reduce in shared memory: its members in this process (every level of a
+  one-process job; ``local`` of one process per node), lossless f32 sums on the CPU, XLA's
+  devices (not MPI ranks), and not the slowest level (whose all-reduce is one step)."""
+  return (not last and r.transport.name == "xla" and not codec.lossy and
+          jnp.dtype(r.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                                 jnp.dtype(jnp.float16)) and
+          (not r.multi_process or getattr(level, "in_process", False)) and inprocess.available())
+
+
 class Hierarchical:
   """BlueConnect over the levels the axes span; one level is a ring."""
 
@@ -177,6 +195,12 @@ class Hierarchical:
         last = i == len(r.groups) - 1
         native_ok = r.transport.native_all_reduce_wins if last else not r.multi_process
         a = "xla" if (not c.lossy and g.whole and native_ok) else "ring"
+        if not last and _shared_memory(r, r.levels[i], c):
+          a = "shm"
+      if a == "shm" and not _shared_memory(r, r.levels[i], c, last=i == len(r.groups) - 1):
+        raise ValueError(f"level {g.name!r} cannot use algorithm 'shm': it needs the CPU backend, "
+                         "the extension, float32 sums, no codec, members in one process, and a "
+                         "level below the slowest")
       if a == "xla" and (c.lossy or not g.whole):
         why = "it cannot compress" if c.lossy else "the level is part of one axis (a Topology split)"
         raise ValueError(f"level {g.name!r} cannot use algorithm 'xla': {why}")

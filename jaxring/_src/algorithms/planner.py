@@ -25,7 +25,7 @@ from jaxring._src.transport.groups import (
 )
 from jaxring._src.transport.xla import XLA
 
-LEVEL_ALGORITHMS = ("auto", "xla", "ring")
+LEVEL_ALGORITHMS = ("auto", "xla", "ring", "shm")
 
 
 def algorithms() -> tuple[str, ...]:
@@ -142,7 +142,7 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
   if kind == "xla":
     return Plan("xla", transport=transport)
   request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
-                        tuple(codecs), whole, transport, algorithm, multi_process)
+                        tuple(codecs), whole, transport, algorithm, multi_process, dtype)
   return base.get(kind).plan(request)
 
 

@@ -37,6 +37,8 @@ def _load_extension():
 def _register(ext) -> None:
   for name, capsule in ext.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  for name, capsule in getattr(ext, "inprocess_registrations", dict)().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   for name, capsule in ext.cuda_registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 

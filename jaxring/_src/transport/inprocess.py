@@ -1,0 +1,86 @@
+"""In-process transport: members of one process meet in shared memory (CPU, custom calls).
+
+The devices of one process share its memory. A level whose members all live in this process
+(``local`` in the one-process-per-node shape, every level of a single-process job) reduce-scatters
+and all-gathers with the ``jaxring_local_*`` custom calls (xla_ext/cpu_inprocess.cc): each device's
+instance rendezvouses with its group under (execution, call site, group), reads the others' buffers
+directly and returns once every member has finished reading. XLA:CPU would otherwise run these
+steps of a multi-process program over gloo's loopback TCP. A member that does not arrive within
+``JAXRING_INPROCESS_TIMEOUT`` seconds (default 60) is named in the error.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxring._src import vma
+from jaxring._src.transport.groups import Group, axis_arg
+
+ENV_TIMEOUT = "JAXRING_INPROCESS_TIMEOUT"
+_sites = itertools.count(1)
+
+
+def available() -> bool:
+  """Whether the in-process collectives can run here: the CPU backend and the extension built."""
+  if jax.default_backend() != "cpu":
+    return False
+  from jaxring._src.ext import loader
+  return loader.LOAD_ERROR is None
+
+
+def _bound_axes() -> tuple:
+  """The mesh axes bound here (manual inside ``shard_map``); none under ``pmap``."""
+  try:
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no mesh in context
+    return ()
+  bound = []
+  for a in names:
+    try:
+      lax.axis_size(a)
+    except NameError:
+      continue
+    bound.append(a)
+  return tuple(bound)
+
+
+def _member(group: Group):
+  """[rank in the group, index of the group], the index unique among the level's groups."""
+  idx = lax.axis_index(axis_arg(group.axes))
+  within = (idx // (group.stride * group.size)) * group.stride + idx % group.stride
+  others = tuple(a for a in _bound_axes() if a not in group.axes)
+  outer = lax.axis_index(axis_arg(others)) if others else 0
+  gid = outer * (group.axes_size // group.size) + within
+  return jnp.stack([jnp.asarray(group.rank(), jnp.int32), jnp.asarray(gid, jnp.int32)])
+
+
+def _call(target: str, result, x, group: Group):
+  member = _member(group)
+  axes = tuple(sorted(vma.varying_axes(x) | vma.varying_axes(member), key=str))
+  x, member = vma.pvary(x, axes), vma.pvary(member, axes)
+  timeout_ms = int(float(os.environ.get(ENV_TIMEOUT) or 60) * 1000)
+  out = jax.ffi.ffi_call(f"jaxring_{target}", result, vmap_method="sequential",
+                         has_side_effect=True)(
+      x, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms)
+  return vma.pvary(out, axes)
+
+
+def reduce_scatter(x, group: Group):
+  """Member ``i`` of ``group`` gets the sum of chunk ``i`` of ``x`` (f32, length divisible)."""
+  if group.size == 1:
+    return x
+  return _call("local_reduce_scatter", jax.ShapeDtypeStruct((x.shape[0] // group.size,),
+                                                            jnp.float32), x, group)
+
+
+def all_gather(payload: tuple, group: Group) -> tuple:
+  """Every member's arrays, concatenated in member order (any dtype)."""
+  if group.size == 1:
+    return payload
+  return tuple(_call("local_all_gather", jax.ShapeDtypeStruct((a.shape[0] * group.size,),
+                                                              a.dtype), a, group)
+               for a in payload)

@@ -1,0 +1,89 @@
+"""The in-process transport (shared-memory custom calls) against lax, on 8 CPU devices."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxring
+from jaxring._src.transport import inprocess
+from jaxring._src.transport.groups import Group
+
+pytestmark = pytest.mark.skipif(not inprocess.available(), reason="needs the CPU extension")
+
+AXES = ("node", "local")
+
+
+def _mesh():
+  return jax.make_mesh((2, 4), AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
+def _run(fn, x, check_vma=True, out=P(AXES)):
+  mesh = _mesh()
+  x = jax.device_put(x, jax.NamedSharding(mesh, P(AXES)))
+  return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXES), out_specs=out,
+                                          check_vma=check_vma))(x))
+
+
+LOCAL = Group(("local",), 4, 1, 4, "local")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_reduce_scatter_and_all_gather_match_lax(check_vma):
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(8 * 1024), jnp.float32)
+  got = _run(lambda v: inprocess.reduce_scatter(v, LOCAL), x, check_vma)
+  want = _run(lambda v: jax.lax.psum_scatter(v, "local", tiled=True), x, check_vma)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  for dtype in (jnp.float32, jnp.int8, jnp.bfloat16):
+    y = x.astype(dtype)
+    got = _run(lambda v: inprocess.all_gather((v,), LOCAL)[0], y, check_vma)
+    want = _run(lambda v: jax.lax.all_gather(v, "local", tiled=True), y, check_vma)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_call_inside_a_loop_meets_again_every_iteration():
+  x = jnp.arange(8 * 64, dtype=jnp.float32) % 7
+
+  def body(v):
+    def step(i, acc):
+      return acc + jnp.tile(inprocess.reduce_scatter(v + i, LOCAL), 4)
+    return jax.lax.fori_loop(0, 25, step, jnp.zeros_like(v))
+
+  def ref(v):
+    def step(i, acc):
+      return acc + jnp.tile(jax.lax.psum_scatter(v + i, "local", tiled=True), 4)
+    return jax.lax.fori_loop(0, 25, step, jnp.zeros_like(v))
+  for _ in range(3):   # and again, in new executions
+    np.testing.assert_array_equal(_run(body, x), _run(ref, x))
+
+
+def test_split_axis_groups_and_hierarchical_psum_match_lax():
+  topo = jaxring.Topology((jaxring.Level("local", 4), jaxring.Level("node", 2, 1e8, 1e-4)))
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+  x = jax.device_put(jnp.arange(8 * 4096, dtype=jnp.float32) % 11,
+                     jax.NamedSharding(mesh, P("d")))
+  run = lambda fn: np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"),
+                                                    out_specs=P()))(x))
+  with jaxring.use_topology(topo):
+    hlo = jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "d", algorithm="hierarchical"),
+                                mesh=mesh, in_specs=P("d"), out_specs=P())).lower(x).as_text()
+    assert "jaxring_local_reduce_scatter" in hlo
+    got = run(lambda v: jaxring.psum(v, "d", algorithm="hierarchical"))
+  np.testing.assert_array_equal(got, run(lambda v: jax.lax.psum(v, "d")))
+
+
+def test_a_member_that_never_arrives_is_named(monkeypatch):
+  monkeypatch.setenv("JAXRING_INPROCESS_TIMEOUT", "1")
+  x = jnp.ones(8 * 64, jnp.float32)
+
+  def body(v):
+    skip = jax.lax.axis_index("local") == 0
+    return jax.lax.cond(skip, lambda u: u[:16] * 0,
+                        lambda u: inprocess.reduce_scatter(u, LOCAL), v)
+  with pytest.raises(Exception, match=r"member\(s\) \[0\] of 4 never arrived"):
+    _run(body, x)
+  # the process goes on: the next collective meets normally
+  np.testing.assert_array_equal(_run(lambda v: inprocess.reduce_scatter(v, LOCAL), x),
+                                np.full(8 * 16, 4.0, np.float32))
