@@ -7,16 +7,17 @@ costs and why.
 
 Why not grain (``grain`` 0.2.18 installs here for Python 3.11; re-checked when the loader became
 the bottleneck of a GPU host, issue 20): its multiprocessing is the part we would want, and we
-would still run our own decode in its workers, so it would not make an image cheaper; its worker
-processes assemble each batch with a per-record copy (``np.stack``) before the shared-memory
-hand-over, where ours decode into the batch's slot. What it would cost: its ``IndexSampler``
-shards by giving each process a contiguous range of the records and shuffles inside that range,
-so a process only ever sees its own fixed part of the data set and a global batch depends on the
-process count; its iterator state is a JSON blob rather than two integers; its last batch is short
-with no mask; and a corrupt image counted in a worker process is not visible to the caller. This
-loader keeps :class:`jaxring.train.BatchIterator`'s contract instead: each epoch's order is a
-permutation of the whole data set seeded by ``(seed, epoch)``, every process takes its contiguous
-slice of each global batch, and the position is ``(epoch, index)``.
+would still run our own decode in its workers, so it would not make an image cheaper; its
+transforms return one array per record, which batching then copies into the batch (``np.stack``,
+into shared memory under ``mp_prefetch``), where ours decode into the batch's slot. What it would
+cost: its ``IndexSampler`` shards by giving each process a contiguous range of the records and
+shuffles inside that range, so a process only ever sees its own fixed part of the data set and a
+global batch depends on the process count; its iterator state is a JSON blob rather than two
+integers; its last batch is short with no mask; and a corrupt image counted in a worker process
+is not visible to the caller. This loader keeps :class:`jaxring.train.BatchIterator`'s contract
+instead: each epoch's order is a permutation of the whole data set seeded by ``(seed, epoch)``,
+every process takes its contiguous slice of each global batch, and the position is
+``(epoch, index)``.
 
 Every random choice of an example (crop, flip) comes from a generator seeded by
 ``(seed, epoch, example index)``, so a batch is a pure function of the position (and of the
