@@ -68,3 +68,15 @@ def test_nesterov_topk_with_momentum_correction_within_one_point(data, uncompres
   tx = bench.supported_optimizer("nesterov", 0.05, "d", TOPK)
   assert accuracy(data, tx) >= nesterov - 1.0
   np.testing.assert_allclose(nesterov, uncompressed["momentum"], atol=1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", ["bf16", "int8", "topk"])
+@pytest.mark.parametrize("name", bench.OPTIMIZERS)
+def test_every_optimizer_and_codec_meets_the_goal(data, name, codec):
+  """The whole matrix (~2 min): the goal is 0.5 points for dense codecs, 1.0 for top-k."""
+  lr = bench.LEARNING_RATES[name]
+  base = accuracy(data, bench.supported_optimizer(name, lr, "d", None))
+  c = TOPK if codec == "topk" else codecs.parse(codec)
+  got = accuracy(data, bench.supported_optimizer(name, lr, "d", c, **ADAM))
+  assert got >= base - (1.0 if codec == "topk" else 0.5), (base, got)

@@ -73,7 +73,7 @@ def render(labels: np.ndarray, image_size: int, rng: np.random.RandomState, *,
   return img.astype(np.float32)
 
 
-def hard_shapes(num_train: int = 4096, num_test: int = 1024, image_size: int = 16,
+def hard_shapes(num_train: int = 16384, num_test: int = 1024, image_size: int = 16,
                 label_noise: float = 0.1, seed: int = 0):
   """``(x_train, y_train, x_test, y_test)``: images [n, s, s, 3] float32, labels int32 in 0..15.
 

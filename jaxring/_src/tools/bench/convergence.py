@@ -2,7 +2,7 @@
 
 Task ``digits``: a 64-64-10 MLP on scikit-learn's bundled digits (1440 training, 357 test
 images), trained full-batch and data-parallel on 8 members (180 images each). Task ``shapes``: a
-small CNN on ``hard_shapes`` (jaxring._src.data.hard_shapes: 16 classes, 4096 training images
+small CNN on ``hard_shapes`` (jaxring._src.data.hard_shapes: 16 classes, 16384 training images
 with 10% label noise, 1024 clean test images), 16 images per member a step. Each run is one
 ``shard_map`` + ``lax.scan``. For every optimizer it trains uncompressed, then per codec:
 
@@ -211,7 +211,7 @@ def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0):
 TASKS = {
     # task: (default steps, learning rates, top-k chunk size, compressed Adam's warm-up)
     "digits": (300, LEARNING_RATES, 16, 100),
-    "shapes": (1500, {"sgd": 0.5, "momentum": 0.1, "nesterov": 0.1, "adam": 3e-3,
+    "shapes": (1200, {"sgd": 0.5, "momentum": 0.1, "nesterov": 0.1, "adam": 3e-3,
                       "adamw": 3e-3}, 16, 300),
 }
 
