@@ -61,18 +61,25 @@ def run_jax(args) -> int:
   del local
 
   def reducer(kind, codec_name):
+    check_vma = not kind.endswith("/check_vma=False")
+    kind = kind.split("/")[0]
     if kind == "gloo":
       body = lambda v: jax.lax.psum(v, axes)
     else:
       codec = jaxring.codecs.parse(codec_name)
       comp = None if codec is None else {"node": codec}
       body = lambda v: jaxring.psum(v, axes, algorithm=kind, compression=comp)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P()))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(),
+                                 check_vma=check_vma))
 
   codecs = [c for c in args.codecs.split(",") if c]
   contenders = [("gloo lax.psum", "gloo", "none")] + [
       (f"jaxring {a} {c}", a, c) for a in args.algorithms.split(",") for c in codecs
       if a != "ring" or c == "none"]
+  # check_vma=False (train_step's mode, and pmap's): the all-gather back over the in-process
+  # level may run in shared memory too, nothing having to be typed invariant
+  contenders += [(f"jaxring hierarchical {c} (check_vma=False)", "hierarchical/check_vma=False",
+                  c) for c in codecs if "hierarchical" in args.algorithms.split(",")]
   plans = {}
   if args.auto:
     # auto's choice comes from a profile measured here, in this job, like a user's first run
