@@ -72,7 +72,30 @@ def _interleaved_times(fns: list[Callable[[], object]], warmup: int, repeats: in
   return times
 
 
-def _cases(n: int, rng: np.random.Generator) -> list[Case]:
+def in_one_program(f, launches: int):
+  """``f`` run ``launches`` times back to back inside one jitted program, so that a sample's time
+  excludes dispatch: each run's inputs pass through an optimization barrier with the previous
+  run's output, so XLA neither hoists nor merges the runs, and every run computes all of ``f``.
+
+  Example:
+    >>> g = in_one_program(lambda v: v * 2, 3)
+    >>> float(g(jnp.ones(4))[0])
+    2.0
+  """
+  import jax
+  from jax import lax
+  if launches <= 1:
+    return jax.jit(f)
+
+  def many(*args):
+    def body(_, carry):
+      tied, _ = lax.optimization_barrier((args, carry))
+      return f(*tied)
+    return lax.fori_loop(0, launches - 1, body, f(*args))
+  return jax.jit(many)
+
+
+def _cases(n: int, rng: np.random.Generator, launches: int = 1) -> list[Case]:
   import jax
   import jax.numpy as jnp
 
@@ -80,7 +103,7 @@ def _cases(n: int, rng: np.random.Generator) -> list[Case]:
   from jaxring._src.ext import reference as ref
 
   def timed(f, *args, donate=()):
-    jf = jax.jit(f, donate_argnums=donate)
+    jf = in_one_program(f, launches) if not donate else jax.jit(f, donate_argnums=donate)
     return lambda: jax.block_until_ready(jf(*args))
 
   x = jnp.asarray(rng.standard_normal(n, dtype=np.float32))
@@ -143,17 +166,17 @@ def _cases(n: int, rng: np.random.Generator) -> list[Case]:
   ]
 
 
-def _copy_baseline(src: np.ndarray) -> Callable[[], object]:
-  """The copy the kernels are measured against, on their own memory: ``np.copyto`` on a CPU, a
-  jitted device-to-device copy (dispatched and synchronized like a kernel call) on an accelerator.
+def _copy_baseline(src: np.ndarray, launches: int = 1) -> Callable[[], object]:
+  """The copy the kernels are measured against, on their own memory: ``np.copyto`` on a CPU; on an
+  accelerator a device-to-device pass over the same bytes (``-x``: n read, n written, which XLA
+  cannot elide like a plain copy), ``launches`` of them in one program like the kernels.
   """
   import jax
-  import jax.numpy as jnp
-  if jax.default_backend() == "cpu":
+  if jax.default_backend() == "cpu" and launches <= 1:
     dst = np.empty_like(src)
     return lambda: np.copyto(dst, src)
   x = jax.device_put(src)
-  copy = jax.jit(jnp.copy)
+  copy = in_one_program(lambda v: -v, launches)
   return lambda: jax.block_until_ready(copy(x))
 
 
@@ -169,6 +192,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                  help="split buffers over this many threads (JAXRING_CPU_THREADS, default 1)")
   p.add_argument("--glibc-heap", action="store_true",
                  help="mallopt: serve large buffers from the glibc heap instead of fresh mmaps")
+  p.add_argument("--launches", type=int, default=None,
+                 help="kernel runs per timed call, in one jitted program so that dispatch is "
+                 "excluded (default 1 on a CPU, 50 on an accelerator)")
   p.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results)")
   return p.parse_args(argv)
 
@@ -185,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
   import jax
 
+  launches = args.launches or (1 if jax.default_backend() == "cpu" else 50)
   threads = os.environ.get("JAXRING_CPU_THREADS", "1 (default)")
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} cores "
         f"({platform.processor() or platform.machine()}); allocator: {alloc}; "
@@ -192,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
   rows = []
   rng = np.random.default_rng(0)
   header = f"{'kernel':36s} {'MiB':>6s} {'GB/s':>7s} {'memcpy':>7s} {'ratio':>6s} {'XLA GB/s':>9s}"
-  copy_name = "np.copyto" if jax.default_backend() == "cpu" else "a jitted device-to-device copy"
+  copy_name = ("np.copyto" if jax.default_backend() == "cpu" and launches <= 1
+               else f"-x on the device, {launches} per program")
   print(f"GB/s = (bytes read + bytes written) / median time; memcpy = {copy_name} timed in rotation "
         "with the kernel; ratio = median over rotations of kernel GB/s / memcpy GB/s; "
         "XLA = the kernel's jnp reference, jitted")
@@ -201,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
   for mib in args.sizes:
     n = int(mib * MiB) // 4
     src = np.asarray(rng.standard_normal(n, dtype=np.float32))
-    memcpy = _copy_baseline(src)
+    memcpy = _copy_baseline(src, launches)
 
-    for case in _cases(n, rng):
+    for case in _cases(n, rng, launches):
       if args.kernels and not any(k in case.name for k in args.kernels):
         continue
       fns = [memcpy, case.run]
@@ -211,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         fns.append(case.reference)
       inner = max(1, 16 * MiB // src.nbytes)
       times = _interleaved_times(fns, args.warmup, args.repeats, inner)
+      per = launches if "donated" not in case.name else 1
+      times = [times[0]] + [[t / per for t in ts] for ts in times[1:]]
+      times[0] = [t / launches for t in times[0]] if copy_name != "np.copyto" else times[0]
       copy_gbps = 2 * src.nbytes / statistics.median(times[0]) / 1e9
       gbps = case.bytes / statistics.median(times[1]) / 1e9
       # The ratio is the median of per-rotation ratios: both sides of each saw the same load.
@@ -224,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                    "median_s": statistics.median(times[1]), "gbps": gbps,
                    "memcpy_gbps": copy_gbps, "ratio_to_memcpy": ratio,
                    "xla_reference_gbps": ref_gbps})
-  meta = {**common.machine(), "allocator": alloc, "copy_baseline": copy_name, "kernel_threads": threads,
+  meta = {**common.machine(), "allocator": alloc, "copy_baseline": copy_name,
+          "launches_per_call": launches, "kernel_threads": threads,
           "repeats": args.repeats, "warmup": args.warmup,
           "argv": list(sys.argv[1:] if argv is None else argv)}
   print(f"wrote {common.write_json('kernels', {'meta': meta, 'results': rows}, args.out)}")
