@@ -1,20 +1,22 @@
 """The fast decode of one example: libjpeg-turbo (``simplejpeg``) + OpenCV, into a batch's slot.
 
-Per image, for the 224 px train transform of ImageNet-sized JPEGs (shorter side 375), measured
-single-threaded on the 2-core development machine (docs/benchmarks.md, "Input pipeline"):
+Per image, for the 224 px transforms of ImageNet-sized JPEGs (shorter side 375), single-threaded
+on the 2-core development machine (``jaxring bench data --stages``; docs/benchmarks.md, "Input
+pipeline"):
 
-- libjpeg-turbo through ``simplejpeg`` decodes in 0.85 ms against 1.02 ms through PIL; Huffman
+- libjpeg-turbo through ``simplejpeg`` decodes in 0.87 ms against 0.97 ms through PIL; Huffman
   decoding is most of it, so reduced-size decoding saves less than its pixel count suggests
-  (1/2: 0.72 ms, 1/8: 0.57 ms), and libjpeg's 3/8..7/8 scales run plain-C IDCTs that are SLOWER
-  than the full decode (6/8: 1.07 ms, 7/8: 1.30 ms). Only 1/2, 1/4, 1/8 are used.
-- PIL's antialiased bilinear resize of the crop costs 1.05 ms, OpenCV's bilinear 0.12 ms and its
-  area resampling 0.49 ms, written straight into the batch's slot (``dst=``).
+  (1/2: 0.74 ms, 1/8: 0.59 ms), and libjpeg's other scales (3/8..7/8) are SLOWER than the
+  full decode (6/8: 1.07 ms, 7/8: 1.29 ms). Only 1/2, 1/4, 1/8 are used.
+- PIL's antialiased bilinear resize of the crop costs 0.84 ms, OpenCV's bilinear 0.14 ms and its
+  area resampling 0.69 ms, written straight into the batch's slot (``dst=``).
 
 So: read the header, draw the crop box from it (the same boxes and the same draws as
 :func:`jaxring.data.load_image`), decode at the smallest 1/2^k scale that keeps at least
 ``image_size`` pixels across the crop in both directions, and resample the crop once into the
-output slot: area resampling where it shrinks (the antialiasing that the DCT scaling left to do),
-bilinear where it enlarges. The horizontal flip is OpenCV's, from a per-worker scratch image.
+output slot: bilinear, which reads every source pixel where less than 2x is left to shrink (the
+DCT scaling took the rest), and area resampling where more is left (at very small sizes). The
+horizontal flip is OpenCV's, from a per-worker scratch image.
 
 Anything libjpeg-turbo does not read cleanly goes through PIL instead (:func:`load_image`): CMYK and
 YCCK JPEGs (PIL applies Adobe's inverted-CMYK convention), PNG or other bytes behind a ``.JPEG``
@@ -168,7 +170,7 @@ class TurboDecoder:
     y1 = min(pixels.shape[0], max(y0 + 1, int(round((y + h) * sy))))
     crop = pixels[y0:y1, x0:x1]
     # the DCT scaling left less than 2x to shrink, where bilinear samples every source pixel;
-    # area resampling (5x the cost at 328 -> 224) only where more is left
+    # area resampling (5x bilinear's cost at 328 -> 224) only where more is left
     shrinks_2x = max(crop.shape[0], crop.shape[1]) >= 2 * self.image_size
     dst = self._flip if flip else out
     cv2.resize(crop, (self.image_size, self.image_size), dst=dst,
