@@ -358,3 +358,39 @@ def test_results_vary_over_the_manual_axes_their_inputs_vary_over(name, module):
   for k, got in enumerate(sums):
     want = np.sum([r[k].astype(np.float32) for r in rows], axis=0)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+
+
+def test_the_codecs_run_the_reference_where_it_measured_faster(tmp_path, monkeypatch):
+  import json
+
+  import jaxring
+
+  from jaxring._src.codecs import kernels as codec_kernels
+  from jaxring._src.tools.bench.kernels import save_choice
+
+  monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
+  codec_kernels._resolve.cache_clear()
+  rows = [{"kernel": "quantize_int8 f32", "size_mib": 64, "gbps": 10.0, "xla_reference_gbps": 20.0},
+          {"kernel": "quantize_int8 bf16", "size_mib": 64, "gbps": 10.0, "xla_reference_gbps": 30},
+          {"kernel": "ring_hop_cast bf16", "size_mib": 64, "gbps": 10.0, "xla_reference_gbps": 10.2},
+          {"kernel": "quantize_int8 f32", "size_mib": 1, "gbps": 50.0, "xla_reference_gbps": 1.0}]
+  save_choice(rows, "cpu")
+  recorded = json.loads((tmp_path / "kernels-cpu.json").read_text())
+  assert recorded["use_reference"] == ["quantize_int8"]   # 5% is noise: ring_hop_cast stays
+  try:
+    ops = codec_kernels.ops()
+    assert ops.quantize_int8 is ref.quantize_int8 and ops.ring_hop_cast is ext.ring_hop_cast
+    assert "references of ['quantize_int8']" in codec_kernels.backend()
+    codec = jaxring.codecs.int8()
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(4096), jnp.float32)
+    np.testing.assert_array_equal(codec.encode(x, jnp.float32)[0],
+                                  ext.quantize_int8(x, 256)[0])   # bit for bit either way
+  finally:
+    codec_kernels._resolve.cache_clear()
+  # another platform's record is not read here
+  (tmp_path / "kernels-cpu.json").write_text(json.dumps({"platform": "gpu",
+                                                          "use_reference": ["quantize_int8"]}))
+  try:
+    assert codec_kernels.ops().quantize_int8 is ext.quantize_int8
+  finally:
+    codec_kernels._resolve.cache_clear()

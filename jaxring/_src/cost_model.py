@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxring._src import cache
 from jaxring._src.topology import Level
 
 
@@ -93,7 +94,6 @@ def link_bound(n: float, p: int, bw: float, ratio: float = 1.0) -> float:
 # lossless reductions.
 
 ENV_PROFILE = "JAXRING_PROFILE"          # a profile file to use, or "off"
-ENV_CACHE_DIR = "JAXRING_CACHE_DIR"      # where calibrated profiles are kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +169,7 @@ def profile_key(axes, sizes, transport: str, processes: int, platform: str) -> d
 
 
 def cache_dir() -> pathlib.Path:
-  base = os.environ.get(ENV_CACHE_DIR) or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxring")
-  return pathlib.Path(base) / "profiles"
+  return cache.cache_dir() / "profiles"
 
 
 def profile_path(key: dict) -> pathlib.Path:

@@ -180,6 +180,28 @@ def _copy_baseline(src: np.ndarray, launches: int = 1) -> Callable[[], object]:
   return lambda: jax.block_until_ready(copy(x))
 
 
+def save_choice(rows: list[dict], platform: str) -> str:
+  """Writes which kernels the codecs should run as their jnp reference on ``platform``: those
+  whose every measured variant at the largest size ran more than 5% slower than the reference."""
+  import json
+
+  from jaxring._src.codecs import kernels as codec_kernels
+  from jaxring._src.ext import FFI_KERNELS
+  largest = max(r["size_mib"] for r in rows)
+  slower: dict[str, list[bool]] = {}
+  for r in rows:
+    name = r["kernel"].split()[0]
+    if r["size_mib"] == largest and name in FFI_KERNELS and r["xla_reference_gbps"]:
+      slower.setdefault(name, []).append(r["xla_reference_gbps"] > 1.05 * r["gbps"])
+  use = sorted(n for n, s in slower.items() if all(s))
+  path = codec_kernels.choice_path(platform)
+  os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({"platform": platform, "use_reference": use, "size_mib": largest,
+               "measured": {n: s for n, s in slower.items()}}, f, indent=1)
+  return f"kernel choice for {platform}: references for {use or 'none'}; wrote {path}"
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(prog="jaxring bench kernels", description=__doc__.split("\n\n")[0])
   p.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256],
@@ -195,6 +217,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--launches", type=int, default=None,
                  help="kernel runs per timed call, in one jitted program so that dispatch is "
                  "excluded (default 1 on a CPU, 50 on an accelerator)")
+  p.add_argument("--save-choice", action="store_true",
+                 help="record, for this platform, the kernels whose jnp reference ran faster "
+                 "(by more than 5%% at the largest size): the codecs use those references here")
   p.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results)")
   return p.parse_args(argv)
 
@@ -255,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                    "median_s": statistics.median(times[1]), "gbps": gbps,
                    "memcpy_gbps": copy_gbps, "ratio_to_memcpy": ratio,
                    "xla_reference_gbps": ref_gbps})
+  if args.save_choice:
+    print(save_choice(rows, jax.default_backend()))
   meta = {**common.machine(), "allocator": alloc, "copy_baseline": copy_name,
           "launches_per_call": launches, "kernel_threads": threads,
           "repeats": args.repeats, "warmup": args.warmup,
