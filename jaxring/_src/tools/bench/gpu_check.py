@@ -27,7 +27,8 @@ from jaxring._src.tools.bench import common
 STEPS = {
     "doctor": (["-m", "jaxring", "doctor", "--require", "cuda,gpu"], 300),
     "pytest-gpu": (["-m", "pytest", "-q", "-m", "gpu", "tests/test_ext_gpu.py"], 600),
-    "kernels": (["-m", "jaxring._src.tools.bench.kernels", "--sizes", "16", "64", "256"], 600),
+    "kernels": (["-m", "jaxring._src.tools.bench.kernels", "--sizes", "16", "64", "256",
+                 "--launches", "50", "--save-choice"], 600),
     "resnet50": (["-m", "jaxring", "bench", "resnet50", "--data", "synthetic", "--dtype",
                   "bfloat16"], 900),
 }
