@@ -210,15 +210,28 @@ def test_process_workers_resume_and_shard(small_root):
   np.testing.assert_array_equal(np.concatenate([q["image"] for q in parts]), expected[0]["image"])
 
 
-def test_process_workers_leave_no_shared_memory(small_root):
+def shared_files() -> set:
+  pattern = f"jaxring-data-{os.getpid()}-*"
+  return set(glob.glob(os.path.join("/dev/shm", pattern)) + glob.glob(
+      os.path.join(os.environ.get("TMPDIR", "/tmp"), pattern)))
+
+
+def test_process_workers_leave_no_shared_memory_or_processes(small_root):
   ds = ImageFolder(small_root, "train")
+  before = shared_files()
   with loader(ds, num_workers=1) as it:
     batch = next(it)
-    ours = glob.glob(f"/dev/shm/jaxring-data-{os.getpid()}-*") + glob.glob(
-        os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jaxring-data-{os.getpid()}-*"))
-    assert ours  # the ring, the path table, its offsets and the labels
+    ours = shared_files() - before
+    assert len(ours) == 4  # the ring, the path table, its offsets and the labels
+    (pid,) = it.worker_pids()
   assert not [p for p in ours if os.path.exists(p)]
+  assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
   assert batch["image"].std() > 5  # the returned batch is the caller's own copy
+  dropped = loader(ds, num_workers=1)
+  next(dropped)
+  (pid,) = dropped.worker_pids()
+  del dropped  # never closed: garbage collection stops its worker
+  assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc/<pid>/maps (Linux)")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import weakref
 from typing import Iterator
 
 import jax
@@ -227,10 +228,11 @@ class ImageLoader:
     self.epoch, self.index = (epoch + 1, 0) if index == self.batches_per_epoch else (epoch, index)
 
   def close(self) -> None:
-    """Stops the workers and frees their shared memory (also done at interpreter exit)."""
+    """Stops the workers and frees their shared memory (also done when the loader is garbage
+    collected, and at interpreter exit)."""
     self._cancel_pending()
     if self._workers is not None:
-      self._workers.close()
+      self._close_workers()
       self._workers = None
 
   def __enter__(self) -> ImageLoader:
@@ -269,6 +271,9 @@ class ImageLoader:
       self._workers = workers.ProcessWorkers(
           self.dataset.paths, self.dataset.labels, num_workers=self.num_workers,
           ring_size=self.prefetch + 1, batch_size=self.batch_size, filler_args=filler_args)
+    # a loader dropped without close() must not leave its worker processes behind; the
+    # finalizer holds the workers, not the loader
+    self._close_workers = weakref.finalize(self, self._workers.close)
 
   def _submit_ahead(self, key: tuple[int, int]) -> None:
     if self._workers is None:
