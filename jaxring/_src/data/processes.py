@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -41,6 +42,9 @@ _WORKER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THR
 
 def serve(task_fd: int, result_fd: int) -> None:
   """A worker's loop: run the initializer, then each task, until the pipe closes."""
+  # Ctrl-C reaches the whole process group: the parent handles it and closes the pipes, which
+  # ends this loop; a worker that raised KeyboardInterrupt itself would only print a traceback
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
   tasks, results = Connection(task_fd, writable=False), Connection(result_fd, readable=False)
   try:
     initializer, args = tasks.recv()
@@ -63,6 +67,8 @@ def serve(task_fd: int, result_fd: int) -> None:
       reply = (False, e)
     try:
       results.send(reply)
+    except OSError:
+      return  # the parent is gone
     except Exception:  # an exception that does not pickle
       results.send((False, RuntimeError(repr(reply[1]))))
 
