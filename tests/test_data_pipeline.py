@@ -295,6 +295,7 @@ def test_dali_is_an_optional_extra():
 def test_bench_data_rows_and_json(tmp_path, capsys):
   from jaxring._src.tools.bench import data as bench_data
   bench_data.main(["--source-size", "64", "--files", "16", "--batch-size", "8", "--batches", "1",
+                   "--reps", "2",
                    "--workers", "1,2", "--worker-types", "thread", "--decoders", "pil",
                    "--image-sizes", "32", "--gpu-rate", "1e9", "--stages",
                    "--out-dir", str(tmp_path)])
@@ -307,6 +308,9 @@ def test_bench_data_rows_and_json(tmp_path, capsys):
   assert [(r["transform"], r["workers"]) for r in rows] == [("train", 1), ("train", 2),
                                                              ("eval", 1), ("eval", 2)]
   assert all(r["images_per_s"] > 0 and r["cpu_ms_per_image"] > 0 for r in rows)
+  assert all(len(r["images_per_s_reps"]) == 2 and
+             min(r["images_per_s_reps"]) <= r["images_per_s"] <= max(r["images_per_s_reps"])
+             for r in rows)
   assert all(r["scaling"] == pytest.approx(r["images_per_s"] / (r["workers"] * single))
              for r, single in zip(rows, [rows[0]["images_per_s"]] * 2 +
                                   [rows[2]["images_per_s"]] * 2))

@@ -3,8 +3,9 @@
 For each image size, transform (train: random-resized crop + flip; eval: center crop), decoder,
 worker type and worker count, it times ``--batches`` whole batches after a warm-up batch and
 reports images/s (wall clock) and the CPU time per image of this process and its worker
-processes together (the cost that contention for the cores does not change), and the scaling
-efficiency: images/s over ``workers x`` the one-worker rate of the same configuration.
+processes together (the cost that contention for the cores does not change), each the median of
+``--reps`` consecutive windows, and the scaling efficiency: images/s over ``workers x`` the
+one-worker rate of the same configuration.
 
 The images are JPEG files of ImageNet's typical size written with ``write_image_folder`` (shorter
 side ``--source-size`` 375 px, longer side up to 1.4x, quality 90) into a temporary folder, or an
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
@@ -60,22 +62,27 @@ def _cpu_seconds(loader) -> float:
 
 
 def measure(ds, *, image_size: int, train: bool, workers: int, worker_type: str, decoder: str,
-            batch_size: int, batches: int) -> dict:
-  """One row: images/s and CPU ms per image over ``batches`` batches after a warm-up batch."""
+            batch_size: int, batches: int, reps: int = 1) -> dict:
+  """One row: the medians over ``reps`` consecutive windows of ``batches`` batches (after a
+  warm-up batch) of images/s and CPU ms per image; each window's figures are kept too."""
   from jaxring.data import ImageLoader
 
+  rates, cpu_ms = [], []
   with ImageLoader(ds, batch_size, train=train, image_size=image_size, num_workers=workers,
                    worker_type=worker_type, decoder=decoder, process_index=0, process_count=1,
                    prefetch=2) as loader:
     next(loader)  # starts the workers, fills the pipeline
-    start, cpu = time.perf_counter(), _cpu_seconds(loader)
-    for _ in range(batches):
-      next(loader)
-    wall, cpu = time.perf_counter() - start, _cpu_seconds(loader) - cpu
-  images = batches * batch_size
+    for _ in range(reps):
+      start, cpu = time.perf_counter(), _cpu_seconds(loader)
+      for _ in range(batches):
+        next(loader)
+      wall, cpu = time.perf_counter() - start, _cpu_seconds(loader) - cpu
+      rates.append(batches * batch_size / wall)
+      cpu_ms.append(1e3 * cpu / (batches * batch_size))
   return {"image_size": image_size, "transform": "train" if train else "eval",
           "decoder": loader.decoder, "worker_type": worker_type, "workers": workers,
-          "images_per_s": images / wall, "cpu_ms_per_image": 1e3 * cpu / images}
+          "images_per_s": statistics.median(rates), "cpu_ms_per_image": statistics.median(cpu_ms),
+          "images_per_s_reps": rates, "cpu_ms_per_image_reps": cpu_ms}
 
 
 def _add_comparisons(rows: list[dict], gpu_rate: float | None) -> None:
@@ -170,7 +177,8 @@ def main(argv=None) -> int:
   ap.add_argument("--files", type=int, default=512)
   ap.add_argument("--data-dir", default="", help="an ImageNet-layout folder to read instead")
   ap.add_argument("--batch-size", type=int, default=128)
-  ap.add_argument("--batches", type=int, default=8)
+  ap.add_argument("--batches", type=int, default=8, help="batches per timed window")
+  ap.add_argument("--reps", type=int, default=3, help="timed windows per row (medians)")
   ap.add_argument("--gpu-rate", type=float, default=None,
                   help="the accelerator's training images/s: say whether the pipeline keeps up")
   ap.add_argument("--stages", action="store_true",
@@ -193,7 +201,8 @@ def main(argv=None) -> int:
             for workers in _ints(args.workers):
               rows.append(measure(ds, image_size=image_size, train=transform == "train",
                                   workers=workers, worker_type=worker_type, decoder=decoder,
-                                  batch_size=args.batch_size, batches=args.batches))
+                                  batch_size=args.batch_size, batches=args.batches,
+                                  reps=args.reps))
               print(f"  {rows[-1]['transform']} {image_size} {rows[-1]['decoder']} "
                     f"{worker_type} x{workers}: {rows[-1]['images_per_s']:.0f} images/s",
                     file=sys.stderr, flush=True)
@@ -212,7 +221,7 @@ def main(argv=None) -> int:
   path = common.write_json("data", {
       "rows": rows, "stages": stages, "files": len(ds), "mean_file_bytes": float(np.mean(sizes)),
       "source_size": None if args.data_dir else args.source_size, "cpus": cpus,
-      "batch_size": args.batch_size, "batches": args.batches, "gpu_rate": args.gpu_rate,
+      "batch_size": args.batch_size, "batches": args.batches, "reps": args.reps, "gpu_rate": args.gpu_rate,
       "machine": machine}, args.out_dir)
   print(f"wrote {path}")
   return 0
