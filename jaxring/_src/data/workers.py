@@ -3,15 +3,16 @@ into shared memory.
 
 Both run :class:`ExampleFiller` on a range of a batch's slots and return the slots' labels, mask
 and corrupt files to the loader, which logs and counts them. libjpeg-turbo (simplejpeg) and
-OpenCV release the GIL, so threads do scale on a few cores; processes are the default because
-the Python around each image (the example's generator, the crop box, the file read, the calls)
-holds it: a few percent of each image, a serial fraction that caps threads well short of 16
-cores once handing the GIL between 16 threads costs too (the PIL loader's 16 threads measured
-slower than its 8 on a 16-core host). A worker process decodes straight
-into its slots of a batch buffer in shared memory (a file in ``/dev/shm`` mapped by every
-process), so an image is written once by its decoder and copied once, with the whole batch, when
-the loader hands the batch out. The file list and labels sit in shared memory as well, so
-starting a worker sends a few names, not ImageNet's 1.28 million paths.
+OpenCV release the GIL, so threads do scale on a few cores. Processes are the default because the
+Python around each image (the example's generator, the crop box, the file read, the calls) holds
+it: a few percent of each image, a serial fraction that, with the cost of handing the GIL between
+16 threads, caps threads well short of 16 cores (the PIL loader's 16 threads measured slower
+than its 8 on a 16-core host).
+
+A worker process decodes straight into its slots of a batch buffer in shared memory (a file in
+``/dev/shm`` mapped by every process), so an image is written once by its decoder and copied
+once, with the whole batch, when the loader hands the batch out. The file list and labels sit in
+shared memory as well, so starting a worker sends a few names, not ImageNet's 1.28 million paths.
 
 Worker processes are fresh interpreters that import the decoders but not JAX
 (:mod:`jaxring._src.data.processes` says why not ``multiprocessing``).
