@@ -3,8 +3,9 @@
 ``ImageFolder`` lists a split's files and labels, ``ImageLoader`` yields sharded, deterministic,
 resumable batches of decoded images (libjpeg-turbo where installed), ``DaliImageLoader`` decodes
 training batches on the GPU with NVIDIA DALI (optional: ``pip install 'jaxring[dali]'``),
-``SyntheticImages`` yields random ones without disk (``--data synthetic``), ``prefetch_to_device`` overlaps the host-to-device copies, and
-``write_image_folder`` writes a small learnable data set of real JPEG files for tests and demos.
+``SyntheticImages`` yields random ones without disk (``--data synthetic``),
+``prefetch_to_device`` overlaps the host-to-device copies, and ``write_image_folder`` writes a
+small learnable data set of real JPEG files for tests and demos.
 """
 from jaxring._src.data.dali import DaliImageLoader as DaliImageLoader
 from jaxring._src.data.dali import dali_error as dali_error
