@@ -66,18 +66,6 @@ ffi::Error LaunchError(std::string_view op) {
   return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(e));
 }
 
-// Max over the thread block; every thread gets the result. `smem` holds one word per warp.
-__device__ uint32_t BlockMax(uint32_t v, uint32_t* smem) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = __reduce_max_sync(0xffffffffu, v);
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  uint32_t m = 0;
-  for (int w = 0; w < (blockDim.x + 31) / 32; ++w) m = max(m, smem[w]);
-  __syncthreads();  // smem is reused by the next block of the grid-stride loop
-  return m;
-}
-
 __device__ double BlockSum(double v, double* smem) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -89,14 +77,32 @@ __device__ double BlockSum(double v, double* smem) {
   return s;
 }
 
-// Encodes v[0..len) (already in memory written by this thread block, or an input) of one block.
+// The int8 family works one warp per quantization block: lanes read the block coalesced (lane
+// l takes elements l, l + 32, ...), the block's abs-max is one warp reduction, and a thread block
+// of kThreads covers kThreads / 32 quantization blocks. (One thread block per quantization block,
+// with two __syncthreads per block, reached a quarter of an H100's DRAM bandwidth; XLA's fusion
+// of the reference was twice as fast. docs/benchmarks.md.) Every lane reads back only elements it
+// wrote itself, so no barrier is needed between a hop's decode and its encode.
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+struct WarpSlot {
+  int64_t index, count;  // this warp's first quantization block and the grid's warps
+  int lane;
+};
+
+__device__ __forceinline__ WarpSlot Warp() {
+  return {blockIdx.x * int64_t{kWarpsPerBlock} + (threadIdx.x >> 5),
+          int64_t{gridDim.x} * kWarpsPerBlock, static_cast<int>(threadIdx.x & 31)};
+}
+
+// Encodes v[0..len) of one quantization block with the calling warp; returns the block's scale.
 template <class C>
-__device__ float EncodeBlock(const typename C::T* v, int64_t len, int8_t* q, bool stochastic,
-                             uint32_t key, int64_t base, uint32_t* smem) {
+__device__ float WarpEncodeBlock(const typename C::T* v, int64_t len, int8_t* q, bool stochastic,
+                                 uint32_t key, int64_t base, int lane) {
   uint32_t amax = 0;
-  for (int64_t i = threadIdx.x; i < len; i += blockDim.x) amax = max(amax, AbsBits(C::Load(v[i])));
-  const BlockScale s = ScaleFromAmaxBits(BlockMax(amax, smem));
-  for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+  for (int64_t i = lane; i < len; i += 32) amax = max(amax, AbsBits(C::Load(v[i])));
+  const BlockScale s = ScaleFromAmaxBits(__reduce_max_sync(0xffffffffu, amax));
+  for (int64_t i = lane; i < len; i += 32) {
     int8_t code = 0;
     if (s.inv != 0.0f) {
       code = stochastic
@@ -113,43 +119,44 @@ template <class C>
 __global__ void QuantizeKernel(const typename C::T* x, const uint32_t* seed, int64_t rows,
                                int64_t n, int64_t bs, int64_t nb, bool stochastic, int8_t* q,
                                float* scales) {
-  __shared__ uint32_t smem[32];
-  for (int64_t g = blockIdx.x; g < rows * nb; g += gridDim.x) {
+  const WarpSlot w = Warp();
+  for (int64_t g = w.index; g < rows * nb; g += w.count) {
     const int64_t r = g / nb, start = (g % nb) * bs, len = min(bs, n - start);
-    const float s = EncodeBlock<C>(x + r * n + start, len, q + r * n + start, stochastic,
-                                   SeedKey(seed[r]), start, smem);
-    if (threadIdx.x == 0) scales[g] = s;
+    const float s = WarpEncodeBlock<C>(x + r * n + start, len, q + r * n + start, stochastic,
+                                       SeedKey(seed[r]), start, w.lane);
+    if (w.lane == 0) scales[g] = s;
   }
 }
 
 template <class C>
-__global__ void DequantizeKernel(const int8_t* q, const float* scales, int64_t total, int64_t n,
+__global__ void DequantizeKernel(const int8_t* q, const float* scales, int64_t rows, int64_t n,
                                  int64_t bs, int64_t nb, typename C::T* out) {
-  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total;
-       e += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = e / n, i = e % n;
-    out[e] = C::Store(__fmul_rn(static_cast<float>(q[e]), scales[r * nb + i / bs]));
+  const WarpSlot w = Warp();
+  for (int64_t g = w.index; g < rows * nb; g += w.count) {
+    const int64_t r = g / nb, start = r * n + (g % nb) * bs, len = min(bs, n - (g % nb) * bs);
+    const float s = scales[g];
+    for (int64_t i = w.lane; i < len; i += 32)
+      out[start + i] = C::Store(__fmul_rn(static_cast<float>(q[start + i]), s));
   }
 }
 
-// new_partial = decode(q) + partial for one block per thread block; then the block is encoded
-// again from new_partial (just written by this thread block, so it is read back from L1/L2).
+// new_partial = decode(q) + partial for one quantization block per warp; then the block is
+// encoded again from new_partial (the lane's own writes, read back from L1).
 __global__ void RingHopInt8Kernel(const int8_t* q, const float* scales, const float* partial,
                                   const uint32_t* seed, int64_t rows, int64_t n, int64_t bs,
                                   int64_t nb, bool stochastic, float* new_partial, int8_t* q_out,
                                   float* scales_out) {
-  __shared__ uint32_t smem[32];
-  for (int64_t g = blockIdx.x; g < rows * nb; g += gridDim.x) {
+  const WarpSlot w = Warp();
+  for (int64_t g = w.index; g < rows * nb; g += w.count) {
     const int64_t r = g / nb, start = r * n + (g % nb) * bs, len = min(bs, n - (g % nb) * bs);
     const float s = scales[g];
-    for (int64_t i = threadIdx.x; i < len; i += blockDim.x)
+    for (int64_t i = w.lane; i < len; i += 32)
       new_partial[start + i] =
           __fadd_rn(__fmul_rn(static_cast<float>(q[start + i]), s), partial[start + i]);
     if (q_out == nullptr) continue;
-    __syncthreads();  // the block's new partial is visible to all its threads
-    const float so = EncodeBlock<DF32>(new_partial + start, len, q_out + start, stochastic,
-                                       SeedKey(seed[r]), (g % nb) * bs, smem);
-    if (threadIdx.x == 0) scales_out[g] = so;
+    const float so = WarpEncodeBlock<DF32>(new_partial + start, len, q_out + start, stochastic,
+                                           SeedKey(seed[r]), (g % nb) * bs, w.lane);
+    if (w.lane == 0) scales_out[g] = so;
   }
 }
 
@@ -217,7 +224,7 @@ T* Out(const AnyBuffer& b) {
 template <class C>
 void LaunchQuantize(cudaStream_t st, const BlockPlan& p, const AnyBuffer& x, const AnyBuffer& seed,
                     bool stochastic, const AnyBuffer& q, const AnyBuffer& scales) {
-  QuantizeKernel<C><<<GridFor(p.layout.rows * p.blocks, 1), ThreadsForBlock(p.block), 0, st>>>(
+  QuantizeKernel<C><<<GridFor(p.layout.rows * p.blocks, kWarpsPerBlock), kThreads, 0, st>>>(
       In<typename C::T>(x), In<uint32_t>(seed), p.layout.rows, p.layout.cols, p.block, p.blocks,
       stochastic, Out<int8_t>(q), Out<float>(scales));
 }
@@ -235,9 +242,8 @@ ffi::Error QuantizeInt8Cuda(cudaStream_t st, AnyBuffer x, AnyBuffer seed, Result
 template <class C>
 void LaunchDequantize(cudaStream_t st, const BlockPlan& p, const AnyBuffer& q,
                       const AnyBuffer& scales, const AnyBuffer& out) {
-  const int64_t total = p.layout.rows * p.layout.cols;
-  DequantizeKernel<C><<<GridFor(total, kThreads), kThreads, 0, st>>>(
-      In<int8_t>(q), In<float>(scales), total, p.layout.cols, p.block, p.blocks,
+  DequantizeKernel<C><<<GridFor(p.layout.rows * p.blocks, kWarpsPerBlock), kThreads, 0, st>>>(
+      In<int8_t>(q), In<float>(scales), p.layout.rows, p.layout.cols, p.block, p.blocks,
       Out<typename C::T>(out));
 }
 
@@ -256,7 +262,7 @@ ffi::Error LaunchRingHopInt8(std::string_view op, cudaStream_t st, const BlockPl
                              const AnyBuffer* seed, const AnyBuffer& new_partial,
                              const AnyBuffer* q_out, const AnyBuffer* scales_out, bool stochastic) {
   if (p.layout.rows * p.blocks == 0) return ffi::Error::Success();
-  RingHopInt8Kernel<<<GridFor(p.layout.rows * p.blocks, 1), ThreadsForBlock(p.block), 0, st>>>(
+  RingHopInt8Kernel<<<GridFor(p.layout.rows * p.blocks, kWarpsPerBlock), kThreads, 0, st>>>(
       In<int8_t>(q), In<float>(scales), In<float>(partial), seed ? In<uint32_t>(*seed) : nullptr,
       p.layout.rows, p.layout.cols, p.block, p.blocks, stochastic, Out<float>(new_partial),
       q_out ? Out<int8_t>(*q_out) : nullptr, scales_out ? Out<float>(*scales_out) : nullptr);
