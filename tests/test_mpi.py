@@ -43,11 +43,11 @@ def _mpi_missing() -> str | None:
 skip_without_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 
 
-def mpirun(n: int, *worker_args: str, timeout: float, launcher_args: tuple = ()
-           ) -> tuple[int | None, str, float]:
+def mpirun(n: int, *worker_args: str, timeout: float, launcher_args: tuple = (),
+           worker: str = "mpi_collectives.py") -> tuple[int | None, str, float]:
   """(exit status or None when killed at the timeout, output, seconds)."""
   cmd = [MPIRUN if os.path.exists(MPIRUN) else "mpirun", *launcher_args, "-n", str(n),
-         *mp.python_worker("mpi_collectives.py", *worker_args)]
+         *mp.python_worker(worker, *worker_args)]
   # one CPU device and one compute thread per rank: the ranks share 2 cores
   env = mp.clean_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
                      "intra_op_parallelism_threads=1")
@@ -145,3 +145,17 @@ def test_lax_psum_gradient_of_a_replicated_loss_is_the_identity_under_shard_map(
   g = jax.jit(jax.shard_map(member_grad, mesh=mesh, in_specs=(P("i"), P()),
                             out_specs=P("i")))(x, w)
   np.testing.assert_array_equal(np.asarray(g), np.tile(np.asarray(w), (4, 1)))
+
+
+@skip_without_mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["codec", "same"])
+def test_ranks_that_plan_a_psum_differently_both_say_how(case):
+  rc, out, _ = mpirun(2, "--case", case, timeout=100, worker="mpi_mismatch.py")
+  if case == "same":
+    assert rc == 0 and "rank 0: OK 2.0" in out and "rank 1: OK 2.0" in out, out[-4000:]
+    return
+  for rank in (0, 1):
+    assert re.search(rf"rank {rank}: RAISED CollectiveMismatchError: jaxring: processes disagree "
+                     rf"on collective #0; process {rank} of 2 plans psum over \(data\)", out), out
+  assert "codecs=" in out and "Int8" in out, out[-4000:]

@@ -50,7 +50,7 @@ def _fingerprint(op: str, binding, shape, dtype, algorithm, plan: Plan) -> None:
       "op": op, "axes": [str(a) for a in binding.axes], "axis_sizes": list(binding.sizes),
       "shape": [int(d) for d in shape], "dtype": str(jnp.dtype(dtype)),
       "algorithm": algorithm if isinstance(algorithm, str) else dict(algorithm),
-      "plan": plan.kind, "codecs": [repr(c) for c in plan.codecs]})
+      "plan": plan.kind, "codecs": [repr(c) for c in plan.codecs]}, binding)
 
 
 def _pad_to(flat, multiple: int):

@@ -1,12 +1,14 @@
 """Cross-process fingerprints: every process must plan the same collectives, or all of them say so.
 
-In a multi-process ``jax.distributed`` job every process traces the program itself. If one of them
+In a multi-process job (``jax.distributed``, or one rank per device under ``mpirun``) every
+process traces the program itself. If one of them
 calls a collective with another shape, dtype, codec or algorithm (a config that differs, a branch
 on ``process_index``), or skips one, the collectives meet wrongly: gloo hangs, or returns values
 reduced with the wrong layout. Here each jaxring collective, when it is planned (once per trace,
 never per call), publishes what it is about to do in the coordination service's key-value store
-under its sequence number in this process, and reads every other process's entry for that
-number. A difference raises :class:`CollectiveMismatchError` on every process, naming the
+under its sequence number in this process (the coordination service's key-value store; over MPI,
+messages on a duplicate of the axis's communicator), and reads every other process's entry for
+that number. A difference raises :class:`CollectiveMismatchError` on every process, naming the
 processes and fields that differ; a process that never publishes the entry is named by
 :class:`FingerprintTimeoutError` after the failure timeout. ``JAXRING_FINGERPRINT=0`` turns the
 check off.
@@ -47,12 +49,12 @@ class FingerprintTimeoutError(TimeoutError):
 
 
 _counter = itertools.count()
+_mpi_counters: dict[int, itertools.count] = {}
 _lock = threading.Lock()
+_TAG = 0x7A13
 
 
 def _client_and_ids():
-  if os.environ.get(ENV_FINGERPRINT, "1").lower() in ("0", "off", "false"):
-    return None
   from jax._src import distributed as jax_distributed
   state = jax_distributed.global_state
   if state.client is None or not state.num_processes or state.num_processes < 2:
@@ -74,23 +76,8 @@ def describe(record: dict) -> str:
           f"{record.get('plan')})")
 
 
-def check(record: dict) -> None:
-  """Publishes this process's ``record`` for its next collective and compares it with the others'.
-
-  A no-op outside a multi-process ``jax.distributed`` job. Raises:
-    CollectiveMismatchError: another process's record for the same collective differs.
-    FingerprintTimeoutError: another process did not publish it within the failure timeout.
-  """
-  ids = _client_and_ids()
-  if ids is None:
-    return
-  client, me, n = ids
-  record = {k: record.get(k) for k in _FIELDS}
-  mine = json.dumps(record, sort_keys=True, default=str)
-  with _lock:
-    seq = next(_counter)
+def _exchange_kv(client, me: int, n: int, seq: int, mine: str, timeout: float):
   client.key_value_set(f"{_PREFIX}{seq}/{me}", mine, allow_overwrite=True)
-  timeout = failure_timeout(None) or 120.0
   others, missing = {}, []
   for p in range(n):
     if p == me:
@@ -100,6 +87,62 @@ def check(record: dict) -> None:
                                                            int(timeout * 1000)))
     except Exception:  # noqa: BLE001 - jax raises DEADLINE_EXCEEDED as a JaxRuntimeError
       missing.append(p)
+  return others, missing
+
+
+def _exchange_mpi(comm, mine: str, timeout: float):
+  """Every rank's record over ``comm`` (messages keep their order per rank, so the n-th received
+  from a rank is its n-th collective), polling so that a rank that never sends is named."""
+  import time
+  me, n = comm.Get_rank(), comm.Get_size()
+  sends = [comm.isend(mine, dest=p, tag=_TAG) for p in range(n) if p != me]
+  recvs = {p: comm.irecv(source=p, tag=_TAG) for p in range(n) if p != me}
+  others, deadline = {}, time.monotonic() + timeout
+  while recvs and time.monotonic() < deadline:
+    for p in list(recvs):
+      done, value = recvs[p].test()
+      if done:
+        others[p] = json.loads(value)
+        del recvs[p]
+    if recvs:
+      time.sleep(0.001)
+  for req in sends:
+    req.wait()   # small messages go eagerly: completes without the receiver
+  return others, sorted(recvs)
+
+
+def check(record: dict, binding=None) -> None:
+  """Publishes this process's ``record`` for its next collective and compares it with the others'.
+
+  A no-op outside a multi-process job. ``binding`` is the axes' binding: an MPI-bound axis
+  compares over its control communicator; otherwise the ``jax.distributed`` job's processes
+  compare through the coordination service.
+
+  Raises:
+    CollectiveMismatchError: another process's record for the same collective differs.
+    FingerprintTimeoutError: another process did not publish it within the failure timeout.
+  """
+  control = getattr(binding, "control", None)
+  if os.environ.get(ENV_FINGERPRINT, "1").lower() in ("0", "off", "false"):
+    return
+  record = {k: record.get(k) for k in _FIELDS}
+  mine = json.dumps(record, sort_keys=True, default=str)
+  timeout = failure_timeout(None) or 120.0
+  if control is not None:
+    if control.Get_size() < 2:
+      return
+    me, n = control.Get_rank(), control.Get_size()
+    with _lock:
+      seq = next(_mpi_counters.setdefault(id(control), itertools.count()))
+    others, missing = _exchange_mpi(control, mine, timeout)
+  else:
+    ids = _client_and_ids()
+    if ids is None:
+      return
+    client, me, n = ids
+    with _lock:
+      seq = next(_counter)
+    others, missing = _exchange_kv(client, me, n, seq, mine, timeout)
   if missing:
     raise FingerprintTimeoutError(
         f"jaxring: collective #{seq}, {describe(record)}, was planned by process {me} but "

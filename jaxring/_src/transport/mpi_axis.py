@@ -44,6 +44,7 @@ class MpiAxis:
     hierarchy: this process's group on every level, for the planner.
     contiguous: whether a member's linear index in the hierarchy is its rank in ``comm`` (what
       psum_scatter/all_gather with ``hierarchical`` need to hand out blocks in rank order).
+    control: another duplicate, on which the ranks compare what they plan (fingerprints).
   """
 
   name: Hashable
@@ -51,6 +52,7 @@ class MpiAxis:
   topology: topo_mod.Topology
   hierarchy: Hierarchy
   contiguous: bool
+  control: Any = None   # a duplicate of comm for the ranks' fingerprints (transport/fingerprint)
   # not bound by shard_map/pmap: lax's collectives and derivative rules do not apply to it
   lax_bound = False
 
@@ -123,7 +125,7 @@ def _make_axis(name: Hashable, comm, topology: topo_mod.Topology | None) -> MpiA
   groups = tuple(MpiGroup(comm if len(kept) == 1 else c, lv.name) for lv, c, _ in kept)
   topo = topo_mod.Topology(tuple(lv for lv, _, _ in kept))
   hierarchy = Hierarchy(groups, topo.levels, tuple(s for _, _, s in kept), whole, MPI_TRANSPORT)
-  return MpiAxis(name, comm, topo, hierarchy, contiguous)
+  return MpiAxis(name, comm, topo, hierarchy, contiguous, comm.Dup())
 
 
 _bound: dict[Hashable, MpiAxis] = {}
