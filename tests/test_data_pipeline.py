@@ -92,11 +92,15 @@ def test_dct_scale_keeps_the_output_resolution():
     assert s == 8 or w / (2 * s) < size or h / (2 * s) < size
 
 
-def test_decoder_choice_and_errors(monkeypatch):
+def test_decoder_choice_and_errors(monkeypatch, caplog):
   with pytest.raises(ValueError, match="decoder"):
     decode.resolve_decoder("nvjpeg")
   monkeypatch.setattr(decode, "_IMPORT_ERROR", ImportError("No module named 'simplejpeg'"))
+  monkeypatch.setattr(decode, "_warned", [])
   assert decode.resolve_decoder("auto") == "pil"
+  assert decode.resolve_decoder("auto") == "pil"
+  warnings = [r.getMessage() for r in caplog.records if "Pillow" in r.getMessage()]
+  assert len(warnings) == 1 and "simplejpeg" in warnings[0]
   assert decode.resolve_decoder("pil") == "pil"
   with pytest.raises(ImportError, match="simplejpeg"):
     decode.resolve_decoder("turbo")
