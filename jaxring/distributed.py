@@ -2,6 +2,7 @@
 bound to MPI communicators (one process per device under ``mpirun``)."""
 from jaxring._src.distributed import BarrierTimeoutError as BarrierTimeoutError
 from jaxring._src.transport.fingerprint import CollectiveMismatchError as CollectiveMismatchError
+from jaxring._src.transport.flight_recorder import dump as dump
 from jaxring._src.transport.fingerprint import FingerprintTimeoutError as FingerprintTimeoutError
 from jaxring._src.transport.rendezvous import StartupTimeoutError as StartupTimeoutError
 from jaxring._src.distributed import barrier as barrier

@@ -6,6 +6,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAXRING_CACHE_DIR"] = os.path.join(
     __import__("tempfile").mkdtemp(prefix="jaxring-test-cache-"), "jaxring")
 os.environ.pop("JAXRING_PROFILE", None)
+# the flight recorder dumps when a watchdog gives up: into a temporary folder, not the checkout
+os.environ["JAXRING_FLIGHT_DIR"] = os.path.join(os.environ["JAXRING_CACHE_DIR"], "flight")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 

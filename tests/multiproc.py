@@ -35,8 +35,9 @@ def clean_env(**extra: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAXRING_", "JAX_", "XLA_", "PMI_", "OMPI_", "SLURM_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  if "JAXRING_CACHE_DIR" in os.environ:   # conftest's: never the developer's calibrated profiles
-    env["JAXRING_CACHE_DIR"] = os.environ["JAXRING_CACHE_DIR"]
+  for name in ("JAXRING_CACHE_DIR", "JAXRING_FLIGHT_DIR"):   # conftest's temporary folders
+    if name in os.environ:
+      env[name] = os.environ[name]
   env.update({k: str(v) for k, v in extra.items()})
   return env
 

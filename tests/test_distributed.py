@@ -5,6 +5,7 @@ with their settings in ``JAXRING_*`` variables, exactly as ``jaxring cluster run
 """
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -200,16 +201,20 @@ def test_startup_with_everyone_present_reuses_the_port_for_jax():
 @pytest.mark.parametrize("case,fields", [
     ("codec", r"codecs=.*Int8"), ("shape", r"shape=\[100[34]\] \(here \[100[34]\]\)"),
     ("skip", r"op=.*'all_gather'")])
-def test_processes_that_plan_a_collective_differently_all_say_how(case, fields):
+def test_processes_that_plan_a_collective_differently_all_say_how(case, fields, tmp_path):
   port = mp.free_port()
+  env = _env(2, port, 2, FAILURE_TIMEOUT)
   results = mp.spawn(2, lambda i: mp.python_worker("dist_mismatch.py", "--case", case),
-                     _env(2, port, 2, FAILURE_TIMEOUT), timeout=100)
+                     lambda i: {**env(i), "JAXRING_FLIGHT_DIR": str(tmp_path)}, timeout=100)
   for r in results:
     assert r.returncode == 3, mp.report(results)
     assert "RAISED CollectiveMismatchError: jaxring: processes disagree on collective #0" in \
         r.stdout, mp.report(results)
     other = 1 - r.rank
     assert re.search(rf"process {other}: [^\n]*{fields}", r.stdout), mp.report(results)
+  # the flight recorder's merged summary points at the same collective
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["processes"] == [0, 1] and summary["first_divergence"]["seq"] == 0, summary
 
 
 @pytest.mark.timeout(120)

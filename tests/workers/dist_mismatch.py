@@ -50,6 +50,7 @@ def main() -> int:
   except (jaxring.distributed.CollectiveMismatchError,
           jaxring.distributed.FingerprintTimeoutError) as e:
     print(f"RAISED {type(e).__name__}: {e}", flush=True)
+    jaxring.distributed.dump(reason=type(e).__name__)   # JAXRING_FLIGHT_DIR: the test's folder
     return 3
   print("OK", flush=True)
   return 0

@@ -16,6 +16,7 @@ import socket
 import sys
 import time
 
+from jaxring._src.transport import flight_recorder
 from jaxring._src.transport.watchdog import Watchdog
 
 _KV_PREFIX = "jaxring/peer/"
@@ -126,6 +127,8 @@ _watchdog: list[Watchdog | None] = [None]
 def start_watchdog(timeout: float) -> Watchdog:
   """Starts the peer watchdog of this ``jax.distributed`` job (one per process)."""
   state = global_state()
+  flight_recorder.set_identity(state.process_id, state.num_processes)
+  flight_recorder.install_signal_handler()
   heartbeats = CoordinationHeartbeats(state.client, state.process_id)
   watchdog = Watchdog(heartbeats, me=state.process_id, n=state.num_processes, timeout=timeout,
                       names=heartbeats.who)

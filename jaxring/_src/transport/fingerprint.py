@@ -20,6 +20,7 @@ import json
 import os
 import threading
 
+from jaxring._src.transport import flight_recorder
 from jaxring._src.transport.watchdog import failure_timeout
 
 ENV_FINGERPRINT = "JAXRING_FINGERPRINT"
@@ -123,25 +124,25 @@ def check(record: dict, binding=None) -> None:
     FingerprintTimeoutError: another process did not publish it within the failure timeout.
   """
   control = getattr(binding, "control", None)
-  if os.environ.get(ENV_FINGERPRINT, "1").lower() in ("0", "off", "false"):
-    return
   record = {k: record.get(k) for k in _FIELDS}
+  off = os.environ.get(ENV_FINGERPRINT, "1").lower() in ("0", "off", "false")
+  ids = None if control is not None or off else _client_and_ids()
+  if off or (control is None and ids is None) or (control is not None and
+                                                  control.Get_size() < 2):
+    flight_recorder.record(flight_recorder.next_seq(), record)
+    return
   mine = json.dumps(record, sort_keys=True, default=str)
   timeout = failure_timeout(None) or 120.0
+  with _lock:
+    counter = (_mpi_counters.setdefault(id(control), itertools.count()) if control is not None
+               else _counter)
+    seq = next(counter)
+  flight_recorder.record(seq, record)
   if control is not None:
-    if control.Get_size() < 2:
-      return
     me, n = control.Get_rank(), control.Get_size()
-    with _lock:
-      seq = next(_mpi_counters.setdefault(id(control), itertools.count()))
     others, missing = _exchange_mpi(control, mine, timeout)
   else:
-    ids = _client_and_ids()
-    if ids is None:
-      return
     client, me, n = ids
-    with _lock:
-      seq = next(_counter)
     others, missing = _exchange_kv(client, me, n, seq, mine, timeout)
   if missing:
     raise FingerprintTimeoutError(

@@ -22,7 +22,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from jaxring._src import topology as topo_mod
-from jaxring._src.transport import mpi_heartbeats
+from jaxring._src.transport import flight_recorder, mpi_heartbeats
 from jaxring._src.transport.groups import Hierarchy
 from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module
 from jaxring._src.transport.watchdog import (
@@ -185,6 +185,8 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
   if topology is not None and not isinstance(topology, topo_mod.Topology):
     raise TypeError(f"topology must be a jaxring.Topology or None, got {type(topology).__name__}")
   axis = _make_axis(axis_name, comm, topology)
+  flight_recorder.set_identity(comm.Get_rank(), comm.Get_size())
+  flight_recorder.install_signal_handler()
   _start_watchdog(comm, failure_timeout_s)
   _bound[axis_name] = axis
   return axis

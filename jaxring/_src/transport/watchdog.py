@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
+from jaxring._src.transport import flight_recorder
+
 ENV_FAILURE_TIMEOUT = "JAXRING_FAILURE_TIMEOUT"
 DEFAULT_FAILURE_TIMEOUT_S = 120.0
 
@@ -129,8 +131,13 @@ class Watchdog:
     return self.describe(silent) if silent else None
 
   def fail(self, problem: str) -> None:
-    """Names the problem and ends this process (through the channel, which may wait a little)."""
+    """Names the problem, dumps the flight recorder, and ends this process (through the
+    channel, which may wait a little)."""
     self.stop_event.set()
+    try:
+      flight_recorder.dump(reason=problem)
+    except Exception:  # noqa: BLE001 - a full disk must not keep a dead job alive
+      pass
     self.heartbeats.leave(
         f"jaxring.distributed: {problem}. {self.noun.capitalize()} {self.me} exits so that the "
         "job does not hang in a collective that cannot complete.", self)
