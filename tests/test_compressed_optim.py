@@ -165,7 +165,8 @@ def test_compressed_adam_is_adam_then_keeps_the_frozen_preconditioned_total(name
   b1, b2, eps, warm, steps, n = 0.9, 0.999, 1e-8, 5, 25, 1500
   g = gradients(5, steps, n)
   gmean = np.asarray(g, np.float64).mean(1)
-  tx = jaxring.compressed_adam("d", algorithm="ring", compression=CODECS[name], warmup_steps=warm)
+  tx = jaxring.compressed_adam("d", algorithm="ring", compression=CODECS[name], warmup_steps=warm,
+                               variance_every=0)
   applied, state = run(tx, g)
   want, mu, nu = _adam_reference(gmean[:warm], b1, b2, eps)
   np.testing.assert_allclose(applied[:warm], want, rtol=2e-4, atol=2e-4)   # exact Adam
@@ -200,6 +201,22 @@ def test_compressed_optimizer_picks_the_supported_composition():
   assert "TraceState" in dense and "ReduceGradientsState" in dense
   with pytest.raises(ValueError, match="unknown optimizer"):
     jaxring.compressed_optimizer("lion", 0.1, "d")
+
+
+def test_compressed_adam_refreshes_the_variance_from_exact_gradients():
+  b1, b2, eps, warm, every, steps, n = 0.9, 0.999, 1e-8, 3, 4, 12, 500
+  g = gradients(6, steps, n)
+  gmean = np.asarray(g, np.float64).mean(1)
+  tx = jaxring.compressed_adam("d", algorithm="ring", compression=CODECS["topk"],
+                               warmup_steps=warm, variance_every=every)
+  _, state = run(tx, g)
+  nu = 0.0
+  for gt in gmean[:warm]:
+    nu = b2 * nu + (1 - b2) * gt * gt
+  for t in range(warm, steps):   # refreshed at the last step of every `every` after the warm-up
+    if (t - warm) % every == every - 1:
+      nu = b2 ** every * nu + (1 - b2 ** every) * gmean[t] ** 2
+  np.testing.assert_allclose(np.asarray(state.nu)[0], nu, rtol=1e-4, atol=1e-12)
 
 
 def test_bad_arguments():

@@ -61,7 +61,7 @@ class CompressedAdamState(NamedTuple):
 def compressed_adam(axis_name, *, compression=None, b1: float = 0.9, b2: float = 0.999,
                     eps: float = 1e-8, warmup_steps: int = 100, algorithm="auto",
                     masking: str = "flush",
-                    variance_every: int = 0) -> optax.GradientTransformation:
+                    variance_every: int = 5) -> optax.GradientTransformation:
   """Averages gradients over ``axis_name`` and returns Adam's direction, compressed after a warm-up.
 
   The supported way to train Adam/AdamW over a sparsifying codec (module docstring). Chain it
@@ -78,7 +78,8 @@ def compressed_adam(axis_name, *, compression=None, b1: float = 0.9, b2: float =
     masking: the momentum of sent chunks, as in :func:`jaxring.momentum_correction`.
     variance_every: after the warm-up, refresh the variance from an exact all-reduce of the
       gradient every this many steps (one dense reduction per that many compressed ones);
-      0 keeps it frozen (1-bit Adam).
+      0 keeps it frozen (1-bit Adam). Measured on digits, top-k 1%, 3 seeds: frozen 1.9 points
+      behind uncompressed Adam, every 10 steps 1.1, every 5 steps 0.8 (docs/benchmarks.md).
 
   Returns:
     An ``optax.GradientTransformation`` whose updates are Adam's direction ``m_hat / (sqrt(v_hat)

@@ -59,7 +59,7 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
                          algorithm="auto", momentum: float = 0.9, weight_decay: float = 0.0,
                          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                          warmup_steps: int = 0, adam_warmup_steps: int = 100,
-                         adam_variance_every: int = 10,
+                         adam_variance_every: int = 5,
                          clip_norm: float | None = None) -> optax.GradientTransformation:
   """A data-parallel optimizer that reduces its gradients over ``axis_name`` and converges.
 
