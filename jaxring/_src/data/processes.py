@@ -87,6 +87,7 @@ class ProcessPool:
     self._closed = False
     self.processes: list[subprocess.Popen] = []
     self._threads: list[threading.Thread] = []
+    self._ready: list[threading.Event] = []
     env = dict(os.environ)
     for key, value in _WORKER_ENV.items():
       env.setdefault(key, value)
@@ -100,11 +101,18 @@ class ProcessPool:
       os.close(result_w)
       tasks, results = Connection(task_w, readable=False), Connection(result_r, writable=False)
       tasks.send((initializer, initargs))
-      thread = threading.Thread(target=self._feed, args=(process, tasks, results), daemon=True,
-                                name=f"jaxring-data-feeder-{i}")
+      ready = threading.Event()
+      thread = threading.Thread(target=self._feed, args=(process, tasks, results, ready),
+                                daemon=True, name=f"jaxring-data-feeder-{i}")
       thread.start()
       self.processes.append(process)
       self._threads.append(thread)
+      self._ready.append(ready)
+
+  def wait_ready(self, timeout: float | None = None) -> None:
+    """Returns once every worker has run its initializer (or failed to)."""
+    for ready in self._ready:
+      ready.wait(timeout)
 
   def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
     if self._closed:
@@ -113,7 +121,8 @@ class ProcessPool:
     self._queue.put((future, fn, args))
     return future
 
-  def _feed(self, process: subprocess.Popen, tasks: Connection, results: Connection) -> None:
+  def _feed(self, process: subprocess.Popen, tasks: Connection, results: Connection,
+            ready: threading.Event) -> None:
     error = None
     try:
       ok, value = results.recv()  # the initializer's outcome
@@ -122,6 +131,7 @@ class ProcessPool:
     except (EOFError, OSError):
       error = RuntimeError(f"a data worker process (pid {process.pid}) exited at start-up "
                            f"(exit code {process.wait()})")
+    ready.set()
     while True:
       item = self._queue.get()
       if item is None:

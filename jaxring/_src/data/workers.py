@@ -10,7 +10,7 @@ it: a few percent of each image, a serial fraction that, with the cost of handin
 than its 8 on a 16-core host).
 
 A worker process decodes straight into its slots of a batch buffer in shared memory (a file in
-``/dev/shm`` mapped by every process), so an image is written once by its decoder and copied
+``/dev/shm`` mapped by every process and unlinked once they all have), so an image is written once by its decoder and copied
 once, with the whole batch, when the loader hands the batch out. The file list and labels sit in
 shared memory as well, so starting a worker sends a few names, not ImageNet's 1.28 million paths.
 
@@ -237,6 +237,10 @@ class ProcessWorkers:
             "labels": self._labels.path, "filler": filler_args}
     self._free = list(range(ring_size))
     self.pool = ProcessPool(num_workers, initializer=_init_worker, initargs=(spec,))
+    # every process has mapped the files now: their names can go, so that a loader killed
+    # without its atexit handlers (SIGTERM, SIGKILL) leaves nothing in /dev/shm
+    self.pool.wait_ready()
+    self._unlink()
 
   def new_batch(self, batch_size: int) -> tuple[np.ndarray, int]:
     if not self._free:
@@ -262,5 +266,8 @@ class ProcessWorkers:
 
   def close(self) -> None:
     self.pool.shutdown()
+    self._unlink()
+
+  def _unlink(self) -> None:
     for shared in (self._ring, self._blob, self._offsets, self._labels):
       shared.unlink()
