@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
+from jaxring._src import vma
 from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype, is_float
 from jaxring._src.collectives import axis_names, pmean, validate_compression
-from jaxring._src.optim.compose import sparse_refusal
-from jaxring._src.optim.sparse import is_sparsifying, zeros_per_member
 
 
 class ReduceGradientsState(NamedTuple):
@@ -37,6 +37,54 @@ class ReduceGradientsState(NamedTuple):
   accumulator dtype: f32 for 16-bit gradients)."""
 
   residual: Any
+
+
+def is_sparsifying(compression) -> bool:
+  """Whether ``compression`` (a codec or a dict level -> codec) sends only part of the values each
+  step (``topk_chunks``; ``Codec.sparsifying``).
+
+  Example:
+    >>> is_sparsifying(jaxring.codecs.topk_chunks(0.01)), is_sparsifying(jaxring.codecs.int8())
+    (True, False)
+  """
+  codecs = compression.values() if isinstance(compression, dict) else [compression]
+  return any(getattr(c, "sparsifying", False) for c in codecs)
+
+
+SUPPORTED = ("momentum SGD: optax.chain(jr.momentum_correction(axis, compression=c, momentum=0.9), "
+             "optax.sgd(lr)); Adam: optax.chain(jr.compressed_adam(axis, compression=c), "
+             "optax.scale_by_learning_rate(lr)); or jr.compressed_optimizer('nesterov'|'adam'|..., "
+             "lr, axis, compression=c)")
+
+
+def sparse_refusal(where: str) -> str:
+  """The error message for a sparsifying codec with error feedback before a stateful optimizer."""
+  return (f"{where}: topk_chunks with error feedback trains to chance when momentum or Adam "
+          "follows it (the gradient it holds back is released in bursts that momentum "
+          f"multiplies). Supported: {SUPPORTED}. Before plain SGD only: "
+          "jr.reduce_gradients(axis, compression=c, plain_sgd_after=True)")
+
+
+def bound(axes: tuple) -> bool:
+  """Whether every axis in ``axes`` is bound (inside ``shard_map``/``pmap``)."""
+  try:
+    for a in axes:
+      lax.axis_size(a)
+  except NameError:
+    return False
+  return True
+
+
+def zeros_per_member(params, axes: tuple):
+  """Zeros shaped like ``params`` in the accumulator dtype, typed varying over bound ``axes``
+  (a residual or velocity is each member's own)."""
+  def zeros(p):
+    dtype = jnp.result_type(p)
+    return jnp.zeros(np.shape(p), accum_dtype(dtype) if is_float(dtype) else dtype)
+  tree = jax.tree_util.tree_map(zeros, params)
+  if bound(axes):
+    tree = jax.tree_util.tree_map(lambda z: vma.pvary(z, axes), tree)
+  return tree
 
 
 def next_residual(mean, err, dtype):

@@ -21,23 +21,9 @@ import jax
 import numpy as np
 import optax
 
-from jaxring._src.optim.sparse import is_sparsifying
+from jaxring._src.error_feedback import is_sparsifying
 
 NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw")
-
-SUPPORTED = ("momentum SGD: optax.chain(jr.momentum_correction(axis, compression=c, momentum=0.9), "
-             "optax.sgd(lr)); Adam: optax.chain(jr.compressed_adam(axis, compression=c), "
-             "optax.scale_by_learning_rate(lr)); or jr.compressed_optimizer('nesterov'|'adam'|..., "
-             "lr, axis, compression=c)")
-
-
-def sparse_refusal(where: str) -> str:
-  """The error message for a sparsifying codec with error feedback before a stateful optimizer."""
-  return (f"{where}: topk_chunks with error feedback trains to chance when momentum or Adam "
-          "follows it (the gradient it holds back is released in bursts that momentum "
-          f"multiplies). Supported: {SUPPORTED}. Before plain SGD only: "
-          "jr.reduce_gradients(axis, compression=c, plain_sgd_after=True)")
-
 
 def has_per_parameter_state(opt_state, params) -> bool:
   """Whether ``opt_state`` holds float arrays shaped like parameters (momentum, Adam moments).

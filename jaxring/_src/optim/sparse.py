@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxring._src import vma
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype, is_float
 from jaxring._src.codecs.topk import TopKChunks
+# the optimizers read these here; they live with error feedback, the layer below
+from jaxring._src.error_feedback import is_sparsifying as is_sparsifying
+from jaxring._src.error_feedback import zeros_per_member as zeros_per_member
 
 
 def sparsifier(compression) -> TopKChunks | None:
@@ -33,41 +35,11 @@ def sparsifier(compression) -> TopKChunks | None:
   return found
 
 
-def is_sparsifying(compression) -> bool:
-  """Whether ``compression`` sends only part of the values each step (``topk_chunks``).
-
-  Example:
-    >>> is_sparsifying(jaxring.codecs.topk_chunks(0.01)), is_sparsifying(jaxring.codecs.int8())
-    (True, False)
-  """
-  return sparsifier(compression) is not None
-
-
 def _dense_part(compression):
   """``compression`` with its sparsifying codec replaced by that codec's per-hop ``inner``."""
   if isinstance(compression, dict):
     return {k: (c.inner if isinstance(c, TopKChunks) else c) for k, c in compression.items()}
   return compression.inner if isinstance(compression, TopKChunks) else compression
-
-
-def bound(axes: tuple) -> bool:
-  try:
-    for a in axes:
-      lax.axis_size(a)
-  except NameError:
-    return False
-  return True
-
-
-def zeros_per_member(params, axes: tuple):
-  """Zeros shaped like ``params`` in the accumulator dtype, typed varying over bound ``axes``."""
-  def zeros(p):
-    dtype = jnp.result_type(p)
-    return jnp.zeros(np.shape(p), accum_dtype(dtype) if is_float(dtype) else dtype)
-  tree = jax.tree_util.tree_map(zeros, params)
-  if bound(axes):
-    tree = jax.tree_util.tree_map(lambda z: vma.pvary(z, axes), tree)
-  return tree
 
 
 def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float | None = None):
