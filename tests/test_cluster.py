@@ -163,6 +163,73 @@ def test_run_mpi_allreduce_in_namespaces(cluster):
   assert all(s > 1 << 20 for s in sent), sent
 
 
+def _start_job(tmp_path, calls: int, failure_timeout: float, run_timeout: float):
+  out = open(tmp_path / "job.log", "w")
+  proc = subprocess.Popen(
+      [*CLI, "run", "--name", NAME, "--procs-per-node", "1", "--devices-per-proc", "1",
+       "--timeout", str(run_timeout), "--failure-timeout", str(failure_timeout), "--",
+       *mp.python_worker("dist_allreduce.py", "--calls", str(calls), "--algorithms", "lax",
+                         "--progress", "100")],
+      stdout=out, stderr=subprocess.STDOUT, env=mp.clean_env(), start_new_session=True)
+  return proc, tmp_path / "job.log"
+
+
+def _wait_for(log, pattern: str, timeout: float) -> None:
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if re.search(pattern, log.read_text()):
+      return
+    time.sleep(0.2)
+  raise AssertionError(f"{pattern!r} never appeared:\n{log.read_text()[-4000:]}")
+
+
+def _link(state: str) -> None:
+  subprocess.run(["ip", "-n", f"{NAME}-br", "link", "set", "jrp1", state], check=state == "down")
+
+
+@pytest.mark.timeout(240)
+def test_a_link_down_for_5_s_then_restored_completes_correctly(cluster, tmp_path):
+  proc, log = _start_job(tmp_path, calls=2000, failure_timeout=30, run_timeout=200)
+  try:
+    _wait_for(log, r"\[r1\] process 1: lax call 200\b", 150)
+    _link("down")
+    time.sleep(5)
+    _link("up")
+    rc = proc.wait(timeout=200)
+  finally:
+    _link("up")
+    if proc.poll() is None:
+      mp._kill_session(proc)
+  text = log.read_text()
+  assert rc == 0, text[-4000:]
+  for rank in range(2):   # every call checked against a float64 NumPy sum by the worker
+    assert f"[r{rank}] process {rank}: OK lax calls=2000" in text, text[-4000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_link_down_for_good_ends_both_sides_naming_the_other(cluster, tmp_path):
+  timeout = 5.0
+  proc, log = _start_job(tmp_path, calls=100000, failure_timeout=timeout, run_timeout=200)
+  try:
+    _wait_for(log, r"\[r1\] process 1: lax call 200\b", 150)
+    _link("down")
+    cut = time.monotonic()
+    rc = proc.wait(timeout=120)
+    took = time.monotonic() - cut
+  finally:
+    _link("up")
+    if proc.poll() is None:
+      mp._kill_session(proc)
+  text = log.read_text()
+  assert rc != 0, text[-4000:]
+  # node 0 (the coordinator's side) names process 1; node 1 cannot reach the coordinator
+  assert re.search(r"\[r0\] jaxring.distributed: process 1 of 2 \(pid \d+ on [^)]+\) died or "
+                   r"hangs", text), text[-4000:]
+  assert re.search(r"\[r1\] jaxring.distributed: .*(coordination service|process 0 of 2)",
+                   text), text[-4000:]
+  assert took < timeout + 40, f"{took:.1f} s to give up\n{text[-4000:]}"
+
+
 @pytest.mark.timeout(60)
 def test_down_deletes_everything_and_is_idempotent(cluster):
   down = cli("down", "--name", NAME)

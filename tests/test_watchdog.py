@@ -91,3 +91,17 @@ def test_failure_timeout_reads_the_environment(monkeypatch):
   assert failure_timeout(None) == 7.5 and failure_timeout(0) == 0.0
   monkeypatch.delenv("JAXRING_FAILURE_TIMEOUT")
   assert failure_timeout(None) == 120.0
+
+
+def test_a_channel_that_blocks_instead_of_failing_is_named_after_the_timeout():
+  import threading
+  board, (a, _) = _pair(timeout=0.3, n=2)
+  forever = threading.Event()
+  a.heartbeats.beat = lambda: forever.wait()   # an RPC to a coordinator behind a dead link
+  t0 = time.monotonic()
+  problem = None
+  while problem is None and time.monotonic() - t0 < 5:
+    problem = a.check()
+  assert problem.startswith("the board has not answered a heartbeat for"), problem
+  assert 0.3 <= time.monotonic() - t0 < 2
+  forever.set()

@@ -32,6 +32,7 @@ def main() -> int:
   ap.add_argument("--die-rank", type=int, default=-1)
   ap.add_argument("--die-at", type=int, default=-1)
   ap.add_argument("--die-how", choices=("kill", "stop"), default="kill")
+  ap.add_argument("--progress", type=int, default=0, help="print every N calls")
   args = ap.parse_args()
 
   import jaxring.distributed
@@ -62,6 +63,8 @@ def main() -> int:
     f = reducer(algorithm)
     worst, t0 = 0.0, time.perf_counter()
     for call in range(args.calls):
+      if args.progress and call % args.progress == 0:
+        print(f"process {me}: {algorithm} call {call}", flush=True)
       if me == args.die_rank and call == args.die_at:
         print(f"process {me}: dying ({args.die_how}) at call {call} at={time.time():.3f}",
               flush=True)

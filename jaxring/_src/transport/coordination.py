@@ -14,6 +14,7 @@ import atexit
 import os
 import socket
 import sys
+import threading
 import time
 
 from jaxring._src.transport import flight_recorder
@@ -101,23 +102,30 @@ class CoordinationHeartbeats:
     """Prints ``message`` and exits now, skipping jax's shutdown barrier.
 
     The process hosting the coordination service leaves last: when it goes, jax's client in every
-    other process aborts at once with its own message, which would hide ours.
+    other process aborts at once with its own message, which would hide ours. Telling the others
+    runs in a thread with a deadline: behind a dead link the RPC would block for good.
     """
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    try:
-      self.client.key_value_set(f"{_KV_PREFIX}exit/{self.me}", "1", allow_overwrite=True)
-      if global_state().service is not None:
-        deadline = time.monotonic() + watchdog.timeout + 2 * watchdog.interval
-        others = set(range(watchdog.n)) - {self.me}
-        while time.monotonic() < deadline:
-          watchdog.beat()
-          if others <= self.exited | set(watchdog.silent()):
-            break
-          time.sleep(watchdog.interval / 4)
-        time.sleep(0.2)   # the last process to mark its exit is still on its way out
-    except Exception:  # noqa: BLE001 - nothing left to coordinate with
-      pass
+
+    def tell_and_wait():
+      try:
+        self.client.key_value_set(f"{_KV_PREFIX}exit/{self.me}", "1", allow_overwrite=True)
+        if global_state().service is not None:
+          deadline = time.monotonic() + watchdog.timeout + 2 * watchdog.interval
+          others = set(range(watchdog.n)) - {self.me}
+          while time.monotonic() < deadline:
+            watchdog.beat()
+            if others <= self.exited | set(watchdog.silent()):
+              break
+            time.sleep(watchdog.interval / 4)
+          time.sleep(0.2)   # the last process to mark its exit is still on its way out
+      except Exception:  # noqa: BLE001 - nothing left to coordinate with
+        pass
+
+    helper = threading.Thread(target=tell_and_wait, daemon=True)
+    helper.start()
+    helper.join(watchdog.timeout + 3 * watchdog.interval + 1)
     os._exit(1)
 
 

@@ -55,6 +55,22 @@ class Heartbeats(Protocol):
     """Prints ``message`` and ends the process (never returns)."""
 
 
+class _Beat:
+  """One heartbeat in a daemon thread: ``done`` once it returned or raised (``error``)."""
+
+  def __init__(self, watchdog: "Watchdog"):
+    self.done, self.error = threading.Event(), None
+
+    def run():
+      try:
+        watchdog.beat()
+      except Exception as exc:  # noqa: BLE001 - judged by the watchdog
+        self.error = exc
+      finally:
+        self.done.set()
+    threading.Thread(target=run, name="jaxring-heartbeat", daemon=True).start()
+
+
 class Watchdog:
   """Watches the peers ``0..n-1`` (but ``me``) over ``heartbeats``; see the module docstring.
 
@@ -75,6 +91,7 @@ class Watchdog:
     now = time.monotonic()
     self.last_seen = {p: now for p in range(n) if p != me}
     self.failing_since: float | None = None
+    self._pending: tuple[float, _Beat] | None = None   # a heartbeat in flight, since when
     self.lock = threading.Lock()
     self.stop_event = threading.Event()
     self.thread = threading.Thread(target=self._run, name=f"jaxring-{noun}-watchdog",
@@ -115,12 +132,27 @@ class Watchdog:
         f"{age:.1f} s (failure timeout {self.timeout:g} s)" for p, age in sorted(silent.items()))
 
   def check(self) -> str | None:
-    """One round: heartbeat, then what is wrong (a silent peer, a dead channel) or None."""
-    try:
-      self.beat()
-    except Exception as exc:  # noqa: BLE001 - any failure of the channel counts the same
-      now = time.monotonic()
-      self.failing_since = self.failing_since or now
+    """One round: heartbeat, then what is wrong (a silent peer, a dead channel) or None.
+
+    The heartbeat runs in a thread of its own: a channel can block instead of failing (an RPC to
+    a coordinator behind a dead link waits for its own, much longer, deadline), and a watchdog
+    that blocks with it would never give up.
+    """
+    now = time.monotonic()
+    if self._pending is None:
+      self._pending = (now, _Beat(self))
+    started, beat = self._pending
+    beat.done.wait(min(self.interval, self.timeout))
+    now = time.monotonic()
+    if not beat.done.is_set():
+      if now - started <= self.timeout:
+        return None
+      return (f"{self.heartbeats.medium} has not answered a heartbeat for {now - started:.1f} s"
+              f" (failure timeout {self.timeout:g} s)")
+    self._pending = None
+    if beat.error is not None:
+      exc = beat.error
+      self.failing_since = self.failing_since or started
       if now - self.failing_since <= self.timeout:
         return None   # a silent channel is judged like a silent peer: after the timeout
       first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
