@@ -6,6 +6,8 @@ A payload is a tuple of flat arrays (e.g. int8 values and f32 block scales).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import dataclasses
 
 import jax.numpy as jnp
@@ -96,8 +98,34 @@ def for_dtype(codec: Codec | None, dtype) -> Codec:
   return codec
 
 
-_GRAMMAR = ("none, bf16, fp16[:block_size], int8[:block_size[:stochastic]] or "
-            "topk[:density[:chunk_size]][+bf16|+fp16|+int8...]")
+# name -> (grammar, reader): each codec module registers how it is spelled (``spelling``), so a
+# new codec is one file and parse() imports none of them.
+_SPELLINGS: dict[str, tuple[str, Callable[[list[str], Codec | None], Codec]]] = {}
+
+
+def spelling(grammar: str, *names: str):
+  """Registers a reader of ``name[:arg...]`` for ``parse``: ``reader(args, inner) -> Codec``.
+
+  ``inner`` is the codec after a ``+`` (None without one); a reader that takes none raises.
+
+  Example:
+    >>> @spelling("int8[:block_size[:stochastic]]", "int8")  # doctest: +SKIP
+    ... def _read(args, inner): ...
+  """
+  def register(reader):
+    for name in names:
+      _SPELLINGS[name] = (grammar, reader)
+    return reader
+  return register
+
+
+def no_inner(name: str, inner) -> None:
+  if inner is not None:
+    raise ValueError(f"only topk takes a +<codec>, not {name}")
+
+
+def _grammar() -> str:
+  return ", ".join(["none", *dict.fromkeys(g for g, _ in _SPELLINGS.values())])
 
 
 def parse(spec: str | Codec | None) -> Codec | None:
@@ -107,7 +135,7 @@ def parse(spec: str | Codec | None) -> Codec | None:
   all read it here): ``none`` (None: no compression), ``bf16``, ``fp16[:block_size]``,
   ``int8[:block_size[:stochastic]]`` and ``topk[:density[:chunk_size]]`` (``topk_chunks``, 1% by
   default), optionally ``+<codec>`` for the chosen chunks' per-hop codec. A ``Codec`` or None is
-  returned as it is.
+  returned as it is. Each codec module registers its own spelling (:func:`spelling`).
 
   Args:
     spec: the codec's name and arguments, colon-separated.
@@ -126,27 +154,13 @@ def parse(spec: str | Codec | None) -> Codec | None:
   """
   if spec is None or isinstance(spec, Codec):
     return spec
-  # The codec modules import this one: read them at call time.
-  from jaxring._src.codecs.cast import bf16, fp16
-  from jaxring._src.codecs.int8 import int8
-  from jaxring._src.codecs.topk import topk_chunks
   name, _, inner = str(spec).strip().partition("+")
   name, *args = name.split(":")
+  if name == "none" and not args and not inner:
+    return None
+  if name not in _SPELLINGS:
+    raise ValueError(f"unknown codec {spec!r}; spellings: {_grammar()}")
   try:
-    if name == "none" and not args and not inner:
-      return None
-    if name in ("topk", "topk_chunks") and len(args) <= 2:
-      density = float(args[0]) if args else 0.01
-      chunk_size = int(args[1]) if len(args) > 1 else 4096
-      return topk_chunks(density, chunk_size, parse(inner) if inner else None)
-    if inner:
-      raise ValueError("only topk takes a +<codec>")
-    if name == "bf16" and not args:
-      return bf16()
-    if name == "fp16" and len(args) <= 1:
-      return fp16(*map(int, args))
-    if name == "int8" and len(args) <= 2 and args[1:] in ([], ["stochastic"]):
-      return int8(*map(int, args[:1]), stochastic=args[1:] == ["stochastic"])
-  except ValueError as e:
-    raise ValueError(f"bad codec {spec!r}: {e} (spellings: {_GRAMMAR})") from e
-  raise ValueError(f"unknown codec {spec!r}; spellings: {_GRAMMAR}")
+    return _SPELLINGS[name][1](args, parse(inner) if inner else None)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"bad codec {spec!r}: {e} (spellings: {_grammar()})") from e

@@ -35,7 +35,14 @@ import operator
 import jax.numpy as jnp
 
 from jaxring._src.codecs import kernels
-from jaxring._src.codecs.base import MAX_BLOCK_SIZE, Codec, accum_dtype, is_float
+from jaxring._src.codecs.base import (
+    MAX_BLOCK_SIZE,
+    Codec,
+    accum_dtype,
+    is_float,
+    no_inner,
+    spelling,
+)
 
 _F32 = jnp.dtype(jnp.float32)
 _BELOW_2_15 = 32752.0  # the largest fp16 value below 2**15
@@ -186,3 +193,19 @@ def fp16(block_size: int = 256) -> Fp16:
     0.501953125
   """
   return Fp16(block_size)
+
+
+@spelling("bf16", "bf16")
+def _read_bf16(args, inner) -> Bf16:
+  no_inner("bf16", inner)
+  if args:
+    raise ValueError("bf16 takes no arguments")
+  return bf16()
+
+
+@spelling("fp16[:block_size]", "fp16")
+def _read_fp16(args, inner) -> Fp16:
+  no_inner("fp16", inner)
+  if len(args) > 1:
+    raise ValueError("fp16 takes at most a block size")
+  return fp16(*map(int, args))

@@ -25,7 +25,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxring._src.codecs import kernels
-from jaxring._src.codecs.base import MAX_BLOCK_SIZE, Codec, accum_dtype, is_float
+from jaxring._src.codecs.base import (
+    MAX_BLOCK_SIZE,
+    Codec,
+    accum_dtype,
+    is_float,
+    no_inner,
+    spelling,
+)
 
 _F32 = jnp.dtype(jnp.float32)
 _SCALE_BYTES = 4
@@ -137,3 +144,11 @@ def int8(block_size: int = 256, stochastic: bool = False) -> Int8:
     1040
   """
   return Int8(block_size, stochastic)
+
+
+@spelling("int8[:block_size[:stochastic]]", "int8")
+def _read_int8(args, inner) -> Int8:
+  no_inner("int8", inner)
+  if len(args) > 2 or args[1:] not in ([], ["stochastic"]):
+    raise ValueError("int8 takes a block size and 'stochastic'")
+  return int8(*map(int, args[:1]), stochastic=args[1:] == ["stochastic"])

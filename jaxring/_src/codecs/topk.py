@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from jaxring._src.codecs import kernels
-from jaxring._src.codecs.base import Codec, for_dtype, is_float
+from jaxring._src.codecs.base import Codec, for_dtype, is_float, spelling
 
 _F32 = jnp.dtype(jnp.float32)
 _NORM_BYTES = 4
@@ -192,3 +192,12 @@ def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | No
     0.011962890625
   """
   return TopKChunks(density, chunk_size, inner)
+
+
+@spelling("topk[:density[:chunk_size]][+bf16|+fp16|+int8...]", "topk", "topk_chunks")
+def _read_topk(args, inner) -> TopKChunks:
+  if len(args) > 2:
+    raise ValueError("topk takes a density and a chunk size")
+  density = float(args[0]) if args else 0.01
+  chunk_size = int(args[1]) if len(args) > 1 else 4096
+  return topk_chunks(density, chunk_size, inner)
