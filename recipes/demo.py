@@ -98,6 +98,7 @@ def run(config) -> dict:
           "wire_bytes": wire, "steps": summary["steps"], "devices": summary["devices"],
           "global_batch": summary["global_batch"], "params": summary["params"],
           "num_classes": config.num_classes, "compression": config.compression,
+          "platform": __import__("jax").devices()[0].platform,
           "compile_s": summary["compile_s"], "train_s": train_s}
 
 
@@ -110,19 +111,27 @@ def format_report(r: dict) -> str:
   from jaxring.bench import fmt_bytes
 
   wire = r["wire_bytes"]
-  ratio = wire["uncompressed"] / wire["compressed"] if wire["compressed"] else float("nan")
   rate = r["images_per_s"]
+  platform = r.get("platform", "cpu")
+  where = (f"{r['devices']} emulated CPU device{'s' if r['devices'] > 1 else ''}"
+           if platform == "cpu" else f"{r['devices']} {platform.upper()} device"
+           f"{'s' if r['devices'] > 1 else ''}")
+  if wire["compressed"]:
+    ratio = wire["uncompressed"] / wire["compressed"]
+    wire_line = (f"  wire bytes per device per step  {fmt_bytes(wire['compressed'])} with "
+                 f"{r['compression']}, {fmt_bytes(wire['uncompressed'])} uncompressed "
+                 f"({ratio:.2f}x less)")
+  else:   # one device: nothing to reduce
+    wire_line = "  wire bytes per device per step  none: one device sends nothing"
   lines = [
       f"ResNet-18-like ({r['params']:,} params), {r['steps']} steps, global batch "
-      f"{r['global_batch']} on {r['devices']} emulated CPU devices, compression "
-      f"{r['compression']}",
+      f"{r['global_batch']} on {where}, compression {r['compression']}",
       f"  validation accuracy  top-1 {100 * r['top1']:.1f}%  top-5 {100 * r['top5']:.1f}%  "
       f"({r['eval_images']} images, {r['num_classes']} classes: chance is "
       f"{100 / r['num_classes']:.0f}%)",
       f"  training throughput  {rate:.1f} images/s" if rate else
       "  training throughput  (no timed steps)",
-      f"  wire bytes per device per step  {fmt_bytes(wire['compressed'])} with "
-      f"{r['compression']}, {fmt_bytes(wire['uncompressed'])} uncompressed ({ratio:.2f}x less)",
+      wire_line,
       f"  time  {r['train_s']:.0f} s training and evaluation, of which {r['compile_s']:.0f} s "
       f"compiling the step",
   ]

@@ -13,6 +13,8 @@ BatchNorm statistics and the metrics over the replicas.
 """
 from __future__ import annotations
 
+import logging
+
 import dataclasses
 import os
 from typing import Any, Callable
@@ -204,8 +206,12 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
   batches = prefetch_to_device(batches, 2, NamedSharding(mesh, P(axis)))
   total_steps = config.num_steps or int(round(config.num_epochs * steps_per_epoch))
   peak = optim.peak_learning_rate(config.learning_rate, config.batch_size, config.lr_scaling)
-  schedule = optim.learning_rate_schedule(peak, total_steps,
-                                          int(round(config.warmup_epochs * steps_per_epoch)))
+  warmup = int(round(config.warmup_epochs * steps_per_epoch))
+  if warmup >= total_steps:   # a short run (a smoke test's num_steps): warm up over a tenth of it
+    logging.info("warm-up of %d steps clipped to %d: the run has %d steps", warmup,
+                 total_steps // 10, total_steps)
+    warmup = total_steps // 10
+  schedule = optim.learning_rate_schedule(peak, total_steps, warmup)
   tx = optim.make_optimizer(schedule, optimizer=config.optimizer, momentum=config.momentum,
                             nesterov=config.nesterov, weight_decay=config.weight_decay,
                             trust_coefficient=config.lars_trust_coefficient,

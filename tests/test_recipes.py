@@ -191,3 +191,21 @@ def test_demo_report_has_its_fields(tiny_config):
   text = demo.format_report(report)
   for field in ("top-1", "top-5", "images/s", "int8", "uncompressed", "chance is 25%"):
     assert field in text, field
+
+
+def test_demo_report_describes_one_gpu_without_nan():
+  from recipes import demo
+  report = {"params": 1000, "steps": 3, "global_batch": 8, "devices": 1, "compression": "int8",
+            "platform": "gpu", "top1": 0.5, "top5": 0.9, "eval_images": 10, "num_classes": 4,
+            "images_per_s": 100.0, "wire_bytes": {"compressed": 0, "uncompressed": 0},
+            "train_s": 1.0, "compile_s": 0.5}
+  text = demo.format_report(report)
+  assert "on 1 GPU device," in text and "nan" not in text and "one device sends nothing" in text
+  assert "emulated" not in text
+
+
+def test_a_short_run_clips_the_warm_up_instead_of_refusing(tiny_config):
+  from recipes import train
+  config = dataclasses.replace(tiny_config, num_steps=2, warmup_epochs=50.0)
+  summary = train.train_and_evaluate(config)
+  assert summary["steps"] == 2
