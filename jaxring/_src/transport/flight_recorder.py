@@ -4,7 +4,8 @@ Every jaxring collective, when planned, is recorded here with its sequence numbe
 shape, dtype, plan and the time (host-side, a dict in a bounded deque: ``JAXRING_FLIGHT_RECORDER``
 entries, default 256, ``0`` turns it off). The record is written as JSON, one file per process
 (``flight-<process>.json`` in ``JAXRING_FLIGHT_DIR``, default ``./jaxring-flight``), when the
-peer watchdog gives up, on ``SIGUSR1``, and on :func:`dump` (``jaxring.distributed.dump()``).
+peer watchdog gives up, on ``SIGUSR1`` (outside ``mpirun``, whose MPICH owns that signal), and on
+:func:`dump` (``jaxring.distributed.dump()``).
 Each dump also merges the files already in the folder into ``summary.json``, which names the
 first sequence number at which the processes' records differ or one process has none.
 """
@@ -107,8 +108,13 @@ def summarize(directory) -> dict:
 
 
 def install_signal_handler() -> None:
-  """``kill -USR1 <pid>`` dumps the record (only where nobody else handles SIGUSR1)."""
+  """``kill -USR1 <pid>`` dumps the record, where nobody else handles SIGUSR1 from Python.
+
+  Not installed for MPI: MPICH's launcher signals SIGUSR1 to the ranks left when one exits, and
+  MPICH handles it in C, which Python's ``getsignal`` does not see. Under ``mpirun`` the record
+  is dumped by the watchdog and by :func:`dump`.
+  """
   if threading.current_thread() is not threading.main_thread():
     return
-  if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None):
+  if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
     signal.signal(signal.SIGUSR1, lambda *_: dump(reason="SIGUSR1"))

@@ -185,8 +185,9 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
   if topology is not None and not isinstance(topology, topo_mod.Topology):
     raise TypeError(f"topology must be a jaxring.Topology or None, got {type(topology).__name__}")
   axis = _make_axis(axis_name, comm, topology)
+  # no SIGUSR1 handler here: MPICH's launcher signals SIGUSR1 to the ranks left when one exits,
+  # and MPICH handles it in C (unseen by Python's signal module)
   flight_recorder.set_identity(comm.Get_rank(), comm.Get_size())
-  flight_recorder.install_signal_handler()
   _start_watchdog(comm, failure_timeout_s)
   _bound[axis_name] = axis
   return axis
