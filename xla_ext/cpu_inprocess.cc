@@ -193,22 +193,21 @@ ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
 
 namespace ffi = xla::ffi;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalReduceScatterCpu, jaxring::LocalReduceScatterImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("size")
-                                  .Attr<int64_t>("timeout_ms"));
+namespace {
+// Both in-process collectives take (x, [member, group]) and return one buffer.
+auto LocalCollectiveBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::RunId>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("site")
+      .Attr<int64_t>("size")
+      .Attr<int64_t>("timeout_ms");
+}
+}  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalReduceScatterCpu, jaxring::LocalReduceScatterImpl,
+                              LocalCollectiveBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherCpu, jaxring::LocalAllGatherImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("size")
-                                  .Attr<int64_t>("timeout_ms"));
+                              LocalCollectiveBinding());

@@ -12,6 +12,7 @@ first sequence number at which the processes' records differ or one process has 
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
 import pathlib
@@ -42,7 +43,7 @@ def record(seq: int, entry: dict) -> None:
     _entries.append({"seq": seq, "time": time.time(), **entry})
 
 
-_own = __import__("itertools").count()
+_own = itertools.count()
 
 
 def next_seq() -> int:

@@ -181,12 +181,14 @@ class Watchdog:
     self.stop_event.set()
     if self.thread.is_alive() and threading.current_thread() is not self.thread:
       self.thread.join(timeout=2 * self.interval + 1)
-    if tell_peers:
-      with self.lock:
-        try:
-          self.heartbeats.finish()
-        except Exception:  # noqa: BLE001 - a dead channel: nothing left to tell
-          pass
+    # a heartbeat blocked on a dead channel holds the lock: then there is nobody to tell
+    if tell_peers and self.lock.acquire(timeout=2 * self.interval + 1):
+      try:
+        self.heartbeats.finish()
+      except Exception:  # noqa: BLE001 - a dead channel: nothing left to tell
+        pass
+      finally:
+        self.lock.release()
 
   def _run(self) -> None:
     while not self.stop_event.wait(self.interval):
