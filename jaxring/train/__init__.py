@@ -4,7 +4,9 @@
 the same objects, re-exported at the top level.
 """
 from jaxring._src.train.buckets import Bucket as Bucket
-from jaxring._src.train.checkpoint import CheckpointCorruptError as CheckpointCorruptError
+from jaxring._src.train.checkpoint import (
+    CheckpointCorruptError as CheckpointCorruptError,
+)
 from jaxring._src.train.checkpoint import Checkpointer as Checkpointer
 from jaxring._src.train.data import BatchIterator as BatchIterator
 from jaxring._src.train.grad import grad as grad
@@ -15,7 +17,7 @@ from jaxring._src.train.metrics import JsonlWriter as JsonlWriter
 from jaxring._src.train.metrics import Progress as Progress
 from jaxring._src.train.precision import DynamicLossScale as DynamicLossScale
 from jaxring._src.train.precision import Policy as Policy
+from jaxring._src.train.sharding import default_mesh as default_mesh
 from jaxring._src.train.state import TrainState as TrainState
 from jaxring._src.train.step import TrainStep as TrainStep
-from jaxring._src.train.step import default_mesh as default_mesh
 from jaxring._src.train.step import train_step as train_step

@@ -71,6 +71,10 @@ class Algorithm(Protocol):
   def reduce_scatter(self, buf, plan: Plan, dtype):
     """Member ``i`` ends with the sum of chunk ``i`` of ``buf`` (chunks in :meth:`chunk_order`)."""
 
+  # Optional: ``reduce_scatter_with_error(buf, plan, dtype) -> (shard, error)``, the error this
+  # member's encodings introduced, laid out like ``buf``. Error feedback on a reduce-scatter (a
+  # sharded train step's gradients) needs it; an algorithm without it is refused there.
+
   def all_gather(self, payload: tuple, plan: Plan) -> tuple:
     """Every member's encoded chunk, in :meth:`chunk_order`."""
 

@@ -240,20 +240,59 @@ def all_gather(leaf, ax: int, tiled: bool, binding, algorithm, compression):
   return gather(leaf)
 
 
-def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
-  """``lax.psum_scatter(leaf, scatter_dimension=d, tiled=tiled)`` over the ``p`` members of a
-  ring or hierarchical ``plan``; ``dtype`` is the leaf's."""
-  moved = jnp.moveaxis(leaf, d, 0)
-  rest = moved.shape[1:]
-  rows = moved.reshape(p, -1).astype(accum_dtype(dtype))
+def reduce_scatter_flat(flat, dtype, binding, algorithm, compression, *, want_error=False):
+  """Member ``i`` gets the sum of row ``i`` of ``flat`` viewed as ``(p, m)``, by a plan.
+
+  ``lax.psum_scatter(flat, scatter_dimension=0, tiled=True)`` over mesh axes, plus what error
+  feedback needs: with ``want_error``, this member's compression error laid out like ``flat``
+  (None after an exact reduction). No derivative rule (it runs on gradients, inside a backward
+  rule: jaxring._src.train).
+
+  Example:
+    >>> shard, err = reduce_scatter_flat(flat, jnp.float32, bind(("data",), "psum_scatter"),
+    ...     "ring", jaxring.codecs.int8(), want_error=True)  # doctest: +SKIP
+  """
+  if not binding.lax_bound:
+    raise NotImplementedError("reduce_scatter_flat: mesh axes only (a sharded train step)")
+  p = binding.size
+  plan = plan_for(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype, algorithm,
+                  compression)
+  _check_per_hop(plan, "psum_scatter")
+  _fingerprint("psum_scatter", binding, flat.shape, dtype, algorithm, plan)
+  if plan.kind == "xla" or p == 1:
+    return lax.psum_scatter(flat, axis_arg(binding.axes), scatter_dimension=0, tiled=True), None
+  return _reduce_scatter_rows(flat.reshape(p, -1), p, dtype, plan, want_error)
+
+
+def _reduce_scatter_rows(rows, p, dtype, plan: Plan, want_error: bool):
+  """Member ``i`` gets the sum of ``rows[i]`` (accumulator dtype): ``(shard, error or None)``,
+  the error laid out like ``rows``, flat."""
   m = rows.shape[1]
   m_pad = -(-max(m, 1) // plan.align) * plan.align
   rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
   algorithm = base.get(plan.kind)
   if (order := algorithm.chunk_order(plan)) is not None:
     rows = rows[np.asarray(order)]
-  shard = algorithm.reduce_scatter(rows.reshape(-1), plan, dtype)
-  block = shard[:m].astype(dtype)
+  if not want_error:
+    return algorithm.reduce_scatter(rows.reshape(-1), plan, dtype)[:m], None
+  with_error = getattr(algorithm, "reduce_scatter_with_error", None)
+  if with_error is None:
+    raise NotImplementedError(f"algorithm {plan.kind!r} has no reduce_scatter_with_error: error "
+                              "feedback on its reduce-scatter is not available")
+  shard, err = with_error(rows.reshape(-1), plan, dtype)
+  err = err.reshape(p, m_pad)
+  if order is not None:
+    err = err[np.argsort(np.asarray(order))]
+  return shard[:m], err[:, :m].reshape(-1)
+
+
+def _reduce_scatter_leaf(leaf, d, tiled, p, dtype, plan: Plan):
+  """``lax.psum_scatter(leaf, scatter_dimension=d, tiled=tiled)`` over the ``p`` members of a
+  ring or hierarchical ``plan``; ``dtype`` is the leaf's."""
+  moved = jnp.moveaxis(leaf, d, 0)
+  rest = moved.shape[1:]
+  rows = moved.reshape(p, -1).astype(accum_dtype(dtype))
+  block = _reduce_scatter_rows(rows, p, dtype, plan, False)[0].astype(dtype)
   if tiled:
     return jnp.moveaxis(block.reshape((moved.shape[0] // p,) + tuple(rest)), 0, d)
   return block.reshape(rest)

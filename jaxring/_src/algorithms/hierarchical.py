@@ -150,12 +150,22 @@ def chunk_permutation(groups: list[Group], strides: list[int]) -> list[int]:
 
 
 def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[str], dtype,
-                   transport, pieces=None):
-  """Hierarchical reduce-scatter (chunks already permuted by :func:`chunk_permutation`)."""
-  x = flat
+                   transport, pieces=None, *, want_error=False):
+  """Hierarchical reduce-scatter (chunks already permuted by :func:`chunk_permutation`).
+
+  Returns ``(shard, error)``; ``error`` (when asked) is this member's compression error laid out
+  like ``flat``: each level's error sits where that level's input sat within ``flat``.
+  """
+  x, offset = flat, 0
+  err = jnp.zeros_like(flat) if want_error else None
   for g, cd, al, pc in zip(groups, codecs, algos, pieces or [1] * len(groups)):
-    x, _ = _level_reduce_scatter(x, g, cd, al, dtype, transport, False, pc)
-  return x
+    c = x.shape[0] // g.size
+    x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error, pc)
+    if want_error:
+      err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offset,), (e.shape[0],)) + e,
+                                     (offset,))
+    offset = offset + g.rank() * c
+  return x, err
 
 
 def all_gather(payload: tuple, groups: list[Group], transport) -> tuple:
@@ -213,8 +223,11 @@ class Hierarchical:
                       plan.transport, want_error=want_error, pieces=list(plan.pieces))
 
   def reduce_scatter(self, buf, plan: Plan, dtype):
+    return self.reduce_scatter_with_error(buf, plan, dtype, want_error=False)[0]
+
+  def reduce_scatter_with_error(self, buf, plan: Plan, dtype, *, want_error: bool = True):
     return reduce_scatter(buf, list(plan.groups), list(plan.codecs), list(plan.algos), dtype,
-                          plan.transport, pieces=list(plan.pieces))
+                          plan.transport, pieces=list(plan.pieces), want_error=want_error)
 
   def all_gather(self, payload: tuple, plan: Plan) -> tuple:
     return all_gather(payload, list(plan.groups), plan.transport)

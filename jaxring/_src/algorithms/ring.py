@@ -200,8 +200,11 @@ class Ring:
                       want_error=want_error, pieces=plan.pieces[0])
 
   def reduce_scatter(self, buf, plan: Plan, dtype):
+    return self.reduce_scatter_with_error(buf, plan, dtype, want_error=False)[0]
+
+  def reduce_scatter_with_error(self, buf, plan: Plan, dtype, *, want_error: bool = True):
     return reduce_scatter(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
-                          pieces=plan.pieces[0])[0]
+                          want_error=want_error, pieces=plan.pieces[0])
 
   def all_gather(self, payload: tuple, plan: Plan) -> tuple:
     return ring_all_gather_payload(payload, plan.groups[0], plan.transport)

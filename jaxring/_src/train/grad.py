@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
@@ -32,6 +33,7 @@ from jaxring._src.collectives import is_lossy
 from jaxring._src.error_feedback import next_residual
 from jaxring._src.optim.momentum import corrected_mean
 from jaxring._src.train.buckets import Bucket, make_buckets, use_order
+from jaxring._src.train.fsdp import GATHERED, sharded_identity
 from jaxring._src.train.precision import Policy
 
 
@@ -48,6 +50,8 @@ class ReduceConfig:
   policy: Policy | None = None
   momentum: float | None = None   # momentum correction in the reduction (jaxring._src.optim)
   nesterov: bool = False
+  shard: str = "none"             # "none" | "optimizer" | "params" (jaxring._src.train.sharding)
+  param_compression: Any = None   # the parameters' all-gather codec (shard="params")
 
   @property
   def axis_name(self):
@@ -76,6 +80,22 @@ class StepContext:
   finite: Any = None        # agreed on by every replica
   buckets: list[Bucket] | None = None
   calls: int = 0
+  shard: ShardedParams | None = None  # with shard="optimizer"/"params": how the params are split
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedParams:
+  """What value_and_grad needs of a sharded step's parameters (flattened like state.params)."""
+
+  treedef: Any
+  dims: tuple            # each leaf's split dimension, or None (whole)
+  shapes: tuple          # each leaf's full shape
+  full: tuple | None     # shard="optimizer": the replicated leaves (nothing to gather)
+
+  @property
+  def remat(self) -> bool:
+    """Gather again in the backward pass rather than keep the full leaves (shard="params")."""
+    return self.full is None
 
 
 _local = threading.local()
@@ -203,18 +223,52 @@ def _caller(fun, args, kwargs, argnums, treedef, policy: Policy | None):
   return call
 
 
-def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_scale, check):
-  """Passes each bucket through its reducing identity, chained by the token in forward order."""
+def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_scale, check,
+                               shard: ShardedParams | None = None):
+  """Passes each bucket through its reducing identity, chained by the token in forward order.
+
+  A bucket of split leaves (``shard``) goes through jaxring._src.train.fsdp's identity instead:
+  blocks in, full leaves out, reduce-scattered gradients back.
+  """
   diff_leaves = list(diff_leaves)
   tok = jnp.zeros((), jnp.float32)
   for k in reversed(range(len(buckets))):  # forward order: the bucket reduced last goes first
     b = buckets[k]
     res = None if residuals is None else tuple(residuals[i] for i in b.indices)
-    out, tok = _bucket_identity(cfg, check)(tuple(diff_leaves[i] for i in b.indices), res, tok,
-                                            inv_scale, flags[k] if check else None)
+    blocks = tuple(diff_leaves[i] for i in b.indices)
+    flag = flags[k] if check else None
+    if shard is not None and shard.dims[b.indices[0]] is not None:
+      ident = sharded_identity(cfg, tuple(shard.dims[i] for i in b.indices),
+                               tuple(shard.shapes[i] for i in b.indices), check)
+      full = None if shard.full is None else tuple(shard.full[i] for i in b.indices)
+      out, tok = ident(blocks, full, res, tok, inv_scale, flag)
+      if shard.remat:
+        out = tuple(checkpoint_name(x, GATHERED) for x in out)
+    else:
+      out, tok = _bucket_identity(cfg, check)(blocks, res, tok, inv_scale, flag)
     for i, x in zip(b.indices, out):
       diff_leaves[i] = x
   return diff_leaves
+
+
+def _sharded_buckets(cfg, shard: ShardedParams, leaves, treedef, call) -> list[Bucket]:
+  """Buckets of a sharded step: split leaves and whole leaves never share one (one is gathered
+  and reduce-scattered, the other all-reduced); both lists merged in order of readiness."""
+  if treedef != shard.treedef:
+    raise ValueError("jaxring.value_and_grad: a sharded train_step differentiates with respect "
+                     "to state.params (each replica holds blocks of them, gathered here); got an "
+                     f"argument of structure {treedef}, the parameters are {shard.treedef}")
+  full = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shard.shapes, leaves)]
+  order = use_order(lambda *ls: call(ls), full)
+  split = [i for i in order if shard.dims[i] is not None]
+  whole = [i for i in order if shard.dims[i] is None]
+  position = {i: k for k, i in enumerate(reversed(order))}
+  buckets = []
+  for part in (split, whole):
+    if part:
+      sub = make_buckets([full[i] for i in part], range(len(part)), cfg.bucket_bytes)
+      buckets += [Bucket(tuple(part[j] for j in b.indices), b.dtype, b.numel) for b in sub]
+  return sorted(buckets, key=lambda b: max(position[i] for i in b.indices))
 
 
 def _after_backward_token(grads: Sequence):
@@ -240,7 +294,11 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   policy = cfg.policy
   scale = ctx.loss_scale if policy is not None and policy.loss_scaling else None
   call = _caller(fun, args, kwargs, argnums, treedef, policy)
-  buckets = make_buckets(leaves, use_order(lambda *ls: call(ls), leaves), cfg.bucket_bytes)
+  shard = ctx.shard
+  if shard is None:
+    buckets = make_buckets(leaves, use_order(lambda *ls: call(ls), leaves), cfg.bucket_bytes)
+  else:
+    buckets = _sharded_buckets(cfg, shard, leaves, treedef, call)
   ctx.buckets = buckets
   inv_scale = None if scale is None else (1.0 / scale).astype(jnp.float32)
   check = scale is not None
@@ -248,7 +306,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   def inner(diff_leaves, residuals, flags):
     if cfg.overlap:
       diff_leaves = _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags,
-                                               inv_scale, check)
+                                               inv_scale, check, shard)
     out = call(diff_leaves)
     _check_output(out, has_aux)
     loss, aux = out if has_aux else (out, None)
@@ -256,6 +314,10 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     if scale is not None:
       objective = objective * scale
     return objective, (loss, aux)
+
+  if shard is not None and shard.remat:
+    inner = jax.checkpoint(
+        inner, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
 
   flags = [jnp.zeros((), jnp.float32) for _ in buckets] if check else None
   (_, (loss, aux)), (g_leaves, g_res, g_flags) = jax.value_and_grad(

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring._src.algorithms.planner import validate_algorithm
@@ -33,27 +33,11 @@ from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import axis_names, validate_compression
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
-from jaxring._src.train.grad import ReduceConfig, StepContext, step_context
+from jaxring._src.train import sharding
+from jaxring._src.train.fsdp import gather_params
+from jaxring._src.train.grad import ReduceConfig, ShardedParams, StepContext, step_context
 from jaxring._src.train.precision import DynamicLossScale, as_policy, select_tree
 from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
-
-
-def default_mesh(axis_name="data") -> Mesh:
-  """All devices of all processes on one axis, or (processes, local devices) for two axes.
-
-  Example:
-    >>> dict(jaxring.train.default_mesh(("node", "local")).shape)  # one process, 8 devices
-    {'node': 1, 'local': 8}
-  """
-  axes = axis_names(axis_name)
-  devices = np.asarray(jax.devices())
-  if len(axes) == 1:
-    shape = (devices.size,)
-  elif len(axes) == 2:
-    shape = (jax.process_count(), jax.local_device_count())
-  else:
-    raise ValueError(f"default_mesh: pass a mesh for {len(axes)} axes {axes}")
-  return Mesh(devices.reshape(shape), axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
 def _mean_over(tree, axis_name):
@@ -63,26 +47,6 @@ def _mean_over(tree, axis_name):
       x = x.astype(jnp.float32)
     return lax.pmean(x, axis_name)
   return jax.tree_util.tree_map(mean, tree)
-
-
-def _place(x, sharding: NamedSharding):
-  if isinstance(x, (int, float, bool)) or getattr(x, "weak_type", False):
-    # TrainState.create's step=0 is a Python int (weakly typed once on a device), a restored or
-    # stepped one is not: the whole step would compile twice for that difference alone
-    x = jnp.asarray(x, jnp.result_type(x))
-  if isinstance(x, jax.Array) and x.sharding == sharding:
-    return x
-  if jax.process_count() > 1:
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return jax.device_put(x, sharding)
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-  # a copy: the step donates the state, which must not delete the caller's arrays (e.g. the
-  # variables returned by model.init, shared with other states); device_put(may_alias=False)
-  # still aliases the caller's buffer as the first device's shard (jax 0.10)
-  if isinstance(x, jax.Array):
-    x = jnp.copy(x)
-  return jax.device_put(x, sharding)
 
 
 # Steps Python may dispatch ahead of the devices on XLA:CPU (TrainStep._pace).
@@ -106,11 +70,12 @@ class TrainStep:
     self.buckets = None
     self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
     self._calls = 0
+    self._checked_tx = None  # the optimizer check_elementwise passed (sharded steps)
 
   @property
   def mesh(self) -> Mesh:
     if self._mesh is None:
-      self._mesh = default_mesh(self.config.axis_name)
+      self._mesh = sharding.default_mesh(self.config.axis_name)
     return self._mesh
 
   @property
@@ -146,10 +111,13 @@ class TrainStep:
                         "jaxring.TrainState")
       state = state.replace(loss_scale=DynamicLossScale.create())
     state = _without_residuals(state)
-    replicated = NamedSharding(self.mesh, P())
-    state = jax.tree_util.tree_map(lambda x: _place(x, replicated), state)
+    self._check_sharded_optimizer(state)
+    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.axis_name)
+    state = jax.tree_util.tree_map(
+        lambda x, s: sharding.place(x, NamedSharding(self.mesh, s)), state, specs)
     if residuals is not None:
-      residuals = jax.tree_util.tree_map(lambda x: _place(x, self._residual_sharding), residuals)
+      residuals = jax.tree_util.tree_map(lambda x: sharding.place(x, self._residual_sharding),
+                                         residuals)
     return with_residual_tree(state, residuals, fresh=fresh)
 
   def _check_optimizer(self, state) -> None:
@@ -172,6 +140,27 @@ class TrainStep:
           "with tx=optax.sgd(lr); for Adam use a dense codec (int8, bf16) or "
           "jr.compressed_adam inside your own shard_map")
 
+  def _check_sharded_optimizer(self, state) -> None:
+    cfg, tx = self.config, getattr(state, "tx", None)
+    if cfg.shard == "none" or tx is None or tx is self._checked_tx:
+      return
+    replicated = NamedSharding(self.mesh, P())
+    params, opt_state = (jax.tree_util.tree_map(lambda x: sharding.place(x, replicated), t)
+                         for t in (state.params, state.opt_state))
+    sharding.check_elementwise(tx, params, opt_state, self.mesh, cfg.axis_name,
+                               self.num_replicas, cfg.shard)
+    self._checked_tx = tx
+
+  def memory(self, state, batch) -> dict:
+    """Bytes per device of the state's parts, and the compiled step's own (``memory_analysis``).
+
+    Example:
+      >>> step.memory(state, batch)["opt_state"]  # one device's share of the optimizer state
+    """
+    state = self.prepare(state)
+    compiled = self.lower(state, batch).compile()
+    return sharding.memory_report(state, residual_tree(state), compiled)
+
   def _zero_residuals(self, params):
     r = self.num_replicas
     lead = (r, 2) if self.config.corrects_momentum else (r,)
@@ -188,15 +177,15 @@ class TrainStep:
     Example:
       >>> batch = step.shard_batch({"x": images, "y": labels})  # leading axis = examples
     """
-    sharding = NamedSharding(self.mesh, P(self.config.axis_name))
+    split = NamedSharding(self.mesh, P(self.config.axis_name))
 
     def put(x):
-      if isinstance(x, jax.Array) and x.sharding == sharding:
+      if isinstance(x, jax.Array) and x.sharding == split:
         return x
       if jax.process_count() > 1 and not (isinstance(x, jax.Array)
                                           and not x.is_fully_addressable):
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
-      return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(split, np.asarray(x))
+      return jax.device_put(x, split)
     return jax.tree_util.tree_map(put, batch)
 
   def _needs_prepare(self, state) -> bool:
@@ -246,8 +235,11 @@ class TrainStep:
                               self.shard_batch(batch))
 
   def _spmd(self, state, residuals, batch):
-    data = P(self.config.axis_name)
-    specs = jax.tree_util.tree_map(lambda _: P(), state)
+    cfg = self.config
+    data = P(cfg.axis_name)
+    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.axis_name)
+    if cfg.shard != "none":
+      self._dims = sharding.param_dims(state.params, self.num_replicas)
     res_specs = jax.tree_util.tree_map(lambda _: data, residuals)
     body = jax.shard_map(self._per_replica, mesh=self.mesh, in_specs=(specs, res_specs, data),
                          out_specs=(specs, res_specs, P()), check_vma=False)
@@ -260,10 +252,16 @@ class TrainStep:
     scaling = cfg.policy is not None and cfg.policy.loss_scaling
     ctx = StepContext(cfg, residuals=residuals,
                       loss_scale=state.loss_scale.scale if scaling else None)
+    user_state = state
+    if cfg.shard != "none":
+      ctx.shard, user_state = self._sharded_view(state)
     with step_context(ctx):
-      new_state, metrics = self._fn(state, batch)
+      new_state, metrics = self._fn(user_state, batch)
     self.buckets = ctx.buckets
     new_state = _without_residuals(new_state)
+    if cfg.shard == "optimizer":  # each replica updated its blocks: gather the whole, exactly
+      new_state = new_state.replace(params=gather_params(new_state.params, self._dims, cfg.axes,
+                                                         cfg.algorithm))
     new_residuals = residuals
     if residuals is not None and ctx.new_residuals is not None:
       new_residuals = ctx.new_residuals
@@ -277,6 +275,21 @@ class TrainStep:
     if residuals is not None:
       new_residuals = jax.tree_util.tree_map(lambda r: r[None], new_residuals)
     return new_state, new_residuals, metrics
+
+  def _sharded_view(self, state):
+    """What value_and_grad needs to know of the split parameters, and the state the user's
+    function sees: its ``params`` are this replica's blocks (the optimizer updates those)."""
+    p, cfg = self.num_replicas, self.config
+    leaves, treedef = jax.tree_util.tree_flatten(state.params)
+    dims = tuple(jax.tree_util.tree_leaves(self._dims, is_leaf=lambda x: x is None))
+    if cfg.shard == "params":
+      shapes = tuple(x.shape if d is None else x.shape[:d] + (x.shape[d] * p,) + x.shape[d + 1:]
+                     for x, d in zip(leaves, dims))
+      return ShardedParams(treedef, dims, shapes, None), state
+    index = lax.axis_index(cfg.axis_name)
+    blocks = [sharding.local_block(x, d, p, index) for x, d in zip(leaves, dims)]
+    view = state.replace(params=jax.tree_util.tree_unflatten(treedef, blocks))
+    return ShardedParams(treedef, dims, tuple(x.shape for x in leaves), tuple(leaves)), view
 
   @staticmethod
   def _skip_on_overflow(old, new, metrics, finite):
@@ -342,7 +355,7 @@ def _validate_bucket_bytes(bucket_bytes) -> int:
 def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: Any = "auto",
                compression: Any = None, error_feedback: bool = True, bucket_bytes: int = 25 << 20,
                overlap: bool = True, donate: bool = True, precision: Any = None,
-               momentum: float | None = None, nesterov: bool = False):
+               momentum: float | None = None, nesterov: bool = False, shard: str = "none"):
   """Turns a per-replica ``step(state, batch) -> (state, metrics)`` into a data-parallel step.
 
   Args:
@@ -350,7 +363,9 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
     axis_name: the data-parallel axis, or a tuple such as ``("node", "local")`` (hierarchical).
     algorithm: ``"auto"``, ``"xla"``, ``"ring"``, ``"hierarchical"`` or a per-level dict (as
       :func:`jaxring.psum`).
-    compression: None, a codec, or a dict level -> codec (as :func:`jaxring.psum`).
+    compression: None, a codec, or a dict level -> codec (as :func:`jaxring.psum`): the
+      gradients' reduction. With ``shard="params"``, ``{"params": c1, "grads": c2}`` also
+      compresses the parameters' all-gather (each value as above).
     error_feedback: with a lossy codec, carry each replica's compression error into the next step
       (residuals in ``state.residuals``).
     bucket_bytes: gradient bytes fused into one reduction.
@@ -364,6 +379,12 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       The velocity is kept beside the residuals (``state.residuals`` leaves ``(replicas, 2,
       *shape)``) and checkpointed with them.
     nesterov: Nesterov momentum (with ``momentum``).
+    shard: ``"none"`` (replicated state), ``"optimizer"`` (ZeRO-1/2: optimizer state split over
+      the replicas, gradients reduce-scattered, parameters all-gathered after the update) or
+      ``"params"`` (FSDP/ZeRO-3: parameters split too, gathered bucket by bucket where the
+      forward and backward passes use them). The step function is the same; inside it
+      ``state.params`` are this replica's blocks, which ``jaxring.value_and_grad`` gathers. The
+      optimizer must work coordinate by coordinate (checked): jaxring._src.train.sharding.
 
   Returns:
     A decorator producing a :class:`TrainStep`.
@@ -378,7 +399,13 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
   if callable(mesh) and not isinstance(mesh, Mesh):  # bare @train_step
     return train_step()(mesh)
   validate_algorithm(algorithm)
+  shard = sharding.validate_shard(shard)
+  param_compression, compression = sharding.split_compression(compression, shard)
+  validate_compression(param_compression)
   validate_compression(compression)
+  if shard != "none" and (momentum or not overlap):
+    raise ValueError(f"train_step: shard={shard!r} reduce-scatters inside the backward pass and "
+                     "keeps no velocity; it takes neither momentum= nor overlap=False")
   axes = axis_names(axis_name)
   if mesh is not None and not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "
@@ -390,7 +417,8 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
                      "residual; it needs error_feedback=True")
   config = ReduceConfig(axes, algorithm, compression, error_feedback,
                         _validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
-                        momentum=momentum, nesterov=bool(nesterov))
+                        momentum=momentum, nesterov=bool(nesterov), shard=shard,
+                        param_compression=param_compression)
 
   def decorate(fn: Callable) -> TrainStep:
     return TrainStep(fn, mesh, config, donate)

@@ -1,0 +1,153 @@
+"""A sharded train step's buckets: all-gather the parameters forward, reduce-scatter backward.
+
+A bucket of split leaves (jaxring._src.train.sharding) passes through one ``jax.custom_vjp``
+before the loss function sees it, like an all-reduced bucket (jaxring._src.train.grad), but its
+primal is the replica's *blocks*: the forward rule all-gathers them into the full leaves (one
+collective for the bucket, with the parameters' codec; or, with ``shard="optimizer"``, takes the
+replicated leaves the step already holds), and the backward rule turns the full cotangents into
+rows, one per replica, adds this replica's error-feedback residual, and reduce-scatters them (one
+collective, the gradients' codec, per-hop requantization on the ring): each replica gets the mean
+of its own block, and the error its encodings made as the residual's cotangent.
+
+With ``shard="params"`` the gathered leaves are named :data:`GATHERED` and the loss is
+rematerialized with a policy that saves everything except them: the backward pass gathers each
+bucket again instead of keeping every layer's full parameters alive between the two passes.
+
+Each bucket's rows carry one extra column, the token (see grad.py): the previous bucket's
+reduced token, so that XLA neither merges the reduce-scatters nor reorders them.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxring._src.algorithms import engine
+from jaxring._src.codecs.base import accum_dtype
+from jaxring._src.train.sharding import from_rows, to_rows
+
+GATHERED = "jaxring_gathered_params"
+
+
+def gather_leaves(blocks: Sequence, dims: Sequence[int], shapes: Sequence, axes: tuple,
+                  algorithm, compression) -> list:
+  """The full leaves of ``shapes`` from every replica's blocks (split along ``dims``), in one
+  all-gather. The blocks' dtype travels (f32 master weights: the codec decides the wire)."""
+  p = engine.bind(axes, "all_gather").size
+  dtype = jnp.result_type(*blocks)
+  flat = jnp.concatenate([jnp.ravel(b).astype(dtype) for b in blocks])
+  gathered = engine.all_gather(flat, 0, True, engine.bind(axes, "all_gather"), algorithm,
+                               compression)
+  rows = gathered.reshape(p, -1)
+  out, col = [], 0
+  for b, d, shape in zip(blocks, dims, shapes):
+    n = b.size
+    out.append(from_rows(rows[:, col:col + n], d, tuple(shape)).astype(b.dtype))
+    col += n
+  return out
+
+
+def scatter_bucket(cfg, cts: Sequence, dims: Sequence[int], residuals, tok, inv_scale,
+                   check_finite: bool):
+  """Mean of one bucket's full cotangents, each replica getting its own blocks, in one collective.
+
+  Returns ``(block means, new full-shaped residuals or None, token, local non-finite flag)``.
+  """
+  binding = engine.bind(cfg.axes, "value_and_grad")
+  p = binding.size
+  dtype = jnp.dtype(cts[0].dtype)
+  acc = accum_dtype(dtype)
+  rows = [to_rows(c.astype(acc), d, p) for c, d in zip(cts, dims)]
+  if inv_scale is not None:
+    rows = [r * inv_scale.astype(acc) for r in rows]
+  nonfinite = None
+  if check_finite:
+    nonfinite = jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(r)) for r in rows])))
+    nonfinite = nonfinite.astype(jnp.float32)
+  if residuals is not None:
+    rows = [r + to_rows(e.astype(acc), d, p) for r, e, d in zip(rows, residuals, dims)]
+  grid = jnp.concatenate(rows + [jnp.broadcast_to(jnp.reshape(tok, (1, 1)).astype(acc), (p, 1))],
+                         axis=1)
+  want_error = residuals is not None
+  shard, err = engine.reduce_scatter_flat(grid.reshape(-1), dtype, binding, cfg.algorithm,
+                                          cfg.compression, want_error=want_error)
+  mean = shard / p
+  tok_out = shard[-1].astype(jnp.float32)
+  blocks, col = [], 0
+  for c, d in zip(cts, dims):
+    n = c.size // p
+    block_shape = c.shape[:d] + (c.shape[d] // p,) + c.shape[d + 1:]
+    blocks.append(mean[col:col + n].reshape(block_shape).astype(dtype))
+    col += n
+  new_res = None
+  if want_error:
+    err = jnp.zeros_like(grid) if err is None else err.reshape(grid.shape)
+    if dtype != acc:  # rounding the mean to the gradients' dtype: carried by its owner
+      err = err.at[lax.axis_index(cfg.axes)].add(mean - mean.astype(dtype).astype(acc))
+    err = jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
+    new_res, col = [], 0
+    for c, d in zip(cts, dims):
+      n = c.size // p
+      new_res.append(from_rows(err[:, col:col + n], d, c.shape))
+      col += n
+  return blocks, new_res, tok_out, nonfinite
+
+
+def sharded_identity(cfg, dims: tuple, shapes: tuple, check_finite: bool):
+  """Identity from a bucket's blocks to its full leaves whose backward rule reduce-scatters.
+
+  Called as ``ident(blocks, full, residuals, tok, inv_scale, flag)``; ``full`` is None (gather
+  the blocks) or the replicated leaves (``shard="optimizer"``: nothing to gather).
+  """
+
+  @jax.custom_vjp
+  def ident(blocks, full, residuals, tok, inv_scale, flag):
+    return _forward(blocks, full), tok
+
+  def _forward(blocks, full):
+    if full is not None:
+      return tuple(full)
+    return tuple(gather_leaves(blocks, dims, shapes, cfg.axes, cfg.algorithm,
+                               cfg.param_compression))
+
+  def fwd(blocks, full, residuals, tok, inv_scale, flag):
+    del flag
+    return (_forward(blocks, full), tok), (residuals, inv_scale, tok)
+
+  def bwd(saved, cts):
+    residuals, inv_scale, tok = saved
+    ct_leaves, ct_tok = cts
+    means, new_res, tok_out, nonfinite = scatter_bucket(cfg, ct_leaves, dims, residuals, ct_tok,
+                                                        inv_scale, check_finite)
+    return (tuple(means), None, None if new_res is None else tuple(new_res),
+            tok_out.astype(tok.dtype), None if inv_scale is None else jnp.zeros_like(inv_scale),
+            nonfinite)
+
+  ident.defvjp(fwd, bwd)
+  return ident
+
+
+def gather_params(params, dims, axes: tuple, algorithm):
+  """The full parameters from every replica's blocks (exactly: the state's replicated copy),
+  one all-gather per dtype; leaves with ``dims`` None are already whole."""
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  dim_leaves = jax.tree_util.tree_leaves(dims, is_leaf=lambda x: x is None)
+  p = engine.bind(axes, "all_gather").size
+  out = list(leaves)
+  by_dtype: dict = {}
+  for i, (x, d) in enumerate(zip(leaves, dim_leaves)):
+    if d is not None:
+      by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
+  for idx in by_dtype.values():
+    full = gather_leaves([leaves[i] for i in idx], [dim_leaves[i] for i in idx],
+                         [_full_shape(leaves[i].shape, dim_leaves[i], p) for i in idx], axes,
+                         algorithm, None)
+    for i, x in zip(idx, full):
+      out[i] = x
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _full_shape(block_shape, d: int, p: int) -> tuple:
+  return tuple(block_shape[:d]) + (block_shape[d] * p,) + tuple(block_shape[d + 1:])

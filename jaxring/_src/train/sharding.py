@@ -1,0 +1,286 @@
+"""Sharded train state (ZeRO-1/2 and FSDP/ZeRO-3): which leaves are split, and how.
+
+With ``@jaxring.train_step(shard=...)`` a parameter leaf is split over the data-parallel replicas
+along one dimension: the largest one the replica count divides (a leaf with none stays whole,
+replicated; they are the small ones: biases of odd widths, a 10-class head). The global arrays
+keep their shapes, so code outside the step sees an ordinary state whose arrays happen to be
+sharded (``NamedSharding``): orbax saves and restores them sharded, on this device count or
+another, and a ``jax.jit`` evaluation reads them as it reads any array. Inside the step each
+replica sees its block.
+
+``shard="optimizer"``: parameters stay replicated in the state, the optimizer state is split, the
+step reduce-scatters gradients, updates the local block and all-gathers the parameters.
+``shard="params"``: parameters and optimizer state are split; the step all-gathers each bucket of
+parameters where the forward pass first uses it and again in the backward pass (rematerialized:
+the gathered copy is not kept in between), and reduce-scatters the gradients bucket by bucket.
+
+The optimizer then runs on blocks, which is exact for every transform that works coordinate by
+coordinate (SGD, momentum, Adam, AdamW, RMSProp, ...) and wrong for one that reduces over a whole
+leaf or tree (``optax.clip_by_global_norm``, LAMB's trust ratio, Adafactor's factored moments).
+:func:`check_elementwise` compares one update both ways when the step first sees a state and
+refuses an optimizer whose blocks disagree with the whole.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxring._src.collectives import axis_names
+
+MODES = ("none", "optimizer", "params")
+DIRECTIONS = ("params", "grads")
+
+
+def validate_shard(shard) -> str:
+  """``shard`` as one of :data:`MODES` (None means ``"none"``); ValueError otherwise."""
+  shard = "none" if shard is None else shard
+  if shard not in MODES:
+    raise ValueError(f"train_step: shard must be one of {MODES}, got {shard!r}")
+  return shard
+
+
+def split_compression(compression, shard: str) -> tuple[Any, Any]:
+  """``(params codec, grads codec)`` from the decorator's ``compression=``.
+
+  A dict with the keys ``"params"`` and/or ``"grads"`` names each direction (each value is what
+  :func:`jaxring.psum` takes: None, a codec, or a dict level -> codec); anything else is the
+  gradients' compression, with the parameters moving exactly.
+
+  Example:
+    >>> split_compression({"params": int8(), "grads": {"node": int8()}}, "params")
+    (Int8(...), {'node': Int8(...)})
+  """
+  if not (isinstance(compression, dict) and compression
+          and set(compression) <= set(DIRECTIONS)):
+    return None, compression
+  if shard != "params" and compression.get("params") is not None:
+    raise ValueError(f"train_step: compression['params'] compresses the parameters' all-gather of "
+                     f"shard='params'; with shard={shard!r} the parameters do not travel "
+                     "(ZeRO-1/2 gathers them exactly: replicas must agree)")
+  return compression.get("params"), compression.get("grads")
+
+
+def shard_dim(shape, p: int) -> int | None:
+  """The dimension a leaf of ``shape`` is split along over ``p`` replicas: the largest one ``p``
+  divides (the first of equals), or None (kept whole).
+
+  Example:
+    >>> shard_dim((3, 3, 64, 128), 8), shard_dim((10,), 8)
+    (3, None)
+  """
+  best = None
+  for d, n in enumerate(shape):
+    if n % p == 0 and n >= p and (best is None or n > shape[best]):
+      best = d
+  return best if p > 1 else None
+
+
+def leaf_spec(dim: int | None, ndim: int, axis_name) -> P:
+  """The PartitionSpec of a leaf split along ``dim`` (None: replicated)."""
+  if dim is None:
+    return P()
+  spec = [None] * ndim
+  spec[dim] = axis_name
+  return P(*spec)
+
+
+def param_dims(params, p: int):
+  """A tree like ``params`` of each leaf's split dimension (or None)."""
+  return jax.tree_util.tree_map(lambda x: shard_dim(np.shape(x), p), params)
+
+
+def specs_like(params, dims, axis_name):
+  return jax.tree_util.tree_map(lambda x, d: leaf_spec(d, np.ndim(x), axis_name), params, dims,
+                                is_leaf=lambda x: x is None)
+
+
+def opt_state_specs(opt_state, params, specs):
+  """PartitionSpecs of an optimizer state: every subtree shaped like the parameters (momentum,
+  Adam's moments) is split like them, the rest (step counts, schedules' state) replicated."""
+  pdef = jax.tree_util.tree_structure(params)
+  shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
+  spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
+
+  def like_params(x) -> bool:
+    try:
+      if jax.tree_util.tree_structure(x) != pdef:
+        return False
+    except Exception:  # noqa: BLE001 (a node jax cannot flatten is not a parameter tree)
+      return False
+    return [np.shape(l) for l in jax.tree_util.tree_leaves(x)] == shapes
+
+  def spec_of(x):
+    if like_params(x) and jax.tree_util.tree_leaves(x):
+      return jax.tree_util.tree_unflatten(pdef, spec_leaves)
+    return jax.tree_util.tree_map(lambda _: P(), x)
+
+  return jax.tree_util.tree_map(spec_of, opt_state, is_leaf=like_params)
+
+
+def state_specs(state, shard: str, p: int, axis_name):
+  """PartitionSpecs of every leaf of ``state`` for ``shard``: params (``"params"``) and the
+  optimizer state (``"optimizer"`` and ``"params"``) split, everything else replicated."""
+  specs = jax.tree_util.tree_map(lambda _: P(), state)
+  if shard == "none" or getattr(state, "params", None) is None:
+    return specs
+  dims = param_dims(state.params, p)
+  pspecs = specs_like(state.params, dims, axis_name)
+  changes = {}
+  if shard == "params":
+    changes["params"] = pspecs
+  if getattr(state, "opt_state", None) is not None:
+    changes["opt_state"] = opt_state_specs(state.opt_state, state.params, pspecs)
+  return specs.replace(**changes)
+
+
+def shardings(specs, mesh):
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
+                                is_leaf=lambda s: isinstance(s, P))
+
+
+def default_mesh(axis_name="data") -> Mesh:
+  """All devices of all processes on one axis, or (processes, local devices) for two axes.
+
+  Example:
+    >>> dict(jaxring.train.default_mesh(("node", "local")).shape)  # one process, 8 devices
+    {'node': 1, 'local': 8}
+  """
+  axes = axis_names(axis_name)
+  devices = np.asarray(jax.devices())
+  if len(axes) == 1:
+    shape = (devices.size,)
+  elif len(axes) == 2:
+    shape = (jax.process_count(), jax.local_device_count())
+  else:
+    raise ValueError(f"default_mesh: pass a mesh for {len(axes)} axes {axes}")
+  return Mesh(devices.reshape(shape), axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def place(x, sharding: NamedSharding):
+  """``x`` on the mesh with ``sharding``: a copy the step may donate, made the same way on every
+  process of a multi-process job."""
+  if isinstance(x, (int, float, bool)) or getattr(x, "weak_type", False):
+    # TrainState.create's step=0 is a Python int (weakly typed once on a device), a restored or
+    # stepped one is not: the whole step would compile twice for that difference alone
+    x = jnp.asarray(x, jnp.result_type(x))
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  if jax.process_count() > 1:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+  # a copy: the step donates the state, which must not delete the caller's arrays (e.g. the
+  # variables returned by model.init, shared with other states); device_put(may_alias=False)
+  # still aliases the caller's buffer as the first device's shard (jax 0.10)
+  if isinstance(x, jax.Array):
+    x = jnp.copy(x)
+  return jax.device_put(x, sharding)
+
+
+# --- a replica's block and the rows of a collective -----------------------------------------------
+
+
+def to_rows(full, d: int, p: int):
+  """``(p, n / p)``: row ``i`` is replica ``i``'s block of ``full`` (split along ``d``), flat."""
+  shape = full.shape
+  split = shape[:d] + (p, shape[d] // p) + shape[d + 1:]
+  return jnp.moveaxis(full.reshape(split), d, 0).reshape(p, -1)
+
+
+def from_rows(rows, d: int, shape):
+  """The inverse of :func:`to_rows`: the full leaf of ``shape`` from its ``p`` rows."""
+  p = rows.shape[0]
+  block = shape[:d] + (shape[d] // p,) + shape[d + 1:]
+  return jnp.moveaxis(rows.reshape((p,) + tuple(block)), 0, d).reshape(shape)
+
+
+def local_block(full, d: int | None, p: int, index):
+  """Replica ``index``'s block of ``full`` (``full`` itself when ``d`` is None)."""
+  if d is None:
+    return full
+  n = full.shape[d] // p
+  return jax.lax.dynamic_slice_in_dim(full, index * n, n, axis=d)
+
+
+# --- the optimizer must work coordinate by coordinate ---------------------------------------------
+
+
+def check_elementwise(tx, params, opt_state, mesh, axis_name, p: int, shard: str) -> None:
+  """Raises ValueError where ``tx.update`` on each replica's blocks differs from the update of
+  the whole (a transform that reduces over a leaf or the tree: global-norm clipping, LAMB).
+
+  One update with random gradients, run both ways on the mesh, compared to float32 rounding.
+  """
+  if tx is None or not jax.tree_util.tree_leaves(params):
+    return
+  dims = param_dims(params, p)
+  if all(d is None for d in jax.tree_util.tree_leaves(dims, is_leaf=lambda x: x is None)):
+    return
+  pspecs = specs_like(params, dims, axis_name)
+  ospecs = opt_state_specs(opt_state, params, pspecs)
+  keys = jax.random.split(jax.random.PRNGKey(0), len(jax.tree_util.tree_leaves(params)))
+  leaves, pdef = jax.tree_util.tree_flatten(params)
+  grads = jax.tree_util.tree_unflatten(pdef, [
+      jax.random.normal(k, np.shape(x), jnp.float32).astype(jnp.result_type(x))
+      for k, x in zip(keys, leaves)])
+
+  def whole(g, s, w):
+    return tx.update(g, s, w)[0]
+
+  blockwise = jax.shard_map(whole, mesh=mesh, in_specs=(pspecs, ospecs, pspecs),
+                            out_specs=pspecs, check_vma=False)
+  a = jax.jit(whole)(grads, opt_state, params)
+  b = jax.jit(blockwise)(grads, opt_state, params)
+  for x, y, path in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b),
+                        _paths(params)):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    if not np.allclose(x, y, rtol=1e-4, atol=1e-6 * (np.abs(x).max() + 1e-30)):
+      raise ValueError(
+          f"train_step(shard={shard!r}): the optimizer's update of {path} differs when each "
+          "replica updates its block alone (max |difference| "
+          f"{np.abs(x - y).max():.3g}): it reduces over whole leaves or the whole tree "
+          "(optax.clip_by_global_norm, LAMB, Adafactor's factored moments, ...). A sharded step "
+          "needs a coordinate-wise optimizer (sgd, momentum, adam, adamw, rmsprop, ...); use "
+          "shard='none' for this one")
+
+
+def _paths(tree) -> list[str]:
+  return [jax.tree_util.keystr(k) or "the parameters"
+          for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes one device holds of ``tree``'s arrays (its addressable shard on the first device)."""
+  total = 0
+  for x in jax.tree_util.tree_leaves(tree):
+    if isinstance(x, jax.Array):
+      shard = x.addressable_shards[0]
+      total += int(np.prod(shard.data.shape)) * x.dtype.itemsize
+    elif hasattr(x, "dtype"):
+      total += int(np.size(x)) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def memory_report(state, residuals, compiled) -> dict:
+  """Bytes per device: the state's parameters, optimizer state and residuals as they sit on the
+  first device, and the compiled step's argument, output, temporary and peak bytes."""
+  out = {"params": bytes_per_device(getattr(state, "params", None)),
+         "opt_state": bytes_per_device(getattr(state, "opt_state", None)),
+         "residuals": bytes_per_device(residuals)}
+  stats = compiled.memory_analysis()
+  if stats is not None:
+    for key in ("argument", "output", "temp", "alias", "generated_code"):
+      out[f"step_{key}"] = int(getattr(stats, f"{key}_size_in_bytes", 0) or 0)
+    peak = getattr(stats, "peak_memory_in_bytes", 0) or 0
+    out["step_peak"] = int(peak) or (out["step_argument"] + out["step_output"] + out["step_temp"]
+                                     - out["step_alias"])
+  return out
