@@ -15,7 +15,6 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxring
@@ -204,7 +203,7 @@ def test_compressed_optimizer_picks_the_supported_composition():
 
 
 def test_compressed_adam_refreshes_the_variance_from_exact_gradients():
-  b1, b2, eps, warm, every, steps, n = 0.9, 0.999, 1e-8, 3, 4, 12, 500
+  b2, warm, every, steps, n = 0.999, 3, 4, 12, 500
   g = gradients(6, steps, n)
   gmean = np.asarray(g, np.float64).mean(1)
   tx = jaxring.compressed_adam("d", algorithm="ring", compression=CODECS["topk"],
@@ -226,3 +225,90 @@ def test_bad_arguments():
     jaxring.momentum_correction("d", masking="half")
   with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
     jaxring.compressed_adam("d", warmup_steps=0)
+
+
+def _trust_reference(updates, params, warm, bound, decay=0.98):
+  """float64 NumPy: LAMB's ratio ||w|| / ||u|| per leaf, its bias-corrected running mean over the
+  first ``warm`` steps, then the ratio clipped to [mean / bound, mean * bound]."""
+  out, mean = [], {k: 0.0 for k in params[0]}
+  for t, (u, w) in enumerate(zip(updates, params)):
+    step = {}
+    for k in u:
+      r = np.linalg.norm(w[k]) / np.linalg.norm(u[k])
+      if t < warm:
+        mean[k] = decay * mean[k] + (1 - decay) * r
+        step[k] = u[k] * r
+      else:
+        m = mean[k] / (1 - decay ** warm)
+        step[k] = u[k] * np.clip(r, m / bound, m * bound)
+    out.append(step)
+  return out
+
+
+@pytest.mark.parametrize("bound", [1.0, 1.5])
+def test_frozen_trust_ratio_is_lambs_then_held_near_its_mean(bound):
+  from jaxring._src.optim.lamb import frozen_trust_ratio
+  rng = np.random.RandomState(7)
+  warm, steps = 4, 9
+  shapes = {"w": (6, 5), "b": (7,)}
+  ups = [{k: rng.randn(*s) * np.exp(rng.randn()) for k, s in shapes.items()} for _ in range(steps)]
+  ws = [{k: rng.randn(*s) * (1 + t) for k, s in shapes.items()} for t in range(steps)]
+  tx = frozen_trust_ratio(warm, bound=bound)
+  state = tx.init(jax.tree.map(jnp.asarray, ws[0]))
+  update = jax.jit(tx.update)
+  got = []
+  for u, w in zip(ups, ws):
+    out, state = update(jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), u), state,
+                        jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), w))
+    got.append(out)
+  want = _trust_reference(ups, ws, warm, bound)
+  lamb = optax.scale_by_trust_ratio()
+  for t in range(steps):
+    for k in shapes:
+      np.testing.assert_allclose(np.asarray(got[t][k]), want[t][k], rtol=1e-5,
+                                 atol=1e-6 * np.abs(want[t][k]).max())
+    if t < warm:  # LAMB's own ratio while the reduction is exact
+      f32 = lambda tree: jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)  # noqa: E731
+      ref, _ = lamb.update(f32(ups[t]), optax.EmptyState(), f32(ws[t]))
+      for k in shapes:
+        np.testing.assert_allclose(np.asarray(got[t][k]), ref[k], rtol=1e-5)
+
+
+def test_lamb_uncompressed_is_optax_lamb_on_the_mean_gradient():
+  lr, steps, n = 1e-2, 6, 300
+  g = gradients(8, steps, n)
+  w0 = jnp.asarray(np.random.RandomState(9).randn(n), jnp.float32)
+  tx = jaxring.compressed_optimizer("lamb", lr, "d", algorithm="ring", weight_decay=1e-3)
+
+  def body(w, g):
+    w = lax.pcast(w, "d", to="varying")
+    state = tx.init(w)
+
+    def step(carry, gt):
+      w, state = carry
+      upd, state = tx.update(gt, state, w)
+      return (optax.apply_updates(w, upd), state), None
+
+    (w, _), _ = lax.scan(step, (w, state), g[:, 0])
+    return w[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P(), P(None, "d")), out_specs=P("d")))
+  ref = optax.lamb(lr, eps=1e-8, weight_decay=1e-3)
+  with jax.numpy_dtype_promotion("standard"):   # optax's bias correction: float ** int32
+    got = np.asarray(f(w0, g))
+    w, state = w0, ref.init(w0)
+    for gt in np.asarray(g, np.float64).mean(1):
+      upd, state = ref.update(jnp.asarray(gt, jnp.float32), state, w)
+      w = optax.apply_updates(w, upd)
+  for member in got:
+    np.testing.assert_allclose(member, np.asarray(w), rtol=2e-5, atol=2e-6)
+
+
+def test_lamb_over_topk_is_compressed_adam_and_a_frozen_trust_ratio():
+  topk = codecs.topk_chunks(0.01)
+  state = jax.eval_shape(jaxring.compressed_optimizer("lamb", 1e-2, "d", compression=topk).init,
+                         {"w": jnp.zeros(64)})
+  names = [type(s).__name__ for s in state]
+  assert names[0] == "CompressedAdamState" and "TrustRatioState" in names
+  with pytest.raises(ValueError, match="plain_sgd_after"):   # what people write: refused
+    optax.chain(jaxring.reduce_gradients("d", compression=topk), optax.lamb(1e-2))

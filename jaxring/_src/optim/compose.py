@@ -23,7 +23,7 @@ import optax
 
 from jaxring._src.error_feedback import is_sparsifying
 
-NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw")
+NAMES = ("sgd", "momentum", "nesterov", "adam", "adamw", "lamb")
 
 def has_per_parameter_state(opt_state, params) -> bool:
   """Whether ``opt_state`` holds float arrays shaped like parameters (momentum, Adam moments).
@@ -55,16 +55,18 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
   ``"adam"``/``"adamw"``. Use it inside ``shard_map`` over ``axis_name`` (``init`` too).
 
   Args:
-    name: ``"sgd"``, ``"momentum"``, ``"nesterov"``, ``"adam"`` or ``"adamw"``.
+    name: ``"sgd"``, ``"momentum"``, ``"nesterov"``, ``"adam"``, ``"adamw"`` or ``"lamb"``.
     learning_rate: a float or an optax schedule.
     axis_name: mapped axis name or tuple of names to average over.
     compression: None, a codec, or a dict level name -> codec.
     algorithm: as in :func:`jaxring.psum`.
     momentum: the momentum of ``"momentum"`` and ``"nesterov"``.
-    weight_decay: SGD: added to the gradient (``w * decay``, before momentum); AdamW: decoupled.
+    weight_decay: SGD: added to the gradient (``w * decay``, before momentum); AdamW, LAMB:
+      decoupled.
     b1, b2, eps: Adam's coefficients.
     warmup_steps: top-k density warm-up of momentum correction (see its docstring).
-    adam_warmup_steps: exact Adam steps before compressed Adam freezes the variance.
+    adam_warmup_steps: exact Adam steps before compressed Adam freezes the variance (LAMB: and
+      its layerwise trust ratio, :func:`jaxring._src.optim.lamb.frozen_trust_ratio`).
     adam_variance_every: compressed Adam refreshes the variance exactly every this many steps
       (0: frozen).
     clip_norm: momentum correction's local gradient clipping (None: none).
@@ -78,6 +80,7 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
   """
   from jaxring._src.error_feedback import reduce_gradients
   from jaxring._src.optim.adam import compressed_adam
+  from jaxring._src.optim.lamb import frozen_trust_ratio
   from jaxring._src.optim.momentum import momentum_correction
   if name not in NAMES:
     raise ValueError(f"compressed_optimizer: unknown optimizer {name!r}; one of {NAMES}")
@@ -95,12 +98,16 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
                                                 plain_sgd_after=not mom),
                        optax.sgd(learning_rate, momentum=mom, nesterov=name == "nesterov"))
   if sparse:
-    wd = [optax.add_decayed_weights(weight_decay)] if name == "adamw" and weight_decay else []
+    wd = [optax.add_decayed_weights(weight_decay)] if name != "adam" and weight_decay else []
+    trust = [frozen_trust_ratio(adam_warmup_steps)] if name == "lamb" else []
     return optax.chain(compressed_adam(axis_name, compression=compression, b1=b1, b2=b2, eps=eps,
                                        warmup_steps=adam_warmup_steps, algorithm=algorithm,
                                        variance_every=adam_variance_every),
-                       *wd, optax.scale_by_learning_rate(learning_rate))
-  after = (optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-           if name == "adamw" else optax.adam(learning_rate, b1=b1, b2=b2, eps=eps))
+                       *wd, *trust, optax.scale_by_learning_rate(learning_rate))
+  after = {"adam": lambda: optax.adam(learning_rate, b1=b1, b2=b2, eps=eps),
+           "adamw": lambda: optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps,
+                                        weight_decay=weight_decay),
+           "lamb": lambda: optax.lamb(learning_rate, b1=b1, b2=b2, eps=eps,
+                                      weight_decay=weight_decay)}[name]()
   return optax.chain(reduce_gradients(axis_name, algorithm=algorithm, compression=compression),
                      after)

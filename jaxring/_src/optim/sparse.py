@@ -20,6 +20,7 @@ from jax import lax
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype, is_float
 from jaxring._src.codecs.topk import TopKChunks
+
 # the optimizers read these here; they live with error feedback, the layer below
 from jaxring._src.error_feedback import is_sparsifying as is_sparsifying
 from jaxring._src.error_feedback import zeros_per_member as zeros_per_member
