@@ -3,8 +3,9 @@
 ``auto`` (the planner) reads the profile this writes (jaxring._src.cost_model.find_profile). Each
 candidate is ``jaxring.psum`` of f32 over the axes with one algorithm (``xla``, ``ring``,
 ``hierarchical``) and one codec, the codec on the slowest level only over several levels (the
-BlueConnect way: ``compression={"node": codec}``), timed at a few sizes; a line
-``seconds = alpha + beta * bytes`` is fitted to each. Every process of a multi-process job must
+BlueConnect way: ``compression={"node": codec}``), timed at a few sizes (the median of a few
+calls); ``auto`` interpolates between them. Top-k is timed with one plan: the others follow from
+its dense codec's timings (planner.predict). Every process of a multi-process job must
 call :func:`calibrate` together: the timings are process 0's, broadcast, so that every process
 plans alike (different plans on different processes would not meet).
 """
@@ -25,21 +26,48 @@ from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
 from jaxring._src.transport import mpi_axis
 
-# Two points fit each line exactly; every size is one more compilation per plan (gloo compiles
-# dominated calibration on the emulated cluster), and 16 MiB is where the plans differ.
-DEFAULT_SIZES = (1 << 20, 16 << 20)
+# Three sizes, log-spaced over the range gradient buckets and psums take (the default bucket is
+# 25 MiB): the smallest pins the per-call latency (buckets of small models, and the packed chunks
+# of top-k 1%), the largest the cost where plans part; costs are interpolated between them
+# (cost_model.Fit.predict). A line through 1 and 16 MiB chose the slower plan at 32 MiB on the
+# emulated cluster (docs/benchmarks.md).
+DEFAULT_SIZES = (64 << 10, 1 << 20, 32 << 20)
 DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
 
 
+def _default_algorithm(groups) -> str:
+  return "hierarchical" if len(groups) > 1 else "ring"
+
+
 def _candidates(groups, codecs: Sequence[str]):
-  """(algorithm, compression argument) pairs worth timing over these levels."""
+  """(algorithm, compression argument) pairs worth timing over these levels.
+
+  A sparsifying codec (top-k) is timed with the default plan only, and its dense codec with every
+  plan: the plans differ only in the all-reduce of the packed chunks, which the dense codec's
+  timings predict (planner.predict) with less noise than two timings of the whole top-k.
+  """
   algorithms = ("ring", "hierarchical") if len(groups) > 1 else ("ring",)
+  parsed = [parse_codec(spec) for spec in codecs]
+  for codec in list(parsed):
+    if codec is not None and not codec.per_hop:
+      dense = codec.dense_codec(jnp.float32)
+      if not any(_same(dense, c) for c in parsed):
+        parsed.append(None if not dense.lossy else dense)
   out = []
-  for spec in codecs:
-    codec = parse_codec(spec)
+  for codec in parsed:
     comp = None if codec is None else ({groups[-1].name: codec} if len(groups) > 1 else codec)
-    out += [(a, comp) for a in (("xla",) if codec is None else ()) + algorithms]
+    if codec is not None and not codec.per_hop:
+      out.append((_default_algorithm(groups), comp))
+    else:
+      out += [(a, comp) for a in (("xla",) if codec is None else ()) + algorithms]
   return out
+
+
+def _same(codec, other) -> bool:
+  """Whether two parsed codecs (None: lossless) put the same on the wire."""
+  if other is None:
+    return not codec.lossy
+  return repr(codec) == repr(other)
 
 
 class _MeshTarget:
@@ -58,8 +86,11 @@ class _MeshTarget:
         mesh=self.mesh, in_specs=spec, out_specs=P()))
 
   def input(self, n: int):
-    return jax.device_put(jnp.ones((self.mesh.size * n,), jnp.float32),
-                          NamedSharding(self.mesh, P(self.axes)))
+    # from this process's shards only: device_put of the global array compared it across
+    # processes, 12 s per 16 MiB per device on the emulated cluster (most of calibration's time)
+    mine = sum(d.process_index == jax.process_index() for d in self.mesh.devices.flat)
+    return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P(self.axes)),
+                                                  np.ones((mine * n,), np.float32))
 
   def broadcast(self, values: np.ndarray) -> np.ndarray:
     if jax.process_count() == 1:
@@ -114,7 +145,10 @@ def _time(fn, x, reps: int, warmup: int) -> float:
     t = time.perf_counter()
     jax.block_until_ready(fn(x))
     times.append(time.perf_counter() - t)
-  return min(times)   # the machine's noise only ever adds time
+  # the median, as users and benchmarks see it: the fastest call favours plans whose times vary
+  # (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms; the
+  # fastest calls chose hierarchical, the medians gloo)
+  return float(np.median(times))
 
 
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
@@ -129,9 +163,10 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     mesh: the mesh the program reduces over (every device of it takes part); None for an axis
       name bound to an MPI communicator (``jaxring.distributed.bind_mpi_axis``).
     axes: the axis names, as the program passes them to ``psum`` (default: all of the mesh's).
-    sizes: bytes per device to time each plan at (at least two: a line is fitted).
+    sizes: bytes per device to time each plan at (at least two; costs between and beyond them
+      are interpolated, ``cost_model.Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
-    reps, warmup: timed and untimed calls per point (the fastest is kept).
+    reps, warmup: timed and untimed calls per point (the median is kept).
     reuse: return the cached profile of these axes if every process has the same one.
     save: write the profile to the cache, where ``auto`` finds it.
     log: a callable receiving one line per measured plan (e.g. ``print``).
@@ -148,7 +183,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     >>> profile = jaxring.calibrate(mesh, sizes=(1 << 20, 8 << 20))  # doctest: +SKIP
   """
   if len(sizes) < 2:
-    raise ValueError(f"calibrate: need at least two sizes to fit a line, got {tuple(sizes)}")
+    raise ValueError(f"calibrate: need at least two sizes to interpolate, got {tuple(sizes)}")
   if isinstance(axes, str):
     axes = (axes,)
   target = _target(mesh, axes)
@@ -160,19 +195,24 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     everyone = set(target.gather(digest))   # every process takes part, cached or not
     if cached is not None and everyone == {digest}:
       return cached
-  fits = []
+  fits, t0 = [], time.perf_counter()
+  inputs = {nbytes: target.input(max(1, nbytes // 4)) for nbytes in sizes}
   for algorithm, comp in _candidates(target.groups, codecs):
     codec_names = planner.codec_key(
         [planner.codec_for(comp, g.name, jnp.float32) for g in target.groups])
     fn = target.program(algorithm, comp)
-    seconds = [_time(fn, target.input(max(1, nbytes // 4)), reps, warmup) for nbytes in sizes]
+    seconds = [_time(fn, inputs[nbytes], reps, warmup) for nbytes in sizes]
     seconds = [float(t) for t in target.broadcast(np.asarray(seconds, np.float64))]
     fits.append(cost_model.Fit.from_points(algorithm, codec_names, sizes, seconds))
     if log is not None:
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
           f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, seconds)))
+  del inputs
+  meta = {"statistic": f"median of {reps} calls after {warmup} warm-up, process 0's",
+          "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
+          "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),
-                               datetime.datetime.now(datetime.timezone.utc).isoformat())
+                               datetime.datetime.now(datetime.timezone.utc).isoformat(), meta)
   if save:
     cost_model.save_profile(profile)
   return profile
@@ -185,22 +225,28 @@ def _label(comp) -> str:
   return codec.name
 
 
-def choices(profile: cost_model.Profile, sizes: Sequence[int]) -> dict[int, dict[str, str]]:
-  """What ``auto`` picks from ``profile`` per size and measured codec (for reports).
+def choices(profile: cost_model.Profile, sizes: Sequence[int],
+            codecs: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
+  """What ``auto`` picks from ``profile`` per size and codec spelling (for reports).
+
+  ``codecs`` defaults to the ones the profile was calibrated with; each is on the slowest level,
+  as :func:`calibrate` times it.
 
   Example:
-    >>> choices(profile, [1 << 20])  # doctest: +SKIP
+    >>> choices(profile, [1 << 20], ["none", "int8"])  # doctest: +SKIP
     {1048576: {'none': 'xla', 'int8': 'hierarchical'}}
   """
+  if codecs is None:
+    codecs = profile.meta.get("codecs", DEFAULT_CODECS)
+  levels = len(profile.meta.get("levels", ())) or len(profile.key["axes"])
   out: dict[int, dict[str, str]] = {}
   for nbytes in sizes:
     row: dict[str, str] = {}
-    for codecs in sorted({f.codecs for f in profile.fits}):
-      lossy = any(c != repr(_NONE) for c in codecs)
-      label = codecs[-1] if lossy else "none"
-      row[label] = planner.choose(nbytes, len(codecs), codecs, lossy, profile)
+    for spec in codecs:
+      codec = parse_codec(spec)
+      level = [None] * (levels - 1) + [codec]
+      level_codecs = [planner.codec_for(c, "", jnp.float32) for c in level]
+      row[spec] = planner.choose(nbytes, len(level_codecs), level_codecs,
+                                 any(c.lossy for c in level_codecs), profile)
     out[nbytes] = row
   return out
-
-
-_NONE = planner.codec_for(None, "", jnp.float32)   # what an uncompressed f32 level carries

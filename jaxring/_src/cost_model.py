@@ -98,21 +98,38 @@ ENV_PROFILE = "JAXRING_PROFILE"          # a profile file to use, or "off"
 
 @dataclasses.dataclass(frozen=True)
 class Fit:
-  """One plan's measured cost line: ``seconds = alpha + beta * bytes`` (bytes per member)."""
+  """One plan's measured costs: ``seconds`` at ``sizes`` (bytes per member), and the least-squares
+  line ``alpha + beta * bytes`` through them (a summary for people reading the profile).
+
+  :meth:`predict` interpolates between the measured points rather than following the line: the
+  costs are not linear in size on the machines measured. On the emulated cluster (JAX shape, 4
+  nodes x 2, 1 Gbit/s, glibc malloc; docs/benchmarks.md) hierarchical uncompressed tied gloo's
+  psum at 8 and 16 MiB and took 1.08x its time at 32 MiB, and top-k 1% took 3-4x as long at
+  32 MiB as at 16 MiB: a line through 1 and 16 MiB chose the slower plan at 32 MiB.
+  """
   algorithm: str
   codecs: tuple[str, ...]                # repr of each level's codec, fast -> slow
   alpha: float
   beta: float
-  sizes: tuple[int, ...] = ()            # the measured points the line was fitted to
+  sizes: tuple[int, ...] = ()            # the measured points, ascending
   seconds: tuple[float, ...] = ()
 
   def predict(self, nbytes: float) -> float:
-    return self.alpha + self.beta * nbytes
+    """Seconds for ``nbytes`` per member: piecewise linear through the measured points, the end
+    segments extended beyond them (never below 0); the line where fewer than two were kept."""
+    if len(self.sizes) < 2:
+      return self.alpha + self.beta * nbytes
+    xs, ys = self.sizes, self.seconds
+    k = int(np.searchsorted(xs, nbytes))
+    k = min(max(k, 1), len(xs) - 1)      # the segment [k - 1, k], or an end one extended
+    slope = (ys[k] - ys[k - 1]) / (xs[k] - xs[k - 1])
+    return max(0.0, ys[k - 1] + slope * (nbytes - xs[k - 1]))
 
   @classmethod
   def from_points(cls, algorithm: str, codecs, sizes, seconds) -> Fit:
-    """Least-squares line through the points (alpha, beta >= 0)."""
-    x, y = np.asarray(sizes, np.float64), np.asarray(seconds, np.float64)
+    """The points (sorted by size) and their least-squares line (alpha, beta >= 0)."""
+    pts = sorted(zip((int(s) for s in sizes), (float(t) for t in seconds)))
+    x, y = np.asarray([p[0] for p in pts], np.float64), np.asarray([p[1] for p in pts], np.float64)
     if len(x) == 1:
       beta, alpha = float(y[0] / x[0]), 0.0
     else:
@@ -121,8 +138,8 @@ class Fit:
         beta, alpha = 0.0, float(np.median(y))
       elif alpha < 0:                    # through the origin instead
         beta, alpha = float(np.dot(x, y) / np.dot(x, x)), 0.0
-    return cls(algorithm, tuple(codecs), alpha, beta, tuple(int(s) for s in sizes),
-               tuple(float(t) for t in seconds))
+    return cls(algorithm, tuple(codecs), alpha, beta, tuple(int(v) for v in x),
+               tuple(float(v) for v in y))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +148,7 @@ class Profile:
   key: dict
   fits: tuple[Fit, ...]
   created: str = ""
+  meta: dict = dataclasses.field(default_factory=dict, compare=False)   # how it was measured
 
   def fit(self, algorithm: str, codecs: Sequence[str]) -> Fit | None:
     for f in self.fits:
@@ -145,7 +163,7 @@ class Profile:
     return int(hashlib.sha1(what.encode()).hexdigest()[:12], 16)
 
   def to_json(self) -> str:
-    return json.dumps({"key": self.key, "created": self.created,
+    return json.dumps({"key": self.key, "created": self.created, "meta": self.meta,
                        "fits": [dataclasses.asdict(f) for f in self.fits]}, indent=1)
 
   @classmethod
@@ -153,7 +171,7 @@ class Profile:
     d = json.loads(text)
     fits = tuple(Fit(f["algorithm"], tuple(f["codecs"]), float(f["alpha"]), float(f["beta"]),
                      tuple(f.get("sizes", ())), tuple(f.get("seconds", ()))) for f in d["fits"])
-    return cls(d["key"], fits, d.get("created", ""))
+    return cls(d["key"], fits, d.get("created", ""), d.get("meta", {}))
 
 
 def profile_key(axes, sizes, transport: str, processes: int, platform: str) -> dict:

@@ -11,12 +11,14 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxring._src import cost_model
 from jaxring._src import topology as topo_mod
 from jaxring._src.algorithms import base
 from jaxring._src.algorithms.base import Plan, PlanRequest
-from jaxring._src.codecs.base import Codec, for_dtype
+from jaxring._src.codecs.base import Codec, accum_dtype, for_dtype
 from jaxring._src.transport.groups import (
   Group,
   Hierarchy,
@@ -138,7 +140,7 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
   if kind == "auto":
     key = cost_model.profile_key(axes, sizes, transport.name, jax.process_count(),
                                  jax.default_backend())
-    kind = choose(nbytes, len(groups), codecs, lossy, cost_model.find_profile(key))
+    kind = choose(nbytes, len(groups), codecs, lossy, cost_model.find_profile(key), dtype)
   if kind == "xla":
     return Plan("xla", transport=transport)
   request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
@@ -151,27 +153,79 @@ def codec_key(codecs) -> tuple[str, ...]:
   return tuple(repr(c) for c in codecs)
 
 
-def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile) -> str:
+def _dense(codecs, dtype):
+  """The per-hop codecs a plan's levels carry once a sparsifying codec has chosen its chunks."""
+  return [c if c.per_hop else c.dense_codec(dtype) for c in codecs]
+
+
+def _packed_bytes(codecs, nbytes: float, dtype) -> float:
+  """Bytes per member of the dense buffer a sparsifying codec hands to the plan (its chunks)."""
+  wrapper = next(c for c in codecs if not c.per_hop)
+  itemsize = np.dtype(dtype).itemsize
+  n = max(1, int(nbytes // itemsize))
+  return wrapper.num_selected(n) * wrapper.chunk_size * np.dtype(accum_dtype(dtype)).itemsize
+
+
+def predict(profile, algorithm: str, codecs, nbytes: float, dtype=jnp.float32) -> float | None:
+  """Seconds the profile predicts for ``algorithm`` over levels carrying ``codecs`` (None: not
+  measured).
+
+  A sparsifying codec (top-k chunks) runs the same work around any plan -- chunk norms, their
+  native all-reduce, packing, and scattering the sum back into a buffer of ``nbytes`` -- and only
+  the all-reduce of the packed chunks depends on the algorithm. So ``t(a) = t(a0) - d(a0) + d(a)``
+  with ``t(a0)`` the top-k plan that was timed and ``d`` the dense codec's measured plans at the
+  packed size. Measured on the emulated cluster (docs/benchmarks.md): the ring and hierarchical
+  top-k plans differ by what their dense plans differ by at the packed size, while the shared
+  part is most of the time and most of its noise; a line through the top-k timings alone chose
+  the slower plan in both shapes.
+
+  Example:
+    >>> predict(profile, "hierarchical", [none, int8], 32 << 20)  # doctest: +SKIP
+    0.2514
+  """
+  key = codec_key(codecs)
+  if all(isinstance(c, str) for c in codecs) or all(c.per_hop for c in codecs):
+    fit = profile.fit(algorithm, key)
+    return None if fit is None else fit.predict(nbytes)
+  dense_key, packed = codec_key(_dense(codecs, dtype)), _packed_bytes(codecs, nbytes, dtype)
+  d = {f.algorithm: f.predict(packed) for f in profile.fits if f.codecs == dense_key}
+  own = profile.fit(algorithm, key)
+  if own is not None:
+    return own.predict(nbytes)
+  if algorithm not in d:
+    return None
+  timed = [f for f in profile.fits if f.codecs == key and f.algorithm in d]
+  if not timed:
+    return None
+  return max(0.0, timed[0].predict(nbytes) - d[timed[0].algorithm] + d[algorithm])
+
+
+def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile, dtype=jnp.float32) -> str:
   """``xla`` or an algorithm's name for a message of ``nbytes`` per member.
 
   The default, where nothing was measured: the native collective for a lossless reduction (never
   slower than ``lax.psum``), else the ring (hierarchical over several levels). A profile moves
   ``auto`` off the default only for a measured gain above :data:`MARGIN`: timings on a shared
   machine are noisy, and the alpha-beta formulas alone chose hierarchical at 1.41x gloo's time
-  on the emulated cluster (docs/design.md, "Planner").
+  on the emulated cluster (docs/design.md, "Planner"). ``codecs`` are the levels' codecs (or
+  their :func:`codec_key` strings, without the sparsifying rule of :func:`predict`).
+
+  Example:
+    >>> choose(32 << 20, 2, [none, none], False, profile)  # doctest: +SKIP
+    'xla'
   """
   default = ("hierarchical" if num_levels > 1 else "ring") if lossy else "xla"
   if profile is None:
     return default
-  key = codecs if isinstance(codecs[0], str) else codec_key(codecs)
   candidates = ("ring", "hierarchical") if lossy else ("xla", "ring", "hierarchical")
-  fits = {a: f for a in candidates if (f := profile.fit(a, key)) is not None}
-  if not fits:
+  seconds = {a: t for a in candidates
+             if (t := predict(profile, a, codecs, nbytes, dtype)) is not None}
+  if not seconds:
     return default
-  best = min(fits.values(), key=lambda f: f.predict(nbytes))
-  if default in fits and best.predict(nbytes) > (1 - MARGIN) * fits[default].predict(nbytes):
+  best = min(seconds, key=seconds.get)
+  if default in seconds and seconds[best] > (1 - MARGIN) * seconds[default]:
     return default
-  return best.algorithm
+  return best
 
 
 #: The measured gain a profile must show before ``auto`` leaves its default plan.

@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--axes", default=None, help="axis names, comma-separated (default node,local "
                   "for two mesh dimensions, i for one)")
   ap.add_argument("--sizes", default=None, help="bytes per device, comma-separated (default "
-                  "1MiB,16MiB)")
+                  "64KiB,1MiB,32MiB)")
   ap.add_argument("--codecs", default="none,bf16,int8,topk")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--fresh", action="store_true", help="measure even if a profile is cached")
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
   log = print if me == 0 else None
   if log:
     print(f"# jaxring calibrate: axes {axes} of mesh {dict(mesh.shape)}, {jax.process_count()} "
-          f"process(es), {jax.default_backend()}; fastest of {args.reps} per point")
+          f"process(es), {jax.default_backend()}; median of {args.reps} per point")
   t0 = time.perf_counter()
   profile = calib.calibrate(mesh, axes, sizes=sizes, codecs=args.codecs.split(","),
                             reps=args.reps, reuse=not args.fresh, log=log)

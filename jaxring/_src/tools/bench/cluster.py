@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
   if os.geteuid() != 0:
     print("jaxring bench cluster: skipped: needs root (network namespaces and tc)", file=sys.stderr)
     return 2
-  from jaxring._src.tools.cluster import netns
   from jaxring._src import cost_model
+  from jaxring._src.tools.cluster import netns
 
   name = args.name or "jrb"
   own = args.name is None

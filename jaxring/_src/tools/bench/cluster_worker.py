@@ -45,7 +45,9 @@ def run_jax(args) -> int:
   import jaxring.distributed
   jaxring.distributed.initialize()
   import jax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   import jaxring
 
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
@@ -86,12 +88,10 @@ def run_jax(args) -> int:
     t0 = time.perf_counter()
     profile = jaxring.calibrate(mesh, axes, reuse=False, codecs=codecs)
     emit(calibration=True, node=me, seconds=time.perf_counter() - t0,
-         fits=[[f.algorithm, f.codecs[-1], f.alpha, f.beta] for f in profile.fits])
+         profile=json.loads(profile.to_json()))
     from jaxring._src.calibrate import choices
-    picks = choices(profile, [n * 4])[n * 4]
-    for c in codecs:
-      codec = jaxring.codecs.parse(c)
-      plans[f"jaxring auto {c}"] = picks.get("none" if codec is None else repr(codec), "?")
+    picks = choices(profile, [n * 4], codecs)[n * 4]
+    plans.update({f"jaxring auto {c}": picks[c] for c in codecs})
     contenders += [(f"jaxring auto {c}", "auto", c) for c in codecs]
   ref = None
   for label, kind, codec_name in contenders:
@@ -131,7 +131,7 @@ def run_jax(args) -> int:
 def run_mpi(args) -> int:
   from mpi4py import MPI
   comm = MPI.COMM_WORLD
-  rank, size = comm.Get_rank(), comm.Get_size()
+  rank = comm.Get_rank()
   node = int(rank // args.procs_per_node)
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   n = args.mib * (1 << 20) // 4
@@ -172,6 +172,7 @@ def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
   node's link carries what it carries inside the hierarchical all-reduce). The namespaces share
   one hostname, so the levels are given: ranks of a node are consecutive."""
   import jax
+
   import jaxring
   import jaxring.distributed
   local, nodes = args.procs_per_node, comm.Get_size() // args.procs_per_node
@@ -190,11 +191,8 @@ def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
     profile = jaxring.calibrate(axes="mpi", reuse=False, codecs=codecs)
     if comm.Get_rank() == 0:
       emit(calibration=True, node=0, seconds=time.perf_counter() - t0,
-           fits=[[f.algorithm, f.codecs[-1], f.alpha, f.beta] for f in profile.fits])
-    picks = choices(profile, [send.nbytes])[send.nbytes]
-    for c in codecs:
-      codec = jaxring.codecs.parse(c)
-      plans[c] = picks.get("none" if codec is None else repr(codec), "?")
+           profile=json.loads(profile.to_json()))
+    plans = choices(profile, [send.nbytes], codecs)[send.nbytes]
   runs = [("hierarchical", c) for c in codecs] + [("auto", c) for c in codecs if args.auto]
   for algorithm, codec_name in runs:
     codec = jaxring.codecs.parse(codec_name)

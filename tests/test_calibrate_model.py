@@ -1,0 +1,104 @@
+"""The measured cost model `auto` reads: interpolation between measured sizes, and top-k's plans
+predicted from its dense codec's timings (numbers worked out by hand)."""
+import json
+
+import jax.numpy as jnp
+import pytest
+
+import jaxring
+from jaxring._src import calibrate, cost_model
+from jaxring._src.algorithms import planner
+
+MiB = 1 << 20
+NONE = planner.codec_for(None, "", jnp.float32)
+TOPK = jaxring.codecs.topk_chunks(0.01)
+KEY_NONE = planner.codec_key([NONE, NONE])
+KEY_TOPK = planner.codec_key([NONE, TOPK])
+
+
+def _fit(algorithm, key, points):
+  sizes, seconds = zip(*points)
+  return cost_model.Fit.from_points(algorithm, key, sizes, seconds)
+
+
+def _profile(*fits):
+  return cost_model.Profile(cost_model.profile_key(("node", "local"), (4, 2), "xla", 4, "cpu"),
+                            tuple(fits))
+
+
+def test_predict_interpolates_between_points_and_extends_the_end_segments():
+  fit = _fit("ring", ("a",), [(4e6, 8.0), (1e6, 1.0), (2e6, 2.0)])   # any order
+  assert fit.sizes == (1_000_000, 2_000_000, 4_000_000)
+  assert fit.predict(2e6) == pytest.approx(2.0)
+  assert fit.predict(3e6) == pytest.approx(5.0)        # halfway between 2 and 8
+  assert fit.predict(8e6) == pytest.approx(20.0)       # last segment: 3 s per MB
+  assert fit.predict(0.5e6) == pytest.approx(0.5)      # first segment: 1 s per MB
+  assert fit.predict(0) == 0.0
+  # the least-squares line stays in the profile for people: not what predict follows
+  assert fit.predict(3e6) != pytest.approx(fit.alpha + fit.beta * 3e6)
+  line = cost_model.Fit("ring", ("a",), 1.0, 2e-6)       # no points: the line
+  assert line.predict(1e6) == pytest.approx(3.0)
+
+
+def test_auto_follows_the_measured_point_where_a_line_through_smaller_sizes_misleads():
+  # medians measured on the emulated cluster (JAX shape, 2026-11-23): hierarchical ties gloo at
+  # 16 MiB and is 8% slower at 32 MiB; the line through 1 and 16 MiB predicted a tie at 32
+  xla = _fit("xla", KEY_NONE, [(MiB, 0.033), (16 * MiB, 0.2755), (32 * MiB, 0.5514)])
+  hier = _fit("hierarchical", KEY_NONE, [(MiB, 0.026), (16 * MiB, 0.2768), (32 * MiB, 0.5968)])
+  prof = _profile(xla, hier)
+  assert planner.choose(32 * MiB, 2, [NONE, NONE], False, prof) == "xla"
+  assert planner.choose(MiB, 2, [NONE, NONE], False, prof) == "hierarchical"   # 21% faster
+
+
+def test_packed_bytes_follow_the_codecs_own_chunk_count():
+  # 32 MiB of f32 = 2048 chunks of 4096 values; 1% -> ceil(20.48) = 21 chunks of 16 KiB
+  assert planner._packed_bytes([NONE, TOPK], 32 * MiB, jnp.float32) == 21 * 4096 * 4
+  assert planner._packed_bytes([NONE, TOPK], MiB, jnp.float32) == 4096 * 4   # at least one
+  # bf16 values accumulate in f32: the packed buffer is f32
+  assert planner._packed_bytes([NONE, TOPK], MiB, jnp.bfloat16) == 2 * 4096 * 4
+
+
+def test_topk_plans_differ_by_their_dense_plans_at_the_packed_size():
+  packed = 21 * 4096 * 4
+  dense_ring = _fit("ring", KEY_NONE, [(64 << 10, 0.058), (MiB, 0.045), (32 * MiB, 0.9)])
+  dense_hier = _fit("hierarchical", KEY_NONE, [(64 << 10, 0.011), (MiB, 0.026), (32 * MiB, 0.6)])
+  topk_hier = _fit("hierarchical", KEY_TOPK, [(64 << 10, 0.03), (MiB, 0.033), (32 * MiB, 0.150)])
+  prof = _profile(dense_ring, dense_hier, topk_hier)
+  d_ring, d_hier = dense_ring.predict(packed), dense_hier.predict(packed)
+  want = 0.150 - d_hier + d_ring
+  got = planner.predict(prof, "ring", [NONE, TOPK], 32 * MiB)
+  assert got == pytest.approx(want)
+  assert planner.predict(prof, "hierarchical", [NONE, TOPK], 32 * MiB) == pytest.approx(0.150)
+  assert planner.choose(32 * MiB, 2, [NONE, TOPK], True, prof) == "hierarchical"
+  # the other way round: a ring whose dense all-reduce is 20 ms faster at the packed size wins
+  fast_ring = _fit("ring", KEY_NONE, [(64 << 10, 0.001), (MiB, 0.002), (32 * MiB, 0.9)])
+  prof = _profile(fast_ring, dense_hier, topk_hier)
+  assert planner.choose(32 * MiB, 2, [NONE, TOPK], True, prof) == "ring"
+  # without the dense codec's timings there is nothing to derive the ring from: the default
+  assert planner.predict(_profile(topk_hier), "ring", [NONE, TOPK], 32 * MiB) is None
+  assert planner.choose(32 * MiB, 2, [NONE, TOPK], True, _profile(topk_hier)) == "hierarchical"
+
+
+def test_candidates_time_topk_with_one_plan_and_its_dense_codec_with_all():
+  groups, _, _ = planner.levels_for(("local", "node"), (2, 4))
+  cands = [(a, calibrate._label(c)) for a, c in calibrate._candidates(groups, ["topk"])]
+  assert cands == [("hierarchical", "topk_chunks"), ("xla", "none"), ("ring", "none"),
+                   ("hierarchical", "none")]
+  cands = [(a, calibrate._label(c)) for a, c in calibrate._candidates(groups, ["none", "int8",
+                                                                               "topk+int8"])]
+  assert cands.count(("hierarchical", "topk_chunks")) == 1 and ("ring", "int8") in cands
+  assert len(cands) == 6        # none x3, int8 x2 (also topk's dense codec), topk x1
+
+
+def test_choices_report_auto_per_spelling_and_profile_json_is_readable(tmp_path):
+  dense_hier = _fit("hierarchical", KEY_NONE, [(MiB, 0.02), (32 * MiB, 0.6)])
+  xla = _fit("xla", KEY_NONE, [(MiB, 0.03), (32 * MiB, 0.5)])
+  topk_hier = _fit("hierarchical", KEY_TOPK, [(MiB, 0.033), (32 * MiB, 0.150)])
+  prof = cost_model.Profile(_profile().key, (xla, dense_hier, topk_hier), "now",
+                            {"codecs": ["none", "topk"], "levels": ["local", "node"]})
+  assert calibrate.choices(prof, [MiB, 32 * MiB]) == {
+      MiB: {"none": "hierarchical", "topk": "hierarchical"},
+      32 * MiB: {"none": "xla", "topk": "hierarchical"}}
+  text = prof.to_json()
+  assert json.loads(text)["fits"][0]["seconds"] == [0.03, 0.5] and "\n" in text
+  assert cost_model.Profile.from_json(text).meta["levels"] == ["local", "node"]
