@@ -24,6 +24,8 @@ BENCHES = {
     "cluster": "jaxring._src.tools.bench.cluster",
     "data": "jaxring._src.tools.bench.data",
     "convergence": "jaxring._src.tools.bench.convergence",
+    "tta": "jaxring._src.tools.bench.tta",
+    "faults": "jaxring._src.tools.bench.faults",
 }
 #: Benchmarks that are recipes (they train the recipes' models): run as ``python -m <module>``.
 RECIPE_BENCHES = {"resnet50": "recipes.bench_resnet50"}

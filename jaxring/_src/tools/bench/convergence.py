@@ -26,10 +26,11 @@ from __future__ import annotations
 import argparse
 import time
 
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lamb")
 CODECS = ("bf16", "int8", "topk")
-LEARNING_RATES = {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adam": 1e-3, "adamw": 1e-3}
-WEIGHT_DECAY = 1e-4   # AdamW (decoupled)
+LEARNING_RATES = {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adam": 1e-3, "adamw": 1e-3,
+                  "lamb": 5e-3}
+WEIGHT_DECAY = 1e-4   # AdamW and LAMB (decoupled)
 MOMENTUM = 0.9
 ALGORITHM = "ring"    # the codecs' ring, also where "auto" would pick XLA's all-reduce (no codec)
 
@@ -53,6 +54,8 @@ def plain_optimizer(name: str, lr: float):
     return optax.adam(lr)
   if name == "adamw":
     return optax.adamw(lr, weight_decay=WEIGHT_DECAY)
+  if name == "lamb":
+    return optax.lamb(lr, eps=1e-8, weight_decay=WEIGHT_DECAY)
   raise ValueError(f"unknown optimizer {name!r}; one of {OPTIMIZERS}")
 
 
@@ -72,7 +75,7 @@ def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_wa
   import jaxring as jr
   return jr.compressed_optimizer(name, lr, axis, compression=codec, algorithm=ALGORITHM,
                                  momentum=MOMENTUM,
-                                 weight_decay=WEIGHT_DECAY if name == "adamw" else 0.0,
+                                 weight_decay=WEIGHT_DECAY if name in ("adamw", "lamb") else 0.0,
                                  warmup_steps=warmup_steps, adam_warmup_steps=adam_warmup,
                                  adam_variance_every=adam_variance_every)
 
@@ -165,9 +168,55 @@ def cnn_logits(params, x):
   return x.reshape(x.shape[0], -1) @ params["w"] + params["b"]
 
 
-def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0):
-  """Trains the CNN on ``hard_shapes`` with ``tx`` (reducing over ``"d"``), 8 members of ``batch``
-  images a step each (a cyclic walk through each member's shard); returns test accuracy in %."""
+def init_resnet(key, num_classes: int = 16, width: int = 16):
+  """A small ResNet for 16x16x3 images, without normalization: a 3x3 stem of ``width`` channels,
+  a residual block, a 2x2 average pool to a block of ``2 * width`` channels (1x1 convolution on
+  the shortcut), another residual block, global average pooling and a dense layer (~38k
+  parameters at width 16). Each block's second convolution starts at zero (Goyal et al.'s
+  zero-initialized residual), so the untrained network is the stem and the shortcuts."""
+  import jax
+  import jax.numpy as jnp
+  ks = iter(jax.random.split(key, 8))
+  he = lambda shape: jax.random.normal(next(ks), shape) * (2 / (shape[0] * shape[1] * shape[2])) ** 0.5  # noqa: E731
+  w2 = 2 * width
+  return {"stem": he((3, 3, 3, width)), "stem_b": jnp.zeros(width),
+          "a1": he((3, 3, width, width)), "a1_b": jnp.zeros(width),
+          "a2": jnp.zeros((3, 3, width, width)), "a2_b": jnp.zeros(width),
+          "down": he((1, 1, width, w2)),
+          "b1": he((3, 3, w2, w2)), "b1_b": jnp.zeros(w2),
+          "b2": jnp.zeros((3, 3, w2, w2)), "b2_b": jnp.zeros(w2),
+          "c1": he((3, 3, w2, w2)), "c1_b": jnp.zeros(w2),
+          "c2": jnp.zeros((3, 3, w2, w2)), "c2_b": jnp.zeros(w2),
+          "w": jax.random.normal(next(ks), (w2, num_classes)) / w2 ** 0.5,
+          "b": jnp.zeros(num_classes)}
+
+
+def resnet_logits(params, x):
+  import jax
+  from jax import lax
+
+  def conv(x, w, b=None):
+    y = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return y if b is None else y + b
+
+  def block(x, name):
+    y = jax.nn.relu(conv(x, params[f"{name}1"], params[f"{name}1_b"]))
+    return jax.nn.relu(x + conv(y, params[f"{name}2"], params[f"{name}2_b"]))
+
+  x = block(jax.nn.relu(conv(x, params["stem"], params["stem_b"])), "a")
+  n, h, w, c = x.shape
+  x = conv(x.reshape(n, h // 2, 2, w // 2, 2, c).mean((2, 4)), params["down"])
+  x = block(block(x, "b"), "c")
+  return x.mean((1, 2)) @ params["w"] + params["b"]
+
+
+MODELS = {"cnn": (init_cnn, cnn_logits), "resnet": (init_resnet, resnet_logits)}
+
+
+def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0, model: str = "resnet"):
+  """Trains ``model`` (``MODELS``) on ``hard_shapes`` with ``tx`` (reducing over ``"d"``), 8
+  members of ``batch`` images a step each (a cyclic walk through each member's shard); returns
+  test accuracy in %."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -176,9 +225,10 @@ def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0):
   from jax.sharding import PartitionSpec as P
 
   xtr, ytr, xte, yte = data
+  init, logits_fn = MODELS[model]
 
   def loss(params, x, y):
-    return optax.softmax_cross_entropy_with_integer_labels(cnn_logits(params, x), y).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, x), y).mean()
 
   def body(params, xs, ys):
     params = jax.tree.map(lambda v: lax.pcast(v, "d", to="varying"), params)
@@ -198,13 +248,13 @@ def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0):
 
   mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P("d")))
-  out = f(init_cnn(jax.random.key(seed)), xtr, ytr)
+  out = f(init(jax.random.key(seed)), xtr, ytr)
   for leaf in jax.tree.leaves(out):
     leaf = np.asarray(leaf)
     if not (leaf[1:] == leaf[:1]).all():
       raise AssertionError("members ended with different parameters")
   params = jax.tree.map(lambda v: v[0], out)
-  logits = jax.jit(cnn_logits)(params, xte)
+  logits = jax.jit(logits_fn)(params, xte)
   return float((np.asarray(logits).argmax(1) == yte).mean() * 100)
 
 

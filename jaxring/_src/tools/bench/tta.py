@@ -1,0 +1,371 @@
+"""``jaxring bench tta``: time to a target test accuracy on the emulated cluster (root).
+
+What a user buys: wall-clock time until the model is good enough. One process per node drives
+``--devices-per-node`` CPU devices (JAX's shape, launched as ``jaxring bench train-cluster``
+does); the task is the convergence benchmark's harder one (``hard_shapes``, 16 classes, label
+noise) trained by its small ResNet (``jaxring._src.tools.bench.convergence``), 16 images per
+member a step, momentum SGD (0.9), each member walking its shard of the training set as the
+convergence benchmark's members do. Contenders:
+
+* ``hand-written jit(shard_map)+pmean``: ``jax.grad`` and ``lax.pmean`` of the gradients;
+* ``train_step none``: ``@jaxring.train_step`` uncompressed (``auto``);
+* ``train_step int8+EF``: int8 on the node level with error feedback;
+* ``train_step top-k 1% + momentum correction``: ``topk_chunks(0.01)`` on the node level,
+  ``train_step(momentum=0.9)`` and a momentum-free ``optax.sgd``.
+
+Contenders take turns, ``--eval-every`` steps each (so the machine's drifting load hits all
+alike); after each turn the test accuracy of the replicated parameters is measured outside the
+timed span, and a contender stops once it reaches ``--target`` (or ``--steps``). Time to target is
+the timed training time until the first evaluation at or above the target. Before that, every
+node times the same step on its own devices only (no link crossed) while the others do too:
+that is the compute share, and the uncompressed step minus it the communication share.
+
+Prints a table (time to target, steps, final accuracy, MiB per node link and step), writes JSON
+under benchmarks/results/ and, with matplotlib (``pip install jaxring[plot]``), a PNG of accuracy
+against training time beside it.
+
+Example:
+  jaxring bench tta                          # 4 nodes x 2 devices, 5mbit links, target 60%
+  jaxring bench tta --link 20mbit --target 50 --steps 600
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from jaxring._src.tools.bench import common
+
+WORKER = "jaxring._src.tools.bench.tta"
+HAND = "hand-written jit(shard_map)+pmean"
+BASE = "train_step none"
+INT8 = "train_step int8+EF"
+TOPK = "train_step top-k 1% + momentum correction"
+MOMENTUM = 0.9
+
+
+def _loss(params, batch):
+  import optax
+
+  from jaxring._src.tools.bench.convergence import resnet_logits
+  logits = resnet_logits(params, batch["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def hand_written(mesh):
+  """``jit(shard_map(step))`` with ``lax.pmean`` of the gradients (the pmap-era idiom)."""
+  import jax
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+
+  def step(state, batch):
+    loss, grads = jax.value_and_grad(_loss)(state.params, batch)
+    state = state.apply_gradients(grads=lax.pmean(grads, "data"))
+    return state, {"loss": lax.pmean(loss, "data")}
+
+  return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                               check_vma=False), donate_argnums=(0,))
+
+
+def decorated(mesh, **kwargs):
+  """The single-device step under ``@jaxring.train_step(mesh, **kwargs)``."""
+  import jaxring.train as jt
+
+  @jt.train_step(mesh, **kwargs)
+  def step(state, batch):
+    loss, grads = jt.value_and_grad(_loss)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+  return step
+
+
+def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int) -> dict:
+  """name -> (step, optimizer) for each contender."""
+  import optax
+
+  import jaxring
+  momentum_sgd = optax.sgd(lr, momentum=MOMENTUM)
+  topk = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size)
+  return {
+      HAND: (hand_written(mesh), momentum_sgd),
+      BASE: (decorated(mesh, bucket_bytes=bucket_bytes), momentum_sgd),
+      INT8: (decorated(mesh, bucket_bytes=bucket_bytes,
+                       compression={"node": jaxring.codecs.int8()}), momentum_sgd),
+      TOPK: (decorated(mesh, bucket_bytes=bucket_bytes, compression={"node": topk},
+                       momentum=MOMENTUM), optax.sgd(lr)),
+  }
+
+
+class Batches:
+  """Each member's 16 images of step ``t``, as the convergence benchmark walks its shards."""
+
+  def __init__(self, x, y, members: int, per_member: int, local_members: list[int], sharding):
+    self.x = x.reshape(members, -1, *x.shape[1:])
+    self.y = y.reshape(members, -1)
+    self.per, self.n, self.members, self.sharding = (per_member, self.x.shape[1], local_members,
+                                                   sharding)
+
+  def local(self, t: int) -> dict:
+    """This process's members' images and labels of step ``t`` (NumPy)."""
+    import numpy as np
+    i = (t % (self.n // self.per)) * self.per
+    return {"x": np.concatenate([self.x[m, i:i + self.per] for m in self.members]),
+            "y": np.concatenate([self.y[m, i:i + self.per] for m in self.members])}
+
+  def __call__(self, t: int) -> dict:
+    import jax
+    return {k: jax.make_array_from_process_local_data(self.sharding, v)
+            for k, v in self.local(t).items()}
+
+
+def accuracy(params, xte, yte) -> float:
+  """Test accuracy (%) of replicated ``params``, from this process's copy; process 0's figure,
+  so that every process stops a contender at the same step."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  from jaxring._src.tools.bench.convergence import resnet_logits
+  local = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
+  acc = float((np.asarray(_eval(resnet_logits)(local, xte)).argmax(1) == yte).mean() * 100)
+  return float(multihost_utils.broadcast_one_to_all(np.float32(acc)))
+
+
+_JITTED: dict = {}
+
+
+def _eval(fn):
+  import jax
+  if fn not in _JITTED:
+    _JITTED[fn] = jax.jit(fn)
+  return _JITTED[fn]
+
+
+def compute_share(params, batch_of, args) -> float:
+  """Seconds of one step on this node's devices alone (gradients averaged inside the process,
+  nothing on the link), timed on every node at once, as the contenders run."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from jax.sharding import AxisType, Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxring.train as jt
+  local = Mesh(np.asarray(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
+  step = hand_written(local)
+  state = jax.device_put(jt.TrainState.create(apply_fn=None, params=jax.tree.map(jnp.copy, params),
+                                              tx=optax.sgd(0.0, momentum=MOMENTUM)),
+                         NamedSharding(local, P()))
+  b = jax.device_put(batch_of.local(0), NamedSharding(local, P("data")))
+  state = common.warm_up(step, state, b, 2)
+  t0 = time.perf_counter()
+  for _ in range(args.compute_steps):
+    state, m = step(state, b)
+  jax.block_until_ready((state, m))
+  return (time.perf_counter() - t0) / args.compute_steps
+
+
+def worker(args) -> int:
+  import jaxring.distributed
+  jaxring.distributed.initialize()
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType, Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxring.train as jt
+  from jaxring._src.data.hard_shapes import hard_shapes
+  from jaxring._src.tools.bench import cluster_worker
+  from jaxring._src.tools.bench.convergence import init_resnet
+
+  me = jax.process_index()
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = Mesh(np.asarray(devices), ("data",), axis_types=(AxisType.Auto,))
+  members = [i for i, d in enumerate(devices) if d.process_index == me]
+  xtr, ytr, xte, yte = hard_shapes()
+  batch_of = Batches(xtr, ytr, len(devices), args.batch_per_device, members,
+                     NamedSharding(mesh, P("data")))
+  params = init_resnet(jax.random.key(args.seed))
+  n_params = sum(int(np.size(p)) for p in jax.tree.leaves(params))
+  compute = compute_share(params, batch_of, args)
+  iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
+  steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size)
+  names = [n for n in steps_of if not args.only or n in args.only.split(",")]
+  states, curves, left = {}, {n: [(0.0, 0, accuracy(params, xte, yte))] for n in names}, set(names)
+  done = {n: 0 for n in names}
+  tx_bytes = {n: 0 for n in names}
+  for name in names:
+    step, tx = steps_of[name]
+    state = jt.TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = (step.prepare(state) if hasattr(step, "prepare") else
+             jax.device_put(jax.tree.map(np.copy, state), NamedSharding(mesh, P())))
+    # the first step compiles: it is trained on but not timed
+    states[name] = common.warm_up(step, state, batch_of(0), 1)
+    done[name] = 1
+  turn = 0
+  while left:
+    for name in [n for n in names if n in left]:
+      step = steps_of[name][0]
+      jaxring.distributed.barrier(f"{name}-{turn}", timeout_s=900)
+      b0 = cluster_worker.tx_bytes(iface)
+      state, t0 = states[name], time.perf_counter()
+      for t in range(done[name], min(done[name] + args.eval_every, args.steps)):
+        state, metrics = step(state, batch_of(t))
+      jax.block_until_ready((state, metrics))
+      seconds = time.perf_counter() - t0
+      tx_bytes[name] += cluster_worker.tx_bytes(iface) - b0
+      done[name] = t + 1
+      states[name] = state
+      acc = accuracy(state.params, xte, yte)
+      curves[name].append((curves[name][-1][0] + seconds, done[name], acc))
+      if me == 0:
+        print(f"  {name}: step {done[name]}, {curves[name][-1][0]:.1f} s, {acc:.2f}%", flush=True)
+      if (acc >= args.target and not args.full) or done[name] >= args.steps:
+        left.discard(name)
+    turn += 1
+  for name in names:
+    cluster_worker.emit(contender=name, node=me, curve=curves[name], compute_s=compute,
+                        tx_per_step=tx_bytes[name] / max(done[name], 1), params=n_params)
+  jaxring.distributed.barrier("done", timeout_s=300)
+  return 0
+
+
+def time_to_target(curve: list, target: float) -> tuple[float | None, int | None]:
+  """``(seconds, steps)`` at the first evaluation at or above ``target`` (None, None: never).
+
+  Example:
+    >>> time_to_target([(0.0, 0, 6.0), (9.5, 50, 41.0), (19.0, 100, 62.5)], 60)
+    (19.0, 100)
+  """
+  for seconds, steps, acc in curve:
+    if acc >= target:
+      return seconds, steps
+  return None, None
+
+
+def rows_of(recs: list[dict], target: float) -> list[dict]:
+  """One table row per contender, from node 0's curve and every node's link bytes."""
+  node0 = {r["contender"]: r for r in recs if r["node"] == 0}
+  base = time_to_target(node0[BASE]["curve"], target)[0] if BASE in node0 else None
+  rows = []
+  for name, r in node0.items():
+    seconds, steps = time_to_target(r["curve"], target)
+    last = r["curve"][-1]
+    txs = [x["tx_per_step"] for x in recs if x["contender"] == name]
+    rows.append({"contender": name, "time_to_target_s": seconds, "steps_to_target": steps,
+                 "speedup_vs_none": (base / seconds) if base and seconds else None,
+                 "steps": last[1], "final_accuracy": last[2],
+                 "s_per_step": last[0] / max(last[1] - 1, 1),
+                 "tx_mib_per_step": sum(txs) / len(txs) / (1 << 20), "curve": r["curve"]})
+  return rows
+
+
+def plot(rows: list[dict], target: float, title: str, path: str) -> str | None:
+  """Accuracy against training time per contender, as a PNG (None without matplotlib)."""
+  try:
+    import matplotlib
+  except ImportError:
+    return None
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in rows:
+    ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".", label=r["contender"])
+  ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}%")
+  ax.set_xlabel("training time (s)")
+  ax.set_ylabel("test accuracy (%)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def _parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="jaxring bench tta", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--nodes", type=int, default=4)
+  ap.add_argument("--link", default="5mbit")
+  ap.add_argument("--devices-per-node", type=int, default=2)
+  ap.add_argument("--batch-per-device", type=int, default=16)
+  ap.add_argument("--lr", type=float, default=0.1)
+  ap.add_argument("--target", type=float, default=60.0, help="test accuracy (%%) to reach")
+  ap.add_argument("--steps", type=int, default=1200, help="at most this many steps each")
+  ap.add_argument("--eval-every", type=int, default=50)
+  ap.add_argument("--full", action="store_true", help="train every contender --steps steps")
+  ap.add_argument("--chunk-size", type=int, default=16, help="top-k chunk size")
+  ap.add_argument("--bucket-mib", type=float, default=1.0)
+  ap.add_argument("--compute-steps", type=int, default=10)
+  ap.add_argument("--only", default="", help="comma-separated contenders to run")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--timeout", type=float, default=3600)
+  ap.add_argument("--out-dir", default=None)
+  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = _parser().parse_args(argv)
+  if args.worker:
+    return worker(args)
+  if os.geteuid() != 0:
+    print("jaxring bench tta: skipped: needs root (network namespaces and tc)", file=sys.stderr)
+    return 2
+  from jaxring._src.tools.bench import cluster
+  from jaxring._src.tools.cluster import netns
+
+  name = "jrtta"
+  if netns.load_state(name) is not None:
+    netns.down(name)
+  state = netns.up(name, args.nodes, rate=args.link)
+  keep = {"nodes", "link", "devices_per_node", "timeout", "out_dir", "worker", "full"}
+  worker_args = ["--worker"] + (["--full"] if args.full else [])
+  for k, v in vars(args).items():
+    if k not in keep:
+      worker_args += [f"--{k.replace('_', '-')}", str(v)]
+  load = os.getloadavg()
+  try:
+    rc, recs, log = cluster._run_job(name, args.nodes, 1, args.devices_per_node, "jax",
+                                     worker_args, args.timeout, worker=WORKER)
+  finally:
+    print(f"cluster {name!r}: deleted {len(netns.down(name))} objects", flush=True)
+  if rc != 0 or not recs:
+    print(f"--- job exited {rc}; last output:\n" + "\n".join(log.splitlines()[-40:]),
+          file=sys.stderr)
+    return rc or 1
+  rows = rows_of(recs, args.target)
+  first = next(r for r in recs if r["node"] == 0)
+  compute = max(r["compute_s"] for r in recs)
+  base = next((r for r in rows if r["contender"] == BASE), rows[0])
+  print(f"\nsmall ResNet ({first['params']:,} params = {common.fmt_bytes(4 * first['params'])} of "
+        f"f32 gradients) on hard_shapes, {args.nodes} nodes x {args.devices_per_node} devices x "
+        f"{args.batch_per_device} images, momentum SGD lr {args.lr}, links {state.rate}, "
+        f"target {args.target:g}%")
+  print(f"compute/communication split: a step on one node's devices alone (no link) "
+        f"{compute * 1e3:.0f} ms; '{base['contender']}' {base['s_per_step'] * 1e3:.0f} ms a step, "
+        f"so communication ~{max(base['s_per_step'] - compute, 0) * 1e3:.0f} ms "
+        f"({max(base['s_per_step'] - compute, 0) / base['s_per_step']:.0%} of the step); "
+        f"load average before {load[0]:.1f}, after {os.getloadavg()[0]:.1f}")
+  common.print_table(rows, [
+      ("contender", "contender", ""), ("time_to_target_s", "time to target (s)", ".0f"),
+      ("speedup_vs_none", "vs train_step none", ".2f"), ("steps_to_target", "steps", ""),
+      ("final_accuracy", "final acc (%)", ".2f"), ("steps", "steps run", ""),
+      ("s_per_step", "s/step", ".3f"), ("tx_mib_per_step", "MiB/node link/step", ".3f")])
+  import jax
+  path = common.write_json("tta", {
+      "bench": "tta", "args": vars(args), "link": state.rate, "compute_s": compute,
+      "load_before": load, "load_after": os.getloadavg(), "allocator": common.allocator(),
+      "jax": jax.__version__, "machine": common.machine(), "rows": rows, "raw": recs},
+      args.out_dir)
+  print(f"wrote {path}")
+  png = plot(rows, args.target, f"time to {args.target:g}% on the emulated cluster "
+             f"({args.nodes}x{args.devices_per_node}, {state.rate})", path[:-5] + ".png")
+  print(f"wrote {png}" if png else "no plot: matplotlib is not installed "
+        "(pip install jaxring[plot])")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
