@@ -9,6 +9,7 @@ import pytest
 from flax import linen as nn
 
 import jaxring.train as jt
+from jaxring._src.train import buckets as jt_buckets
 from jaxring._src.train.buckets import make_buckets, use_order
 
 WIDTHS = (16, 32, 48, 64, 10)  # distinct sizes: every layer's buffers can be told apart in HLO
@@ -107,3 +108,77 @@ def test_one_reduction_per_bucket_scheduled_inside_backprop(overlap):
     assert found[0] < found[1] < found[2]
   else:
     assert min(found.values()) > last_backprop_op
+
+
+# --- bucket_bytes="auto": the profile's costs, bucketed as make_buckets does, timed by hand ------
+
+MiB = 1 << 20
+
+
+def _profile(axes, sizes, lines):
+  from jaxring._src import cost_model
+  from jaxring._src.algorithms import planner
+  groups = planner.levels_for(tuple(axes), tuple(sizes))[0]
+  key = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in groups])
+  fits = tuple(cost_model.Fit.from_points(a, key, *zip(*pts)) for a, pts in lines.items())
+  return cost_model.Profile(cost_model.profile_key(axes, sizes, "xla", 1, "cpu"), fits)
+
+
+# xla: 20 ms at 1 MiB, 0.6 s at 32 MiB; hierarchical: cheaper small, dearer large
+LINES = {"xla": [(64 << 10, 0.005), (MiB, 0.02), (32 * MiB, 0.6)],
+         "hierarchical": [(64 << 10, 0.004), (MiB, 0.01), (32 * MiB, 0.7)]}
+LEAVES = [jax.ShapeDtypeStruct((MiB // 4,), jnp.float32)] * 32      # 32 x 1 MiB
+
+
+def test_auto_bucket_bytes_without_a_profile_is_the_default():
+  choice = jt_buckets.auto_bucket_bytes(LEAVES, range(32), "data", axis_sizes=(8,), profile=None)
+  assert choice == jt_buckets.BucketChoice(25 << 20) and not choice.measured
+
+
+def test_auto_bucket_bytes_chooses_size_and_algorithm_together():
+  prof = _profile(("node", "local"), (4, 2), LINES)
+  choice = jt_buckets.auto_bucket_bytes(LEAVES, range(32), ("node", "local"), axis_sizes=(4, 2),
+                                        backward_seconds=1.0, profile=prof)
+  # 1 MiB buckets: one per leaf, ready every 1/32 s; hierarchical (10 ms, half of xla's) is done
+  # before the next is ready, so only the last one's 10 ms shows after backprop
+  assert choice.bucket_bytes == MiB and choice.measured
+  assert choice.algorithms == ("hierarchical",) * 32
+  assert choice.finish_s == pytest.approx(1.01) and choice.exposed_s == pytest.approx(0.01)
+  # 25 MiB (by hand): 25 leaves ready at 25/32 s, xla 0.02 + 0.58 * 24/31 = 0.4690 s (hierarchical
+  # 0.5442); then 7 MiB, xla 0.1323 (hierarchical 0.1435): ends 0.78125 + 0.4690 + 0.1323
+  fixed = jt_buckets.auto_bucket_bytes(LEAVES, range(32), ("node", "local"), axis_sizes=(4, 2),
+                                       backward_seconds=1.0, profile=prof,
+                                       candidates=(25 << 20,))
+  assert fixed.algorithms == ("xla", "xla")
+  assert fixed.finish_s == pytest.approx(0.78125 + 0.02 + 0.58 * 24 / 31 + 0.02 + 0.58 * 6 / 31)
+
+
+def test_auto_bucket_bytes_keeps_the_default_within_the_margin():
+  # one bucket holds everything at 16 MiB and above; no overlap credited: 16 MiB ties 25 MiB
+  prof = _profile(("data",), (8,), {"xla": [(MiB, 0.01 + 1e-9 * MiB), (32 * MiB, 0.01 + 32e-9 * MiB)]})
+  leaves = [jax.ShapeDtypeStruct((64 << 10,), jnp.float32)] * 64      # 64 x 256 KiB
+  choice = jt_buckets.auto_bucket_bytes(leaves, range(64), "data", axis_sizes=(8,), profile=prof)
+  assert choice.bucket_bytes == 25 << 20 and choice.algorithms == ("xla",)
+  assert choice.finish_s == pytest.approx(0.01 + 16e-9 * MiB)
+
+
+def test_auto_bucket_bytes_reads_the_bound_axes_and_the_profile_auto_reads():
+  from jaxring._src import cost_model
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  # one level: the ring is the lossless alternative to the native all-reduce
+  prof = _profile(("data",), (8,), {"xla": LINES["xla"], "ring": LINES["hierarchical"]})
+  got = []
+
+  def trace():   # a new function each time: nothing cached between the traces
+    def body(x):
+      got.append(jt_buckets.auto_bucket_bytes(LEAVES, range(32), "data", backward_seconds=1.0))
+      return x
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"),
+                                 out_specs=jax.P("data")))(jnp.zeros(8))
+
+  with cost_model.use_profile(prof):
+    trace()
+  assert got[0].bucket_bytes == MiB and got[0].algorithms == ("ring",) * 32
+  with cost_model.use_profile(None):
+    trace()
+  assert got[1] == jt_buckets.BucketChoice(25 << 20)

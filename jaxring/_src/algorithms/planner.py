@@ -138,9 +138,8 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
                        "algorithm='ring', 'hierarchical' or 'auto' with compression")
     return Plan("xla", transport=transport)
   if kind == "auto":
-    key = cost_model.profile_key(axes, sizes, transport.name, jax.process_count(),
-                                 jax.default_backend())
-    kind = choose(nbytes, len(groups), codecs, lossy, cost_model.find_profile(key), dtype)
+    kind = choose(nbytes, len(groups), codecs, lossy,
+                  find_profile_for(axes, sizes, transport.name), dtype)
   if kind == "xla":
     return Plan("xla", transport=transport)
   request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
@@ -226,6 +225,38 @@ def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile, dtype=jnp
   if default in seconds and seconds[best] > (1 - MARGIN) * seconds[default]:
     return default
   return best
+
+
+def reduction_seconds(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm,
+                      compression, *, hierarchy: Hierarchy | None = None,
+                      profile=None) -> tuple[str, float | None]:
+  """The algorithm a reduction of ``nbytes`` of ``dtype`` runs, and the seconds ``profile``
+  predicts for it (None where that plan was not measured). ``algorithm="auto"`` is resolved as
+  :func:`make_plan` resolves it, from the same profile.
+
+  Example:
+    >>> reduction_seconds(("node", "local"), (4, 2), 8 << 20, jnp.float32, "auto", None,
+    ...                   profile=profile)  # doctest: +SKIP
+    ('xla', 0.1351)
+  """
+  if hierarchy is not None:
+    groups = list(hierarchy.groups)
+  else:
+    order = tuple(algorithm) if isinstance(algorithm, dict) else None
+    groups = levels_for(tuple(axes), tuple(sizes), order)[0]
+  codecs = [codec_for(compression, g.name, dtype) for g in groups]
+  lossy = any(c.lossy for c in codecs)
+  kind = algorithm if isinstance(algorithm, str) else "hierarchical"
+  if kind == "auto":
+    kind = choose(nbytes, len(groups), codecs, lossy, profile, dtype)
+  seconds = None if profile is None else predict(profile, kind, codecs, nbytes, dtype)
+  return kind, seconds
+
+
+def find_profile_for(axes: tuple, sizes: tuple[int, ...], transport: str = "xla"):
+  """The profile ``auto`` reads for these axes (``cost_model.find_profile``), or None."""
+  key = cost_model.profile_key(axes, sizes, transport, jax.process_count(), jax.default_backend())
+  return cost_model.find_profile(key)
 
 
 #: The measured gain a profile must show before ``auto`` leaves its default plan.
