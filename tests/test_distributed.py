@@ -235,3 +235,35 @@ def test_processes_that_agree_pass_the_fingerprint_check():
                      _env(2, port, 2, FAILURE_TIMEOUT), timeout=100)
   mp.assert_all_ok(results)
   assert all("OK" in r.stdout for r in results), mp.report(results)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm", ["auto", "ring"])
+def test_a_live_process_stuck_between_collectives_is_named_by_every_process(algorithm):
+  # Process 1 planned and launched the psum 5 times, then sleeps in Python: alive, its watchdog
+  # still heartbeating, never launching call 5. Process 0 waits inside the launched program (gloo
+  # would wait for good); both must name process 1 and the collective, and exit non-zero.
+  n, stuck = 2, 1
+
+  def everyone_done(procs):
+    return all(p.poll() is not None for p in procs)
+
+  port = mp.free_port()
+  results = mp.spawn(n, lambda i: mp.python_worker(
+      "dist_allreduce.py", "--calls", "1000", "--algorithms", algorithm, "--die-rank",
+      str(stuck), "--die-at", "5", "--die-how", "stuck"), _env(n, port, 2, FAILURE_TIMEOUT),
+                     timeout=90, stop_early=everyone_done)
+  died_at = _die_time(results, stuck)
+  for r in results:
+    assert r.returncode not in (0, None), f"rank {r.rank} did not fail\n" + mp.report(results)
+    waited = r.ended_at - died_at
+    assert waited < FAILURE_TIMEOUT + SLACK, (f"rank {r.rank} took {waited:.1f} s\n"
+                                              + mp.report(results))
+  # the waiting process names the stuck one and the collective (#0: the only one planned)
+  assert re.search(r"collective #0 \(launch 6\) started here [\d.]+ s ago and cannot complete: "
+                   r"process 1 of 2 \(pid \d+ on [^)]+\) launched it 5 time\(s\); alive "
+                   r"\(heartbeating\) but stuck", results[0].stderr), mp.report(results)
+  # and the stuck one says it is the one behind
+  assert re.search(r"process 1 of 2 is stuck: it has launched collective #0 5 time\(s\), but "
+                   r"process 0 of 2 \(pid \d+ on [^)]+\) launched it 6 time\(s\)",
+                   results[1].stderr), mp.report(results)

@@ -159,3 +159,31 @@ def test_ranks_that_plan_a_psum_differently_both_say_how(case):
     assert re.search(rf"rank {rank}: RAISED CollectiveMismatchError: jaxring: processes disagree "
                      rf"on collective #0; process {rank} of 2 plans psum over \(data\)", out), out
   assert "codecs=" in out and "Int8" in out, out[-4000:]
+
+
+@skip_without_mpi
+@pytest.mark.timeout(90)
+def test_a_live_rank_stuck_between_collectives_is_named_by_every_rank():
+  # Rank 1 sleeps before launching call 5 (alive, heartbeating); ranks 0 and 2 wait inside the
+  # launched program (MPI_Sendrecv would wait for good). Every rank, rank 1 included, must say
+  # who is stuck and in which collective, and exit non-zero (-disable-auto-cleanup: hydra leaves
+  # each rank to end by itself).
+  n, stuck, limit = 3, 1, 60
+  rc, out, _ = mpirun(n, "--calls", "1000", "--algorithms", "ring", "--codecs", "int8",
+                      "--die-rank", str(stuck), "--die-at", "5", "--die-how", "stuck",
+                      "--failure-timeout", str(FAILURE_TIMEOUT), timeout=limit,
+                      launcher_args=("-disable-auto-cleanup",))
+  assert rc is not None, f"mpirun still running after {limit} s: a silent hang\n{out[-6000:]}"
+  assert rc != 0, out[-6000:]
+  died = re.search(rf"rank {stuck}: dying at call 5 of ring/int8 at=([\d.]+)", out)
+  assert died, out[-6000:]
+  for rank in set(range(n)) - {stuck}:
+    assert re.search(rf"collective #\d+ over axis 'data' \(launch 6\) started here [\d.]+ s ago "
+                     rf"and cannot complete: rank {stuck} of {n} \(pid \d+ on [^)]+\) launched it "
+                     rf"5 time\(s\); alive \(heartbeating\) but stuck[^\n]*Rank {rank} exits",
+                     out), f"rank {rank} did not name rank {stuck}\n{out[-6000:]}"
+  # the stuck rank says so, unless (a loaded machine) the others' exits reach it first
+  assert re.search(rf"rank {stuck} of {n} is stuck: it has launched collective #\d+ over axis "
+                   rf"'data' 5 time\(s\), but rank \d of {n}|died or hangs[^\n]*Rank {stuck} "
+                   rf"exits", out), out[-6000:]
+  assert time.time() - float(died.group(1)) < FAILURE_TIMEOUT + SLACK, out[-6000:]

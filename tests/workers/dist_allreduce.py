@@ -6,7 +6,9 @@ every call's all-reduce against a float64 NumPy sum of all those rows. Prints on
 algorithm, or exits non-zero with the first mismatch.
 
 With ``--die-at CALL --die-rank R`` process R kills itself (``--die-how kill``: SIGKILL) or freezes
-(``stop``: SIGSTOP) at that call, so the test can check that the others name it and exit.
+(``stop``: SIGSTOP) at that call, or stays alive but never launches the call (``stuck``: sleeps in
+Python, its watchdog thread still heartbeating), so the test can check that the others name it and
+exit.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def main() -> int:
   ap.add_argument("--algorithms", default="lax", help="comma list: lax, xla, ring, hierarchical")
   ap.add_argument("--die-rank", type=int, default=-1)
   ap.add_argument("--die-at", type=int, default=-1)
-  ap.add_argument("--die-how", choices=("kill", "stop"), default="kill")
+  ap.add_argument("--die-how", choices=("kill", "stop", "stuck"), default="kill")
   ap.add_argument("--progress", type=int, default=0, help="print every N calls")
   args = ap.parse_args()
 
@@ -68,6 +70,8 @@ def main() -> int:
       if me == args.die_rank and call == args.die_at:
         print(f"process {me}: dying ({args.die_how}) at call {call} at={time.time():.3f}",
               flush=True)
+        if args.die_how == "stuck":
+          time.sleep(10 ** 6)
         os.kill(os.getpid(), signal.SIGKILL if args.die_how == "kill" else signal.SIGSTOP)
       local = rows(args.seed, call, mine, args.size).astype(np.float32)
       x = jax.make_array_from_process_local_data(sharding, local)

@@ -10,7 +10,9 @@ the codec's bound (tests/test_codecs.py): at most ``P + 1`` encodes of a partial
 erring by at most ``u * max|partial|`` over the codec's block, ``u`` = 2**-8 (bf16), 2**-11 (fp16),
 1/254 (int8). Prints ``rank R: OK <config> calls=N``; exits 3 at the first mismatch.
 
-With ``--die-rank R --die-at CALL`` rank R calls ``os._exit(9)`` in the middle of the run.
+With ``--die-rank R --die-at CALL`` rank R calls ``os._exit(9)`` in the middle of the run; with
+``--die-how stuck`` it sleeps there instead (alive, its watchdog thread heartbeating, never
+launching the call).
 """
 from __future__ import annotations
 
@@ -154,6 +156,8 @@ def run_config(comm, algorithm: str, codec: str, args) -> float:
       t1 = time.perf_counter()
     if rank == args.die_rank and call == args.die_at:
       say(f"rank {rank}: dying at call {call} of {algorithm}/{codec} at={time.time():.3f}")
+      if args.die_how == "stuck":
+        time.sleep(10 ** 6)
       os._exit(9)
     every = [inputs(args.seed, call, m, p, codec) for m in range(p)]
     out = jax.device_get(f(every[rank]))
@@ -235,6 +239,7 @@ def main() -> int:
   ap.add_argument("--failure-timeout", type=float, default=None)
   ap.add_argument("--die-rank", type=int, default=-1)
   ap.add_argument("--die-at", type=int, default=-1)
+  ap.add_argument("--die-how", choices=("exit", "stuck"), default="exit")
   ap.add_argument("--finish-rank", type=int, default=-1,
                   help="this rank exits normally at once; the others run on for --linger s")
   ap.add_argument("--linger", type=float, default=0.0)

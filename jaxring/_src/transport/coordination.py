@@ -11,13 +11,14 @@ Two things jaxring adds below :func:`jaxring.distributed.initialize`:
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import sys
 import threading
 import time
 
-from jaxring._src.transport import flight_recorder
+from jaxring._src.transport import flight_recorder, launches
 from jaxring._src.transport.watchdog import Watchdog
 
 _KV_PREFIX = "jaxring/peer/"
@@ -54,6 +55,8 @@ class CoordinationHeartbeats:
   """Heartbeat counters under ``jaxring/peer/hb/<id>`` in the coordination service.
 
   A peer that published a state (``exiting``, or ``failed: <error>``) is no longer watched.
+  Launch counts (``transport/launches.py``) go under ``jaxring/peer/launch/<id>`` when they
+  changed since the last heartbeat.
   """
 
   medium = "the coordination service (hosted by process 0)"
@@ -65,12 +68,19 @@ class CoordinationHeartbeats:
     self.states: dict[int, str] = {}
     self.exited: set[int] = set()
     self.who: dict[int, str] = {}
+    self.launches: dict[int, dict[str, int]] = {}
+    self.sent_version = -1
     self.client.key_value_set(f"{_KV_PREFIX}who/{me}",
                               f" (pid {os.getpid()} on {socket.gethostname()})",
                               allow_overwrite=True)
 
   def beat(self):
     self.count += 1
+    version = launches.version()
+    if version != self.sent_version:
+      self.client.key_value_set(f"{_KV_PREFIX}launch/{self.me}", json.dumps(launches.table()),
+                                allow_overwrite=True)
+      self.sent_version = version
     self.client.key_value_set(f"{_KV_PREFIX}hb/{self.me}", str(self.count), allow_overwrite=True)
     heard = set()
     for key, value in self.client.key_value_dir_get(_KV_PREFIX):
@@ -87,6 +97,8 @@ class CoordinationHeartbeats:
         self.exited.add(p)
       elif kind == "who":
         self.who[p] = value
+      elif kind == "launch" and p != self.me:
+        self.launches[p] = json.loads(value)
     return heard, set(self.states)
 
   def publish_state(self, state: str) -> None:

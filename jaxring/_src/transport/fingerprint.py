@@ -20,7 +20,7 @@ import json
 import os
 import threading
 
-from jaxring._src.transport import flight_recorder
+from jaxring._src.transport import flight_recorder, launches
 from jaxring._src.transport.watchdog import failure_timeout
 
 ENV_FINGERPRINT = "JAXRING_FINGERPRINT"
@@ -161,3 +161,4 @@ def check(record: dict, binding=None) -> None:
         f"{describe(mine_rec)}, and\n  " + "\n  ".join(lines) +
         "\nEvery process must call the same collectives in the same order with the same "
         "shapes, dtypes, algorithm and compression.", seq, differing)
+  launches.mark(str(seq) if control is None else f"{seq}@{binding.name}", n)

@@ -5,15 +5,19 @@ unreliably (its report gives one pid of the job, not always the dead one's), and
 (a deadlock, a frozen host, ``-disable-auto-cleanup``) leaves its peers blocked in ``MPI_Sendrecv``
 for good. Every rank sends an empty message to every other rank per heartbeat, on a duplicate of
 the communicator, from the watchdog's thread (MPICH grants ``MPI_THREAD_MULTIPLE``, mpi4py's
-default), and a last "finished" message when it ends normally.
+default), and a last "finished" message when it ends normally. A heartbeat carries this rank's
+launch counts (``transport/launches.py``, JSON) when they changed since the last one it sent to
+that peer; otherwise it is empty.
 """
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import sys
 
+from jaxring._src.transport import launches
 from jaxring._src.transport.watchdog import Watchdog
 
 _TAG = 0x7A11   # "I am alive"
@@ -32,22 +36,32 @@ class MpiHeartbeats:
     self.me, self.n = self.comm.Get_rank(), self.comm.Get_size()
     self.peers = [q for q in range(self.n) if q != self.me]
     self.pending: dict = {}   # peer -> our last heartbeat to it, until it is received
+    self.sent_version: dict[int, int] = {}   # peer -> launch counts' version it last got
+    self.launches: dict[int, dict[str, int]] = {}
 
   def beat(self):
     from mpi4py import MPI
     # empty messages go eagerly (complete locally, never wait for the receiver); still at most one
     # outstanding per peer, so that a dead peer's connection does not pile them up
+    version, counts = launches.version(), None
     for q in self.peers:
       try:
         if q not in self.pending or self.pending[q].Test():
-          self.pending[q] = self.comm.Isend(b"", dest=q, tag=_TAG)
+          payload = b""
+          if self.sent_version.get(q) != version:
+            counts = counts if counts is not None else json.dumps(launches.table()).encode()
+            payload, self.sent_version[q] = counts, version
+          self.pending[q] = self.comm.Isend(payload, dest=q, tag=_TAG)
       except Exception:  # noqa: BLE001 - a dead peer: its silence names it
         pass
     heard, finished = set(), set()
     status = MPI.Status()
     while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
       q, tag = status.Get_source(), status.Get_tag()
-      self.comm.Recv(bytearray(0), source=q, tag=tag)
+      buf = bytearray(status.Get_count(MPI.BYTE))
+      self.comm.Recv(buf, source=q, tag=tag)
+      if buf:
+        self.launches[q] = json.loads(bytes(buf))
       (finished if tag == _BYE else heard).add(q)
     for q in finished:
       if q in self.peers:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from jaxring._src.transport import flight_recorder
+from jaxring._src.transport import flight_recorder, launches
 
 ENV_FAILURE_TIMEOUT = "JAXRING_FAILURE_TIMEOUT"
 DEFAULT_FAILURE_TIMEOUT_S = 120.0
@@ -41,6 +41,8 @@ class Heartbeats(Protocol):
   """The side channel a transport heartbeats over."""
 
   medium: str   # what a failing channel is called in messages, e.g. "the coordination service"
+  # peer id -> its launch counts (transport/launches.py), as last received with its heartbeats
+  launches: dict[int, dict[str, int]]
 
   def beat(self) -> tuple[Iterable[int], Iterable[int]]:
     """Sends this process's heartbeat; returns (peers heard from, peers that said they finished).
@@ -91,6 +93,7 @@ class Watchdog:
     now = time.monotonic()
     self.last_seen = {p: now for p in range(n) if p != me}
     self.failing_since: float | None = None
+    self._ahead_since: dict[tuple[str, int], float] = {}   # (key, our count) -> first seen
     self._pending: tuple[float, _Beat] | None = None   # a heartbeat in flight, since when
     self.lock = threading.Lock()
     self.stop_event = threading.Event()
@@ -100,6 +103,7 @@ class Watchdog:
   def start(self) -> Watchdog:
     """One heartbeat now (a channel that does not work raises here), then one per interval."""
     self.beat()
+    launches.enable(self.n)
     self.thread.start()
     return self
 
@@ -160,7 +164,37 @@ class Watchdog:
               f"{now - self.failing_since:.1f} s: {first}")
     self.failing_since = None
     silent = self.silent()
-    return self.describe(silent) if silent else None
+    return self.describe(silent) if silent else self.stuck()
+
+  def stuck(self) -> str | None:
+    """A live peer that never launched a collective this process waits in, or this process
+    behind its peers, for longer than the timeout (``transport/launches.py``); else None."""
+    peers = {p: t for p, t in getattr(self.heartbeats, "launches", {}).items()
+             if p in self.last_seen}
+    now = time.monotonic()
+    latest = launches.latest()
+    if latest is not None and now - latest[2] > self.timeout:
+      key, k, since = latest
+      late = launches.behind(key, k, peers)
+      if late:
+        who = ", ".join(f"{self.noun} {p} of {self.n}{self.names.get(p, '')} launched it "
+                        f"{c} time(s)" for p, c in sorted(late.items()))
+        return (f"collective {launches.describe(key)} (launch {k}) started here "
+                f"{now - since:.1f} s ago and cannot complete: {who}; alive (heartbeating) but "
+                f"stuck before launching it (failure timeout {self.timeout:g} s)")
+    mine = launches.table()
+    seen = set()
+    for key, (p, count) in launches.ahead(peers).items():
+      seen.add((key, mine.get(key, 0)))
+      first = self._ahead_since.setdefault((key, mine.get(key, 0)), now)
+      if now - first > self.timeout:
+        return (f"{self.noun} {self.me} of {self.n} is stuck: it has launched collective "
+                f"{launches.describe(key)} {mine.get(key, 0)} time(s), but {self.noun} {p} of "
+                f"{self.n}{self.names.get(p, '')} launched it {count} time(s) and has waited "
+                f"in it for at least {now - first:.1f} s (failure timeout {self.timeout:g} s)")
+    for gone in set(self._ahead_since) - seen:
+      del self._ahead_since[gone]
+    return None
 
   def fail(self, problem: str) -> None:
     """Names the problem, dumps the flight recorder, and ends this process (through the
@@ -176,6 +210,7 @@ class Watchdog:
 
   def stop(self, *, tell_peers: bool = True) -> None:
     """Stops heartbeating; with ``tell_peers``, peers stop watching this process."""
+    launches.enable(0)
     if self.stop_event.is_set() and not self.thread.is_alive():
       return
     self.stop_event.set()
