@@ -102,3 +102,20 @@ def test_choices_report_auto_per_spelling_and_profile_json_is_readable(tmp_path)
   text = prof.to_json()
   assert json.loads(text)["fits"][0]["seconds"] == [0.03, 0.5] and "\n" in text
   assert cost_model.Profile.from_json(text).meta["levels"] == ["local", "node"]
+
+
+@pytest.mark.slow
+def test_calibrate_times_topk_once_and_its_dense_plans(tmp_path, monkeypatch):
+  import jax
+  monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
+                                              jaxring.Level("node", 2, 1.25e8, 1e-4)))):
+    prof = jaxring.calibrate(mesh, ("node", "local"), sizes=(16 << 10, 64 << 10),
+                             codecs=("topk",), reps=1, save=False)
+    picks = calibrate.choices(prof, [64 << 10])
+  assert sorted((f.algorithm, f.codecs[-1][:4]) for f in prof.fits) == [
+      ("hierarchical", "Code"), ("hierarchical", "TopK"), ("ring", "Code"), ("xla", "Code")]
+  assert all(f.sizes == (16 << 10, 64 << 10) and min(f.seconds) > 0 for f in prof.fits)
+  assert prof.meta["codecs"] == ["topk"] and prof.meta["levels"] == ["local", "node"]
+  assert set(picks[64 << 10]) == {"topk"} and picks[64 << 10]["topk"] in ("ring", "hierarchical")
