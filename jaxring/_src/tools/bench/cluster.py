@@ -11,7 +11,8 @@ All contenders run in one invocation, on the same shaped links, one after the ot
 * ``jaxring hierarchical <codec> (MPI transport)``: the same, one MPI rank per device, the ring
   over mpi4jax (``jaxring.distributed.bind_mpi_axis``).
 
-Per contender: median of ``--reps`` timed calls after warm-up, algbw (bytes per device / time),
+Per contender: median of ``--reps`` timed calls after warm-up (in rounds: every contender once per
+round), algbw (bytes per device / time),
 bytes each node put on its link per call (delta of the interface's tx counter over the timed calls,
 divided by the calls), the link-rate bound T_min = 2(p-1)/p * bytes * wire ratio / link rate with
 p = nodes, the ratio to the faster of gloo and MPICH, and the relative L2 error of the result against

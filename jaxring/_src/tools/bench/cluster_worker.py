@@ -11,7 +11,8 @@ codec of ``--codecs`` on the node level (its error against MPICH's result), then
 inter-node step alone (the node-level ring on the shard left by the local reduce-scatter), and
 ``auto`` after calibrating over the MPI transport.
 
-Each contender: ``--warmup`` calls, then ``--reps`` individually timed calls. Around the timed calls
+Each contender: ``--warmup`` calls; then ``--reps`` rounds, each timing every contender once in
+turn (load from elsewhere on the shared cores falls on all of them alike). Around each timed call
 the node's link counter (``/sys/class/net/<iface>/statistics/tx_bytes`` inside the node's
 namespace) is read by one process per node. Results are printed as lines ``JRB <json>``: one per
 (contender, node) with that node's tx bytes, and the times measured by that process.
@@ -93,7 +94,7 @@ def run_jax(args) -> int:
     picks = choices(profile, [n * 4], codecs)[n * 4]
     plans.update({f"jaxring auto {c}": picks[c] for c in codecs})
     contenders += [(f"jaxring auto {c}", "auto", c) for c in codecs]
-  ref = None
+  ref, ready = None, []
   for label, kind, codec_name in contenders:
     try:
       f = reducer(kind, codec_name)
@@ -109,23 +110,37 @@ def run_jax(args) -> int:
       del y, got
       for _ in range(max(0, args.warmup - 1)):
         jax.block_until_ready(f(x))
-      jaxring.distributed.barrier(f"pre-{label}", timeout_s=300)
-      b0 = tx_bytes(iface)
-      times = []
-      for _ in range(args.reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t)
-      b1 = tx_bytes(iface)
-      jaxring.distributed.barrier(f"post-{label}", timeout_s=300)
-      emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
-           tx_per_call=(b1 - b0) / args.reps, first_call_s=compile_s, head=first,
-           rel_err=rel_err, plan=plans.get(label))
-    except Exception as exc:  # noqa: BLE001 - report and go on with the next contender
+      ready.append((label, lambda f=f: jax.block_until_ready(f(x)),
+                    dict(first_call_s=compile_s, head=first, rel_err=rel_err,
+                         plan=plans.get(label))))
+    except Exception as exc:  # noqa: BLE001 - report, then stop: the others would wait for us
       emit(contender=label, node=me, rank=me, error=f"{type(exc).__name__}: {str(exc)[:500]}")
       raise
+  barrier = lambda name: jaxring.distributed.barrier(name, timeout_s=300)
+  for label, times, tx, extra in time_rounds(ready, args, barrier, iface):
+    emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
+         tx_per_call=tx, **extra)
   jaxring.distributed.barrier("done", timeout_s=120)
   return 0
+
+
+def time_rounds(ready, args, barrier, iface):
+  """Times every contender once per round, ``--reps`` rounds, so that all of them see the same
+  machine: load that comes and goes (the 2 cores are shared) spreads over every contender instead
+  of falling on whichever ran then, and ``auto`` is compared with its rivals under equal terms.
+  Yields (label, times, tx bytes per call, extra) per contender, in the order given."""
+  times = {label: [] for label, _, _ in ready}
+  tx = dict.fromkeys(times, 0)
+  for r in range(args.reps):
+    for k, (label, call, _) in enumerate(ready):
+      barrier(f"r{r}-{k}")
+      b0 = tx_bytes(iface)
+      t = time.perf_counter()
+      call()
+      times[label].append(time.perf_counter() - t)
+      tx[label] += tx_bytes(iface) - b0
+  for label, _, extra in ready:
+    yield label, times[label], tx[label] / args.reps, extra
 
 
 def run_mpi(args) -> int:
@@ -137,40 +152,38 @@ def run_mpi(args) -> int:
   n = args.mib * (1 << 20) // 4
   send = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)
   recv = np.empty_like(send)
-  _time_mpi("MPICH MPI_Allreduce", lambda: comm.Allreduce(send, recv, op=MPI.SUM), args, comm,
-            iface, node, head=lambda: recv[:4].tolist())
+  mpich = ("MPICH MPI_Allreduce", lambda: comm.Allreduce(send, recv, op=MPI.SUM),
+           dict(head=lambda: recv[:4].tolist()))
+  comm.Allreduce(send, recv, op=MPI.SUM)
+  ready = [mpich]
   if args.codecs:
-    _run_jaxring_mpi(args, comm, send, recv.astype(np.float64), iface, node)
+    ready += _jaxring_mpi(args, comm, send, recv.astype(np.float64))
+  _time_mpi(ready, args, comm, iface, node)
   comm.Barrier()
   return 0
 
 
-def _time_mpi(label, call, args, comm, iface, node, head, rel_err=None, plan=None) -> None:
-  for _ in range(args.warmup):
-    call()
-  comm.Barrier()
-  b0 = tx_bytes(iface)
-  times = []
-  for _ in range(args.reps):
-    comm.Barrier()
-    t = time.perf_counter()
-    call()
-    times.append(time.perf_counter() - t)
-  comm.Barrier()
-  b1 = tx_bytes(iface)
+def _time_mpi(ready, args, comm, iface, node) -> None:
+  """Times the contenders ``(label, call, extra)`` in rounds (:func:`time_rounds`); one rank per
+  node reports its node's link bytes."""
+  for _, call, _ in ready:
+    for _ in range(args.warmup):
+      call()
   # the Barriers between calls add a few hundred bytes; negligible next to 32 MiB
-  if comm.Get_rank() % args.procs_per_node == 0:
-    emit(contender=label, node=node, rank=comm.Get_rank(), times=times,
-         median=statistics.median(times), tx_per_call=(b1 - b0) / args.reps,
-         size=comm.Get_size(), head=head(), rel_err=rel_err, plan=plan)
+  for label, times, tx, extra in time_rounds(ready, args, lambda name: comm.Barrier(), iface):
+    if comm.Get_rank() % args.procs_per_node == 0:
+      emit(contender=label, node=node, rank=comm.Get_rank(), times=times,
+           median=statistics.median(times), tx_per_call=tx, size=comm.Get_size(),
+           **{k: (v() if callable(v) else v) for k, v in extra.items()})
 
 
-def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
+def _jaxring_mpi(args, comm, send, ref) -> list:
   """jaxring's hierarchical all-reduce over the MPI transport, one rank per device, checked against
   MPICH's result ``ref``; then the inter-node step alone: the ring over the node level on the
   1/local share each rank holds after the local reduce-scatter, every rank of a node at once (the
   node's link carries what it carries inside the hierarchical all-reduce). The namespaces share
-  one hostname, so the levels are given: ranks of a node are consecutive."""
+  one hostname, so the levels are given: ranks of a node are consecutive. Returns the contenders
+  ``(label, call, extra)``, compiled and checked, for :func:`_time_mpi`."""
   import jax
 
   import jaxring
@@ -194,6 +207,7 @@ def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
            profile=json.loads(profile.to_json()))
     plans = choices(profile, [send.nbytes], codecs)[send.nbytes]
   runs = [("hierarchical", c) for c in codecs] + [("auto", c) for c in codecs if args.auto]
+  ready = []
   for algorithm, codec_name in runs:
     codec = jaxring.codecs.parse(codec_name)
     comp = None if codec is None else {"node": codec}
@@ -201,17 +215,17 @@ def _run_jaxring_mpi(args, comm, send, ref, iface, node) -> None:
                                                                compression=comp))
     got = np.asarray(f(x), np.float64)  # every rank: the call is collective
     rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-    _time_mpi(f"jaxring {algorithm} {codec_name} (MPI transport)",
-              lambda f=f: jax.block_until_ready(f(x)), args, comm, iface, node,
-              head=lambda got=got: got[:4].tolist(), rel_err=rel,
-              plan=plans.get(codec_name) if algorithm == "auto" else None)
-  for codec_name in args.codecs.split(","):
+    ready.append((f"jaxring {algorithm} {codec_name} (MPI transport)",
+                  lambda f=f: jax.block_until_ready(f(x)),
+                  dict(head=got[:4].tolist(), rel_err=rel,
+                       plan=plans.get(codec_name) if algorithm == "auto" else None)))
+  for codec_name in codecs:
     g = jax.jit(lambda v, c=jaxring.codecs.parse(codec_name): jaxring.psum(
         v, "node", algorithm="ring", compression=c))
     jax.block_until_ready(g(shard))
-    _time_mpi(f"jaxring node-ring {codec_name} (inter-node step alone, MPI transport)",
-              lambda g=g: jax.block_until_ready(g(shard)), args, comm, iface, node,
-              head=lambda: [])
+    ready.append((f"jaxring node-ring {codec_name} (inter-node step alone, MPI transport)",
+                  lambda g=g: jax.block_until_ready(g(shard)), dict(head=[])))
+  return ready
 
 
 def main(argv=None) -> int:
