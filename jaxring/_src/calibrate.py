@@ -151,6 +151,13 @@ def _time(fn, x, reps: int, warmup: int) -> float:
   return float(np.median(times))
 
 
+def _reps(nbytes: int, reps: int) -> int:
+  """Calls timed at a size: three times ``reps`` below 4 MiB, where a call costs tens of ms and
+  varies by 2x on the emulated cluster's shared cores, and its median needs more of them. The
+  same on every process (the calls are collective)."""
+  return reps if nbytes >= 4 << 20 else 3 * reps
+
+
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
               sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] = DEFAULT_CODECS,
               reps: int = 3, warmup: int = 1, reuse: bool = True, save: bool = True,
@@ -166,7 +173,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     sizes: bytes per device to time each plan at (at least two; costs between and beyond them
       are interpolated, ``cost_model.Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
-    reps, warmup: timed and untimed calls per point (the median is kept).
+    reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
+      below 4 MiB).
     reuse: return the cached profile of these axes if every process has the same one.
     save: write the profile to the cache, where ``auto`` finds it.
     log: a callable receiving one line per measured plan (e.g. ``print``).
@@ -201,14 +209,15 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     codec_names = planner.codec_key(
         [planner.codec_for(comp, g.name, jnp.float32) for g in target.groups])
     fn = target.program(algorithm, comp)
-    seconds = [_time(fn, inputs[nbytes], reps, warmup) for nbytes in sizes]
+    seconds = [_time(fn, inputs[nbytes], _reps(nbytes, reps), warmup) for nbytes in sizes]
     seconds = [float(t) for t in target.broadcast(np.asarray(seconds, np.float64))]
     fits.append(cost_model.Fit.from_points(algorithm, codec_names, sizes, seconds))
     if log is not None:
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
           f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, seconds)))
   del inputs
-  meta = {"statistic": f"median of {reps} calls after {warmup} warm-up, process 0's",
+  meta = {"statistic": f"median of {reps} calls ({3 * reps} below 4 MiB) after {warmup} warm-up, "
+                       "process 0's",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),
