@@ -9,9 +9,9 @@ rows, one per replica, adds this replica's error-feedback residual, and reduce-s
 collective, the gradients' codec, per-hop requantization on the ring): each replica gets the mean
 of its own block, and the error its encodings made as the residual's cotangent.
 
-With ``shard="params"`` the gathered leaves are named :data:`GATHERED` and the loss is
-rematerialized with a policy that saves everything except them: the backward pass gathers each
-bucket again instead of keeping every layer's full parameters alive between the two passes.
+With ``shard="params"`` the loss is rematerialized with :func:`regather_policy`, which saves
+everything except the exact all-gathers: the backward pass gathers those parameters again instead
+of keeping every layer's full parameters alive between the two passes.
 
 Each bucket's rows carry one extra column, the token (see grad.py): the previous bucket's
 reduced token, so that XLA neither merges the reduce-scatters nor reorders them.
@@ -26,15 +26,38 @@ from jax import lax
 
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
+from jaxring._src.collectives import is_lossy
 from jaxring._src.train.sharding import from_rows, to_rows
+from jaxring._src.transport.groups import axis_arg
 
-GATHERED = "jaxring_gathered_params"
+
+def regather_policy(axes: tuple):
+  """A ``jax.checkpoint`` policy saving everything but the exact all-gathers over ``axes``: the
+  backward pass gathers those parameters again instead of keeping them from the forward pass."""
+  names = set(axes)
+
+  def policy(prim, *_, **params):
+    if prim.name != "all_gather":
+      return True
+    axis = params.get("axis_name")
+    return set(axis if isinstance(axis, tuple) else (axis,)) != names
+
+  return policy
 
 
 def gather_leaves(blocks: Sequence, dims: Sequence[int], shapes: Sequence, axes: tuple,
                   algorithm, compression) -> list:
-  """The full leaves of ``shapes`` from every replica's blocks (split along ``dims``), in one
-  all-gather. The blocks' dtype travels (f32 master weights: the codec decides the wire)."""
+  """The full leaves of ``shapes`` from every replica's blocks (split along ``dims``).
+
+  Exactly (no codec): one native all-gather per leaf, straight into the leaf's layout, so that
+  the all-gather's output *is* the full leaf and :func:`regather_policy` can leave it out of
+  what the backward pass keeps (XLA combines the per-leaf gathers; gloo's and NCCL's all-gather
+  are bandwidth-optimal rings already). With a codec: one all-gather of the bucket, by the
+  step's algorithm, in the codec's wire format (the blocks' dtype is what is encoded: f32
+  master weights stay f32 on their owner); the decoded leaves are kept for the backward pass.
+  """
+  if not is_lossy(compression):
+    return [lax.all_gather(b, axis_arg(axes), axis=d, tiled=True) for b, d in zip(blocks, dims)]
   p = engine.bind(axes, "all_gather").size
   dtype = jnp.result_type(*blocks)
   flat = jnp.concatenate([jnp.ravel(b).astype(dtype) for b in blocks])

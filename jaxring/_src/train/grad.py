@@ -25,7 +25,6 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
@@ -33,7 +32,7 @@ from jaxring._src.collectives import is_lossy
 from jaxring._src.error_feedback import next_residual
 from jaxring._src.optim.momentum import corrected_mean
 from jaxring._src.train.buckets import Bucket, make_buckets, use_order
-from jaxring._src.train.fsdp import GATHERED, sharded_identity
+from jaxring._src.train.fsdp import regather_policy, sharded_identity
 from jaxring._src.train.precision import Policy
 
 
@@ -242,8 +241,6 @@ def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_
                                tuple(shard.shapes[i] for i in b.indices), check)
       full = None if shard.full is None else tuple(shard.full[i] for i in b.indices)
       out, tok = ident(blocks, full, res, tok, inv_scale, flag)
-      if shard.remat:
-        out = tuple(checkpoint_name(x, GATHERED) for x in out)
     else:
       out, tok = _bucket_identity(cfg, check)(blocks, res, tok, inv_scale, flag)
     for i, x in zip(b.indices, out):
@@ -316,8 +313,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     return objective, (loss, aux)
 
   if shard is not None and shard.remat:
-    inner = jax.checkpoint(
-        inner, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
+    inner = jax.checkpoint(inner, policy=regather_policy(cfg.axes))
 
   flags = [jnp.zeros((), jnp.float32) for _ in buckets] if check else None
   (_, (loss, aux)), (g_leaves, g_res, g_flags) = jax.value_and_grad(

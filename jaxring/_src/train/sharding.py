@@ -278,9 +278,10 @@ def memory_report(state, residuals, compiled) -> dict:
          "residuals": bytes_per_device(residuals)}
   stats = compiled.memory_analysis()
   if stats is not None:
-    for key in ("argument", "output", "temp", "alias", "generated_code"):
+    for key in ("argument", "output", "temp", "alias"):
       out[f"step_{key}"] = int(getattr(stats, f"{key}_size_in_bytes", 0) or 0)
-    peak = getattr(stats, "peak_memory_in_bytes", 0) or 0
-    out["step_peak"] = int(peak) or (out["step_argument"] + out["step_output"] + out["step_temp"]
-                                     - out["step_alias"])
+    # what one device holds at most during the step: inputs, outputs not aliased to them, and
+    # XLA's temporary buffers (XLA:CPU's own peak_memory_in_bytes leaves the temporaries out)
+    out["step_peak"] = (out["step_argument"] + out["step_output"] - out["step_alias"]
+                        + out["step_temp"])
   return out

@@ -1,0 +1,287 @@
+"""train_step(shard="optimizer"|"params"): ZeRO-1/2 and FSDP equal the replicated step, split the
+state, carry error feedback exactly, checkpoint sharded and refuse what they cannot do."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from jax.sharding import Mesh
+
+import jaxring
+import jaxring.train as jt
+
+BATCH = 32
+
+
+class CNN(nn.Module):
+  """Conv + BatchNorm + a 10-way head: split kernels, split (8,) and (16,), whole (10,) leaves."""
+
+  @nn.compact
+  def __call__(self, x, train=True):
+    for width in (8, 16):
+      x = nn.Conv(width, (3, 3), use_bias=False)(x)  # (a bias before BatchNorm has no gradient)
+      x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+      x = nn.relu(x)
+    return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(64)(x))
+    x = nn.relu(nn.Dense(32)(x))
+    return nn.Dense(8)(x)
+
+
+def _data(steps, shape=(8, 8, 3), classes=10, seed=0):
+  """Batches of a learnable task: the label is the argmax of a fixed linear map of the input."""
+  rng = np.random.RandomState(seed)
+  w = rng.randn(int(np.prod(shape)), classes)
+  out = []
+  for _ in range(steps):
+    x = rng.randn(BATCH, *shape).astype(np.float32)
+    out.append({"x": x, "y": np.argmax(x.reshape(BATCH, -1) @ w, axis=1).astype(np.int32)})
+  return out
+
+
+def _cnn_state(tx):
+  model = CNN()
+  v = model.init(jax.random.PRNGKey(0), jnp.zeros((2, 8, 8, 3)), train=False)
+  return jt.TrainState.create(apply_fn=model.apply, params=v["params"],
+                              batch_stats=v["batch_stats"], tx=tx)
+
+
+def _mlp_state(tx, width_in=16):
+  model = MLP()
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, width_in)))["params"]
+  return jt.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def _cnn_step(**kw):
+  @jt.train_step(**kw)
+  def step(state, batch):
+    def loss_fn(params):
+      logits, upd = state.apply_fn(state.variables(params), batch["x"], mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+      return loss, upd["batch_stats"]
+    (loss, stats), grads = jt.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss}
+  return step
+
+
+def _mlp_step(**kw):
+  @jt.train_step(**kw)
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+  return step
+
+
+def _run(step, state, batches):
+  with jax.numpy_dtype_promotion("standard"):  # optax's Adam bias correction: float ** int32
+    for b in batches:
+      state, metrics = step(state, b)
+  return state, metrics
+
+
+def _assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+TXS = {"sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+       "adamw": lambda: optax.adamw(3e-3, weight_decay=1e-2)}
+
+
+@pytest.mark.parametrize("tx", sorted(TXS))
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_sharded_step_equals_the_replicated_step_after_10_steps(shard, tx):
+  batches = _data(10)
+  want, _ = _run(_cnn_step(), _cnn_state(TXS[tx]()), batches)
+  got, metrics = _run(_cnn_step(shard=shard), _cnn_state(TXS[tx]()), batches)
+  _assert_trees_close(got.params, want.params)
+  _assert_trees_close(got.opt_state, want.opt_state)
+  _assert_trees_close(got.batch_stats, want.batch_stats)
+  assert np.isfinite(float(metrics["loss"]))
+  # the state is split as documented: every leaf with a dimension 8 divides, along its largest
+  kernel = got.params["Conv_1"]["kernel"]  # (3, 3, 8, 16): the 16
+  split = jax.sharding.PartitionSpec(None, None, None, "data")
+  assert kernel.shape == (3, 3, 8, 16)
+  assert kernel.sharding.spec == (split if shard == "params" else jax.sharding.PartitionSpec())
+  assert got.params["Dense_0"]["bias"].sharding.spec == jax.sharding.PartitionSpec()  # (10,)
+  mu = jax.tree.leaves(got.opt_state)
+  assert any(getattr(m, "sharding", None) is not None and "data" in str(m.sharding.spec)
+             for m in mu)
+
+
+def test_optimizer_mode_keeps_parameters_replicated():
+  got, _ = _run(_cnn_step(shard="optimizer"), _cnn_state(optax.adam(1e-3)), _data(1))
+  assert all(x.sharding.spec == jax.sharding.PartitionSpec()
+             for x in jax.tree.leaves(got.params))
+
+
+def test_hierarchical_mesh_with_a_ring_per_level_equals_the_replicated_step():
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
+  batches = _data(5)
+  want, _ = _run(_cnn_step(), _cnn_state(optax.sgd(0.05, momentum=0.9)), batches)
+  got, _ = _run(_cnn_step(mesh=mesh, axis_name=("node", "local"), shard="params",
+                          algorithm="hierarchical"), _cnn_state(optax.sgd(0.05, momentum=0.9)),
+                batches)
+  _assert_trees_close(got.params, want.params)
+  assert "node" in str(got.params["Conv_1"]["kernel"].sharding.spec)
+
+
+def _per_replica_grads(state, batch, p):
+  """float64 NumPy sums of each replica's own gradient (on its slice of the batch)."""
+  def loss_fn(params, x, y):
+    logits = state.apply_fn({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  params = jax.device_get(state.params)
+  n = BATCH // p
+  per = [jax.grad(loss_fn)(params, batch["x"][i * n:(i + 1) * n], batch["y"][i * n:(i + 1) * n])
+         for i in range(p)]
+  return jax.tree.map(lambda *g: np.sum([np.asarray(x, np.float64) for x in g], axis=0), *per)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_error_feedback_of_the_compressed_reduce_scatter_loses_nothing(algorithm):
+  """With SGD(lr=1): p * (-update) + the sum of every replica's new residual equals the sum of
+  the replicas' gradients, leaf by leaf (nothing lost, nothing counted twice)."""
+  p = len(jax.devices())
+  kw = dict(shard="params", algorithm=algorithm,
+            compression={"grads": jaxring.codecs.int8(block_size=32)})
+  if algorithm == "hierarchical":
+    kw.update(mesh=Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local")),
+              axis_name=("node", "local"))
+  step = _mlp_step(**kw)
+  state = _mlp_state(optax.sgd(1.0))
+  batch = _data(1, shape=(16,), classes=8)[0]
+  before = jax.device_get(state.params)
+  want = _per_replica_grads(state, batch, p)
+  after, _ = step(state, batch)
+  residuals = jax.device_get(after.residuals.tree)
+  lost = 0.0
+  for path, g in jax.tree_util.tree_flatten_with_path(want)[0]:
+    old = np.asarray(_at(before, path), np.float64)
+    new = np.asarray(_at(jax.device_get(after.params), path), np.float64)
+    r = np.asarray(_at(residuals, path), np.float64)
+    assert r.shape == (p,) + old.shape  # one full-shaped residual per replica
+    np.testing.assert_allclose(p * (old - new) + r.sum(0), g, atol=2e-5, rtol=1e-5)
+    lost = max(lost, np.abs(r).max())
+  assert lost > 1e-6  # int8 did lose something, which the residuals hold
+
+
+def _at(tree, path):
+  for k in path:
+    tree = tree[k.key]
+  return tree
+
+
+def test_compressed_parameters_and_gradients_train_like_uncompressed():
+  batches = _data(30, shape=(16,), classes=8)
+  plain, m_plain = _run(_mlp_step(shard="params"), _mlp_state(optax.sgd(0.1, momentum=0.9)),
+                        batches)
+  both = {"params": jaxring.codecs.int8(), "grads": jaxring.codecs.int8()}
+  comp, m_comp = _run(_mlp_step(shard="params", algorithm="ring", compression=both),
+                      _mlp_state(optax.sgd(0.1, momentum=0.9)), batches)
+  first = float(_mlp_step(shard="params")(_mlp_state(optax.sgd(0.0)), batches[0])[1]["loss"])
+  assert float(m_comp["loss"]) < 0.8 * first
+  assert abs(float(m_comp["loss"]) - float(m_plain["loss"])) < 0.05 * float(m_plain["loss"])
+  # the weights that travel quantized are not the master weights: those stay f32 and exact
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(comp.params))
+
+
+def test_state_per_device_is_one_pth_of_the_replicated_state():
+  p = len(jax.devices())
+  batch = _data(1, shape=(16,), classes=8)[0]
+  sizes = {}
+  for shard in ("none", "optimizer", "params"):
+    with jax.numpy_dtype_promotion("standard"):
+      sizes[shard] = _mlp_step(shard=shard).memory(_mlp_state(optax.adam(1e-3)), batch)
+  full = sizes["none"]
+  assert sizes["optimizer"]["opt_state"] <= (1 / p + 0.05) * full["opt_state"]
+  assert sizes["optimizer"]["params"] == full["params"]
+  persistent = sizes["params"]["params"] + sizes["params"]["opt_state"]
+  assert persistent <= (1 / p + 0.10) * (full["params"] + full["opt_state"])
+  assert all(sizes[s]["step_peak"] > 0 for s in sizes)
+
+
+def test_an_optimizer_that_reduces_over_leaves_is_refused_naming_it():
+  tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
+  step = _mlp_step(shard="params")
+  with pytest.raises(ValueError, match="clip_by_global_norm.*shard='none'"):
+    step(_mlp_state(tx), _data(1, shape=(16,), classes=8)[0])
+
+
+def test_bad_arguments_are_named():
+  with pytest.raises(ValueError, match="shard must be one of"):
+    jt.train_step(shard="zero3")
+  with pytest.raises(ValueError, match="compression\\['params'\\]"):
+    jt.train_step(shard="optimizer", compression={"params": jaxring.codecs.int8()})
+  with pytest.raises(ValueError, match="compression\\['params'\\]"):
+    jt.train_step(compression={"params": jaxring.codecs.int8()})
+  with pytest.raises(TypeError, match="compression must be"):
+    jt.train_step(shard="params", compression={"grads": "int8"})
+  with pytest.raises(ValueError, match="momentum"):
+    jt.train_step(shard="params", momentum=0.9)
+
+
+def test_differentiating_something_else_than_the_params_is_refused():
+  @jt.train_step(shard="params")
+  def step(state, batch):
+    def loss_fn(tree):
+      logits = state.apply_fn({"params": tree["p"]}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jt.value_and_grad(loss_fn)({"p": state.params})
+    return state.apply_gradients(grads=grads["p"]), {"loss": loss}
+  with pytest.raises(ValueError, match="with respect to state.params"):
+    step(_mlp_state(optax.sgd(0.1)), _data(1, shape=(16,), classes=8)[0])
+
+
+def test_the_backward_pass_gathers_again_the_parameters_it_needs():
+  """Rematerialization: with shard="params" the lowered program all-gathers each of the MLP's six
+  split leaves for the forward pass and, in the backward pass, again the two kernels that
+  backpropagation through a later layer reads (Dense_1's and Dense_2's; Dense_0's input needs no
+  gradient, a bias is never read back). shard="optimizer" gathers only after the update."""
+  batch = _data(1, shape=(16,), classes=8)[0]
+  counts = {}
+  for shard in ("params", "optimizer"):
+    step = _mlp_step(shard=shard)
+    counts[shard] = step.lower(_mlp_state(optax.sgd(0.1)), batch).as_text().count(
+        "stablehlo.all_gather\"")
+  assert counts["params"] == 6 + 2
+  assert counts["optimizer"] == 6  # each updated block, once, after the update
+
+
+def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_devices(tmp_path):
+  step = _mlp_step(shard="params", algorithm="ring",
+                   compression={"grads": jaxring.codecs.int8(block_size=32)})
+  batches = _data(5, shape=(16,), classes=8)
+  state, _ = _run(step, _mlp_state(optax.adam(1e-2)), batches[:3])
+  with jt.Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(state, step=3)
+    ckpt.wait_until_finished()
+  saved = jax.device_get((state.params, state.opt_state))
+  straight, _ = _run(step, state, batches[3:])  # (donates state)
+  with jt.Checkpointer(tmp_path / "ckpt") as ckpt, jax.numpy_dtype_promotion("standard"):
+    restored, _ = ckpt.restore(step.prepare(_mlp_state(optax.adam(1e-2))))
+  assert "data" in str(restored.params["Dense_0"]["kernel"].sharding.spec)
+  resumed, _ = _run(step, restored, batches[3:])
+  for a, b in zip(jax.tree.leaves((straight.params, straight.opt_state, straight.residuals)),
+                  jax.tree.leaves((resumed.params, resumed.opt_state, resumed.residuals))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  # the same checkpoint's parameters and optimizer state on a 4-device mesh (no residuals)
+  small = Mesh(np.asarray(jax.devices()[:4]), ("data",))
+  step4 = _mlp_step(mesh=small, shard="params")
+  with jt.Checkpointer(tmp_path / "ckpt") as ckpt, jax.numpy_dtype_promotion("standard"):
+    on4, _ = ckpt.restore(step4.prepare(_mlp_state(optax.adam(1e-2))))
+  assert on4.params["Dense_0"]["kernel"].sharding.mesh.devices.size == 4
+  _assert_trees_close((on4.params, on4.opt_state), saved, rtol=0, atol=0)
+  _run(step4, on4, batches[3:4])  # and it trains there
