@@ -304,11 +304,14 @@ def test_lamb_uncompressed_is_optax_lamb_on_the_mean_gradient():
     np.testing.assert_allclose(member, np.asarray(w), rtol=2e-5, atol=2e-6)
 
 
-def test_lamb_over_topk_is_compressed_adam_and_a_frozen_trust_ratio():
+def test_lamb_over_topk_is_refused_with_the_supported_line():
   topk = codecs.topk_chunks(0.01)
-  state = jax.eval_shape(jaxring.compressed_optimizer("lamb", 1e-2, "d", compression=topk).init,
-                         {"w": jnp.zeros(64)})
-  names = [type(s).__name__ for s in state]
-  assert names[0] == "CompressedAdamState" and "TrustRatioState" in names
-  with pytest.raises(ValueError, match="plain_sgd_after"):   # what people write: refused
+  with pytest.raises(ValueError, match=r"compression=jr.codecs.int8\(\)"):
+    jaxring.compressed_optimizer("lamb", 1e-2, "d", compression=topk)
+  with pytest.raises(ValueError, match="plain_sgd_after"):   # what people write: refused too
     optax.chain(jaxring.reduce_gradients("d", compression=topk), optax.lamb(1e-2))
+  state = jax.eval_shape(jaxring.compressed_optimizer("lamb", 1e-2, "d",
+                                                      compression=codecs.int8()).init,
+                         {"w": jnp.zeros(64)})
+  assert "ScaleByAdamState" in {type(s).__name__ for s in jax.tree.leaves(
+      state, is_leaf=lambda s: isinstance(s, tuple) and hasattr(s, "_fields"))}

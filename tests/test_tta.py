@@ -1,0 +1,84 @@
+"""``jaxring bench tta``'s pieces that decide its figures: the contenders train the same thing, each
+member sees the convergence benchmark's batches, and time to target is read off the curve."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxring.train as jt
+from jaxring._src.tools.bench import convergence, tta
+
+
+def test_time_to_target_is_the_first_evaluation_at_or_above_it():
+  curve = [(0.0, 1, 6.0), (9.5, 100, 59.9), (19.0, 200, 60.0), (30.0, 300, 58.0)]
+  assert tta.time_to_target(curve, 60.0) == (19.0, 200)
+  assert tta.time_to_target(curve, 61.0) == (None, None)
+
+
+def test_rows_speedups_and_bytes_per_step():
+  recs = [{"contender": tta.BASE, "node": n, "curve": [(0.0, 1, 6.0), (40.0, 201, 61.0)],
+           "tx_per_step": 2 << 20} for n in (0, 1)]
+  recs += [{"contender": tta.INT8, "node": n, "curve": [(0.0, 1, 6.0), (10.0, 201, 62.0)],
+            "tx_per_step": (n + 1) << 19} for n in (0, 1)]
+  rows = {r["contender"]: r for r in tta.rows_of(recs, 60.0)}
+  assert rows[tta.INT8]["speedup_vs_none"] == pytest.approx(4.0)
+  assert rows[tta.INT8]["tx_mib_per_step"] == pytest.approx(0.75)   # mean over nodes
+  assert rows[tta.BASE]["s_per_step"] == pytest.approx(40.0 / 200)  # the first step is untimed
+  assert rows[tta.INT8]["final_accuracy"] == 62.0
+
+
+def test_each_member_walks_its_shard_as_the_convergence_benchmark_does():
+  x = np.arange(8 * 64, dtype=np.float32).reshape(8 * 64, 1, 1, 1)
+  y = np.arange(8 * 64, dtype=np.int32)
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+  batches = tta.Batches(x, y, 8, 16, [2, 3], NamedSharding(mesh, P("data")))
+  for t in (0, 1, 5):   # member m, step t: its shard's images (t mod 4) * 16 ... + 16
+    i = (t % 4) * 16
+    want = np.concatenate([np.arange(m * 64 + i, m * 64 + i + 16) for m in (2, 3)])
+    np.testing.assert_array_equal(batches.local(t)["y"], want)
+    np.testing.assert_array_equal(batches.local(t)["x"].ravel(), want)
+
+
+@pytest.mark.slow   # compiles the ResNet's step three times (~30 s on 2 cores)
+def test_hand_written_and_train_step_take_momentum_sgds_step_on_the_global_batch():
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+  params = convergence.init_resnet(jax.random.key(1))
+  params = jax.tree.map(lambda p: p + 0.01 * jax.random.normal(jax.random.key(2), p.shape),
+                        params)   # the zero-initialized convolutions get gradients too
+  rng = np.random.RandomState(0)
+  batch = {"x": rng.rand(32, 16, 16, 3).astype(np.float32),
+           "y": rng.randint(0, 16, 32).astype(np.int32)}
+  # float64 reference: two momentum SGD steps on the mean gradient of the whole batch
+  with jax.enable_x64():
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    b64 = {"x": batch["x"].astype(np.float64), "y": batch["y"]}
+    grad = jax.jit(jax.grad(lambda p: tta._loss(p, b64)))
+    v = jax.tree.map(np.zeros_like, p64)
+    for _ in range(2):
+      v = jax.tree.map(lambda v, g: 0.9 * v + np.asarray(g), v, grad(p64))
+      p64 = jax.tree.map(lambda p, v: p - 0.1 * v, p64, v)
+  steps = tta.contenders(mesh, 0.1, 1 << 20, 16)
+  sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  for name in (tta.HAND, tta.BASE):
+    step, tx = steps[name]
+    state = jt.TrainState.create(apply_fn=None, params=jax.tree.map(jnp.copy, params), tx=tx)
+    state = (step.prepare(state) if hasattr(step, "prepare")
+             else jax.device_put(state, NamedSharding(mesh, P())))
+    for _ in range(2):
+      state, _ = step(state, sharded)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(p64)):
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_contenders_are_the_four_of_the_issue():
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+  steps = tta.contenders(mesh, 0.1, 1 << 20, 16)
+  assert list(steps) == [tta.HAND, tta.BASE, tta.INT8, tta.TOPK]
+  # top-k runs the momentum inside the reduction: its optimizer has no momentum of its own
+  state = jax.eval_shape(steps[tta.TOPK][1].init, {"w": jnp.zeros(64)})
+  assert not any(np.shape(leaf) == (64,) for leaf in jax.tree.leaves(state))
+  assert any(np.shape(leaf) == (64,) for leaf in jax.tree.leaves(
+      optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(64)})))
