@@ -93,7 +93,10 @@ def run_jax(args) -> int:
     from jaxring._src.calibrate import choices
     picks = choices(profile, [n * 4], codecs)[n * 4]
     plans.update({f"jaxring auto {c}": picks[c] for c in codecs})
+    plans.update({f"jaxring auto {c} (check_vma=False)": picks[c] for c in codecs})
     contenders += [(f"jaxring auto {c}", "auto", c) for c in codecs]
+    contenders += [(f"jaxring auto {c} (check_vma=False)", "auto/check_vma=False", c)
+                   for c in codecs]
   ref, ready = None, []
   for label, kind, codec_name in contenders:
     try:
