@@ -208,13 +208,14 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   for algorithm, comp in _candidates(target.groups, codecs):
     codec_names = planner.codec_key(
         [planner.codec_for(comp, g.name, jnp.float32) for g in target.groups])
-    fn = target.program(algorithm, comp)
+    fn, t_plan = target.program(algorithm, comp), time.perf_counter()
     seconds = [_time(fn, inputs[nbytes], _reps(nbytes, reps), warmup) for nbytes in sizes]
     seconds = [float(t) for t in target.broadcast(np.asarray(seconds, np.float64))]
     fits.append(cost_model.Fit.from_points(algorithm, codec_names, sizes, seconds))
     if log is not None:
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
-          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, seconds)))
+          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, seconds))
+          + f"   ({time.perf_counter() - t_plan:.1f} s with compiling)")
   del inputs
   meta = {"statistic": f"median of {reps} calls ({3 * reps} below 4 MiB) after {warmup} warm-up, "
                        "process 0's",
