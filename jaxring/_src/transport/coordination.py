@@ -193,7 +193,7 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
     if silent := watchdog.silent():
       lines.append(watchdog.describe(silent))
       break
-    if others <= set(heartbeats.states):
+    if others <= set(heartbeats.states) | heartbeats.exited:
       break
     time.sleep(watchdog.interval)
   lines += [f"process {p} failed: {msg}" for p, msg in sorted(heartbeats.failed().items())

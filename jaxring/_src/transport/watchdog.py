@@ -164,7 +164,13 @@ class Watchdog:
               f"{now - self.failing_since:.1f} s: {first}")
     self.failing_since = None
     silent = self.silent()
-    return self.describe(silent) if silent else self.stuck()
+    if silent:
+      return self.describe(silent)
+    failed = {p: m for p, m in getattr(self.heartbeats, "failed", dict)().items() if p != self.me}
+    if failed:   # the job cannot go on: say so here too rather than wait in a collective
+      return "; ".join(f"{self.noun} {p} of {self.n}{self.names.get(p, '')} failed: {m.strip()}"
+                       for p, m in sorted(failed.items()))
+    return self.stuck()
 
   def stuck(self) -> str | None:
     """A live peer that never launched a collective this process waits in, or this process

@@ -306,3 +306,57 @@ def describe(name: str = DEFAULT_NAME) -> str:
     lines.append(f"  {ns}: {NODE_INTERFACE} {state.address(node)}/{state.prefix_length}, "
                  f"{traffic}; {qdisc.splitlines()[0] if qdisc else 'no qdisc'}")
   return "\n".join(lines)
+
+
+def loss_unsupported() -> str | None:
+  """Why random packet loss cannot be emulated here, or None.
+
+  ``tc netem`` is the usual tool; kernels built without it (this project's machines: only
+  ``tbf``) still drop at random with iptables' ``statistic`` match inside a node's namespace.
+  """
+  if shutil.which("iptables") is None:
+    return "iptables is not installed (apt-get install iptables)"
+  probe = sh("iptables", "-m", "statistic", "--help", check=False)
+  if probe.returncode != 0 or "--probability" not in probe.stdout:
+    return "iptables has no statistic match"
+  return None
+
+
+def set_loss(name: str, node: int, percent: float) -> None:
+  """Drops ``percent`` % of the packets node ``node`` sends and receives, at random (0: none).
+
+  The rules live in the node's own namespace (created by :func:`up`), which goes with ``down``.
+
+  Example:
+    >>> set_loss("jr0", 1, 5.0)  # doctest: +SKIP
+  """
+  state = load_state(name)
+  if state is None or not 0 <= node < state.nodes:
+    raise ClusterError(f"cluster {name!r} is not up or has no node {node}")
+  if not 0 <= percent <= 100:
+    raise ClusterError(f"loss must be within 0..100 %, got {percent}")
+  ns = state.node_namespace(node)
+  for chain, flag in (("INPUT", "-i"), ("OUTPUT", "-o")):
+    sh("ip", "netns", "exec", ns, "iptables", "-F", chain)
+    if percent > 0:
+      sh("ip", "netns", "exec", ns, "iptables", "-A", chain, flag, NODE_INTERFACE, "-m",
+         "statistic", "--mode", "random", "--probability", f"{percent / 100:.6f}", "-j", "DROP")
+
+
+def dropped_packets(name: str, node: int) -> int:
+  """Packets the loss rules of node ``node`` have dropped so far."""
+  state = load_state(name)
+  ns = state.node_namespace(node)
+  total = 0
+  for chain in ("INPUT", "OUTPUT"):
+    out = sh("ip", "netns", "exec", ns, "iptables", "-L", chain, "-n", "-v", "-x").stdout
+    total += sum(int(line.split()[0]) for line in out.splitlines() if " DROP " in line)
+  return total
+
+
+def set_link(name: str, node: int, up: bool) -> None:
+  """Takes node ``node``'s link down (or back up) at the bridge's end."""
+  state = load_state(name)
+  if state is None or not 0 <= node < state.nodes:
+    raise ClusterError(f"cluster {name!r} is not up or has no node {node}")
+  sh("ip", "-n", state.bridge_namespace, "link", "set", f"jrp{node}", "up" if up else "down")
