@@ -172,9 +172,15 @@ def _native_only(op: str, axes: tuple, algorithm, compression, axis_index_groups
   return engine.lax_suffices(axes, algorithm, op)
 
 
+class DimensionError(ValueError, IndexError):
+  """A dimension out of range: lax.all_gather raises ValueError, lax.psum_scatter IndexError."""
+
+
 def _canon_dim(d: int, ndim: int, what: str) -> int:
   if not -ndim <= d < ndim:
-    raise ValueError(f"{what}={d} is out of bounds for an array of rank {ndim}")
+    # lax.all_gather's wording (numpy's); lax.psum_scatter only fails with an IndexError
+    raise DimensionError(f"axis {d} is out of bounds for array of dimension {ndim} "
+                         f"({what}={d})")
   return d % ndim
 
 
@@ -189,6 +195,8 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
     Array([8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8., 8.], dtype=float32)
   """
   axes = _axes(axis_name, "psum_scatter")
+  for leaf in jax.tree_util.tree_leaves(x):   # lax itself only fails with an IndexError
+    _canon_dim(scatter_dimension, np.ndim(leaf), "scatter_dimension")
   if _native_only("psum_scatter", axes, algorithm, compression, axis_index_groups):
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                             axis_index_groups=axis_index_groups, tiled=tiled)
