@@ -30,6 +30,11 @@ PLANS = {"xla": ("xla", None), "ring": ("ring", None), "hierarchical": ("hierarc
 LOSSY = {"ring_bf16", "hier_int8", "ring_fp16"}
 
 
+def _quick_first(values, quick):
+  """``values`` as parameters, all but ``quick`` marked slow (CI runs the quick ones)."""
+  return [v if v in quick else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
 def _run(body, x, check_vma=True):
   """``body(member's block)`` on a 2 x 4 mesh; every member's result stacked on axis 0."""
   mesh = jax.make_mesh((2, 4), AXES, axis_types=(AUTO, AUTO))
@@ -92,7 +97,7 @@ SHAPES = {"scalar": (), "empty": (0,), "empty_2d": (8, 0), "one": (1,), "prime":
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("plan", _quick_first(list(PLANS), {"ring", "hier_int8"}))
 @pytest.mark.parametrize("op", ["psum", "pmean", "all_gather", "psum_scatter"])
 def test_empty_scalar_and_prime_shapes_behave_as_lax(op, plan, shape):
   ours, theirs = _ops(plan)[op]
@@ -109,7 +114,7 @@ DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfl
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("plan", ["xla", "ring", "hierarchical"])
+@pytest.mark.parametrize("plan", _quick_first(["xla", "ring", "hierarchical"], {"ring"}))
 @pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter"])
 def test_every_dtype_lax_takes_gives_lax_result_or_error(op, plan, dtype):
   ours, theirs = _ops(plan)[op]
@@ -143,7 +148,8 @@ def test_a_codec_given_a_dtype_it_does_not_compress_still_sums_exactly(codec, dt
 # --- dimensions out of range ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("plan", ["xla", "ring", "hierarchical", "hier_int8"])
+@pytest.mark.parametrize("plan", _quick_first(["xla", "ring", "hierarchical", "hier_int8"],
+                                              {"ring"}))
 @pytest.mark.parametrize("dim", [2, -3, 5])
 @pytest.mark.parametrize("op", ["all_gather", "psum_scatter"])
 def test_out_of_range_dimensions_raise_as_lax_does(op, dim, plan):
@@ -168,7 +174,7 @@ def test_a_dimension_out_of_range_is_both_of_lax_s_error_types():
          jnp.ones((8, 8, 16)))
 
 
-@pytest.mark.parametrize("plan", ["ring", "hierarchical", "hier_int8"])
+@pytest.mark.parametrize("plan", _quick_first(["ring", "hierarchical", "hier_int8"], {"ring"}))
 @pytest.mark.parametrize("n", [12, 7])
 def test_non_divisible_scatter_raises_lax_message(plan, n):
   ours, theirs = _ops(plan)["psum_scatter"]
@@ -201,7 +207,7 @@ def test_more_bad_codec_parameters_are_refused_naming_them(make, arg):
 
 
 @pytest.mark.parametrize("op", ["psum", "pmean", "all_gather", "psum_scatter"])
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
+@pytest.mark.parametrize("algorithm", _quick_first(["ring", "hierarchical", "auto"], {"ring"}))
 def test_a_compression_dict_naming_an_unknown_level_is_refused_by_every_op(op, algorithm):
   comp = {"nodes": codecs.int8()}
   fn = {"psum": lambda v: jaxring.psum(v, AXES, algorithm=algorithm, compression=comp),

@@ -108,3 +108,86 @@ def test_a_channel_that_blocks_instead_of_failing_is_named_after_the_timeout():
   a.stop()   # the blocked heartbeat holds the lock: stopping must not wait for it for good
   assert time.monotonic() - t0 < 3
   forever.set()
+
+
+# --- live peers stuck between collectives (transport/launches.py) --------------------------------
+
+
+def _launch_dog(timeout, tables, failed=None):
+  from jaxring._src.transport import launches
+  launches.reset()
+  hb = BoardHeartbeats(Board(), 0)
+  hb.launches = tables
+  if failed is not None:
+    hb.failed = lambda: failed
+  dog = Watchdog(hb, me=0, n=3, timeout=timeout,
+                 names={p: f" (pid {100 + p} on h{p})" for p in range(3)})
+  dog.beat()
+  return launches, dog
+
+
+def test_a_peer_that_never_launched_the_collective_we_wait_in_is_named():
+  launches, dog = _launch_dog(0.3, {1: {"7": 2}, 2: {"7": 1}})
+  launches._started(("7",))
+  launches._started(("7",))     # our second launch of collective #7
+  assert dog.stuck() is None    # not before the timeout
+  time.sleep(0.35)
+  problem = dog.stuck()
+  assert problem is not None and problem.startswith(
+      "collective #7 (launch 2) started here"), problem
+  assert "process 2 of 3 (pid 102 on h2) launched it 1 time(s)" in problem
+  assert "process 1" not in problem
+  launches.reset()
+
+
+def test_peers_as_far_as_us_are_never_reported_however_long_we_idle():
+  launches, dog = _launch_dog(0.2, {1: {"7": 1, "8": 1}, 2: {"7": 3, "8": 1}})
+  launches._started(("7", "8"))
+  time.sleep(0.25)
+  assert dog.stuck() is None    # a finished program, then host work: nobody is behind
+  launches.reset()
+
+
+def test_a_process_behind_its_peers_says_it_is_the_stuck_one():
+  launches, dog = _launch_dog(0.2, {1: {"3@data": 5}, 2: {"3@data": 4}})
+  for _ in range(4):
+    launches._started(("3@data",))
+  assert dog.stuck() is None    # a peer one launch ahead is normal, for a while
+  time.sleep(0.25)
+  problem = dog.stuck()
+  assert problem == ("process 0 of 3 is stuck: it has launched collective #3 over axis 'data' "
+                     "4 time(s), but process 1 of 3 (pid 101 on h1) launched it 5 time(s) and "
+                     f"has waited in it for at least {problem.split('at least ')[1][:3]} s "
+                     "(failure timeout 0.2 s)"), problem
+  launches._started(("3@data",))   # we caught up: the clock starts again
+  assert dog.stuck() is None
+  launches.reset()
+
+
+def test_a_peer_that_published_its_failure_ends_this_process_too():
+  launches, dog = _launch_dog(5.0, {}, failed={1: "ValueError: bad batch"})
+  assert dog.check() == "process 1 of 3 (pid 101 on h1) failed: ValueError: bad batch"
+  launches.reset()
+
+
+def test_launches_are_counted_at_dispatch_of_a_marked_program():
+  import jax
+  import jax.numpy as jnp
+
+  from jaxring._src.transport import launches
+  launches.reset()
+  launches.enable(2)
+  try:
+    @jax.jit
+    def f(x):
+      launches.mark("41")
+      return x + 1
+    for _ in range(3):
+      f(jnp.ones(3))
+    assert launches.table() == {"41": 3}
+    assert launches.latest()[:2] == ("41", 3)
+    launches.mark("42", processes=5)   # over fewer/more processes than watched: not marked
+    assert "42" not in launches.table()
+  finally:
+    launches.enable(0)
+    launches.reset()
