@@ -51,6 +51,8 @@ class Config:
   algorithm: str = "auto"            # "auto", "xla", "ring", "hierarchical"
   mesh: str = "flat"                 # "flat": one axis "data"; "hierarchical": (node, local)
   bucket_mib: float = 25.0
+  shard: str = "none"                # "none", "optimizer" (ZeRO-1/2), "params" (FSDP / ZeRO-3)
+  param_compression: str = "none"    # shard="params": the parameters' all-gather codec
   error_feedback: bool = True
   # bookkeeping
   workdir: str = ""                  # checkpoints and metrics.jsonl ("": none)

@@ -128,14 +128,18 @@ def make_train_step(config: Config, schedule: optax.Schedule, mesh=None,
   optimizer is then :func:`recipes.optim.make_optimizer`'s momentum-free form.
   """
   in_step = momentum_in_step(config, compression)
+  codec = jaxring.codecs.parse(config.compression if compression is None else compression)
+  if config.shard == "params":  # FSDP: the parameters' all-gather has its own codec
+    codec = {"params": jaxring.codecs.parse(config.param_compression), "grads": codec}
+  elif config.param_compression not in ("none", ""):
+    raise ValueError("--config.param_compression compresses the parameters' all-gather of "
+                     f"--config.shard=params; this run has --config.shard={config.shard}")
   return jt.train_step(
       mesh if mesh is not None else jt.default_mesh(axis_name(config)),
-      axis_name=axis_name(config), algorithm=config.algorithm,
-      compression=jaxring.codecs.parse(config.compression if compression is None
-                                       else compression),
+      axis_name=axis_name(config), algorithm=config.algorithm, compression=codec,
       error_feedback=config.error_feedback, bucket_bytes=int(config.bucket_mib * (1 << 20)),
-      momentum=config.momentum if in_step else None, nesterov=in_step and config.nesterov)(
-          train_step_fn(schedule, config.label_smoothing))
+      momentum=config.momentum if in_step else None, nesterov=in_step and config.nesterov,
+      shard=config.shard)(train_step_fn(schedule, config.label_smoothing))
 
 
 def make_eval_step(mesh, axis) -> Callable:
