@@ -82,3 +82,28 @@ def test_cli_runs_to_1024_gpus_in_seconds_and_reproduces_baidus_400_ms(tmp_path)
   baidu = json.loads(next(tmp_path.glob("simulate-baidu-*.json")).read_text())
   at40 = next(r["ms"] for r in baidu["rows"] if r["gpus"] == 40)
   assert abs(at40 - 400) / 400 < 0.25
+
+
+def test_validation_predicts_bench_cluster_rows_by_hand():
+  from jaxring._src.tools.simulate import validate
+  n, bw = 32 << 20, 125e6
+  result = {"bench": "cluster", "args": {"devices_per_node": 2}, "nodes": 4, "link": "1gbit",
+            "bandwidth_bytes_per_s": bw, "bytes_per_device": n,
+            "calibration": [{"job": "jax", "fits": [["hierarchical", "Int8(block_size=256)",
+                                                     0.01, 2e-9]]}],
+            "rows": [{"contender": "gloo lax.psum", "ms": 500.0},
+                     {"contender": "jaxring hierarchical int8", "ms": 250.0},
+                     {"contender": "jaxring auto int8", "ms": 240.0}]}   # auto: not modelled
+  rows = validate.predict_cluster_rows(
+      result, lambda alg, codec: timeline.Plan(alg, 0.25 if codec == "int8" else 1.0, codec))
+  assert [r["contender"] for r in rows] == ["gloo lax.psum", "jaxring hierarchical int8"]
+  e = clusters.CLUSTERS["emulated"]
+  flat = 2 * 7 * e.inter_latency + 2 * 7 / 8 * n / bw               # one ring through 8 devices
+  assert rows[0]["predicted_ms"] == pytest.approx(flat * 1e3)
+  assert rows[0]["error"] == pytest.approx(flat * 1e3 / 500 - 1)
+  local = 2 * e.intra_latency + 2 * 1 / 2 * n / e.intra_bandwidth
+  node = 6 * e.inter_latency + 2 * 3 / 4 * (n / 2) * 0.25 / (bw / 2) + 2 * 3 / 4 * (n / 2) / 2e9
+  assert rows[1]["predicted_ms"] == pytest.approx((local + node) * 1e3)
+  assert rows[1]["calibrated_ms"] == pytest.approx((0.01 + 2e-9 * n) * 1e3)
+  assert rows[0]["calibrated_ms"] is None
+  assert validate.plan_of("jaxring hierarchical topk (MPI transport)") == ("hierarchical", "topk")

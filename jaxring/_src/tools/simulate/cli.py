@@ -4,6 +4,7 @@ Examples:
   jaxring simulate                                   # ResNet-50, every shipped cluster, 8-1,024 GPUs
   jaxring simulate --cluster 8xh100-25gbe --codecs none,int8,topk --bucket-mib 25
   jaxring simulate --reproduce baidu                 # the ring all-reduce arithmetic of Baidu (2017)
+  jaxring simulate --validate benchmarks/results/cluster-20261123-160415.json   # vs measured
 
 Prints a table per cluster (step ms, reduction ms, exposed ms, efficiency, images/s), writes JSON
 under benchmarks/results/ and, where matplotlib is installed (``pip install jaxring[plot]``), a
@@ -40,6 +41,8 @@ def _parser():
   ap.add_argument("--bucket-mib", type=float, default=25.0)
   ap.add_argument("--no-overlap", action="store_true")
   ap.add_argument("--reproduce", choices=("baidu",), default=None)
+  ap.add_argument("--validate", default=None, metavar="CLUSTER_JSON",
+                  help="predict every row of a `jaxring bench cluster` result and compare")
   ap.add_argument("--out-dir", default=None)
   return ap
 
@@ -59,6 +62,8 @@ def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   from jaxring._src.tools.bench import common
   t0 = time.perf_counter()
+  if args.validate:
+    return _validate(args.validate, args.out_dir)
   if args.reproduce == "baidu":
     result = baidu()
     print("# Baidu ring all-reduce: 1.2 GB over 6 GB/s links, alpha ignored (source: ~400 ms "
@@ -100,6 +105,24 @@ def main(argv=None) -> int:
   path = common.write_json("simulate", out, args.out_dir)
   print(f"wrote {path} ({time.perf_counter() - t0:.2f} s)")
   _plot(out, path)
+  return 0
+
+
+def _validate(path: str, out_dir) -> int:
+  from jaxring._src.tools.bench import common
+  from jaxring._src.tools.simulate import validate
+  result = validate.load(path)
+  rows = validate.predict_cluster_rows(result, lambda alg, codec: _codec_plan(codec, alg))
+  print(f"# {path}: {result['nodes']} nodes x {result['args']['devices_per_node']} devices, "
+        f"{result['link']}, {common.fmt_bytes(result['bytes_per_device'])} per device")
+  common.print_table(rows, [("contender", "contender", ""), ("measured_ms", "measured ms", ".0f"),
+                            ("predicted_ms", "alpha-beta ms", ".0f"), ("error", "error", "+.0%"),
+                            ("calibrated_ms", "calibrated ms", ".0f"),
+                            ("calibrated_error", "error", "+.0%")])
+  calibrated = [abs(r["calibrated_error"]) for r in rows if r["calibrated_error"] is not None]
+  print(f"worst error: alpha-beta {max(abs(r['error']) for r in rows):.0%}"
+        + (f", calibrated {max(calibrated):.0%}" if calibrated else ""))
+  print(f"wrote {common.write_json('simulate-validate', {'source': path, 'rows': rows}, out_dir)}")
   return 0
 
 

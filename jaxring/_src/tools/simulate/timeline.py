@@ -13,9 +13,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxring._src import cost_model
-from jaxring._src.topology import Level
 from jaxring._src.tools.simulate.cluster import Cluster
 from jaxring._src.tools.simulate.model import Layer
+from jaxring._src.topology import Level
 
 
 @dataclasses.dataclass(frozen=True)
