@@ -47,7 +47,9 @@ def _check_output(code: str, stdout: str) -> None:
     assert len(arrays) == 4, stdout
     for a in arrays:   # int8 on the slow level rounds within 1%
       np.testing.assert_allclose(_floats(a), 1.5, rtol=1e-2)
-  if "@jr.train_step" in code:
+  if 'shard="params"' in code:  # FSDP: the state is split, and int8 weights still fit
+    assert lines[-2] == "P(None, 'data')" and float(lines[-1]) < 0.01, stdout
+  elif "@jr.train_step" in code:
     assert float(lines[-1]) < 1e-3, stdout
   if "ImageLoader" in code:
     assert lines[0].startswith("(256, 224, 224, 3)"), stdout

@@ -26,6 +26,7 @@ BENCHES = {
     "convergence": "jaxring._src.tools.bench.convergence",
     "tta": "jaxring._src.tools.bench.tta",
     "faults": "jaxring._src.tools.bench.faults",
+    "fsdp": "jaxring._src.tools.bench.fsdp",
 }
 #: Benchmarks that are recipes (they train the recipes' models): run as ``python -m <module>``.
 RECIPE_BENCHES = {"resnet50": "recipes.bench_resnet50"}
