@@ -13,9 +13,8 @@ import shutil
 import subprocess
 import sys
 
-import pytest
-
 import multiproc as mp
+import pytest
 
 pytestmark = pytest.mark.multiprocess
 
