@@ -9,7 +9,11 @@ All contenders run in one invocation, on the same shaped links, one after the ot
   compression={"node": codec})`` over the same mesh as gloo, codec none / bf16 / int8 /
   topk_chunks(1%);
 * ``jaxring hierarchical <codec> (MPI transport)``: the same, one MPI rank per device, the ring
-  over mpi4jax (``jaxring.distributed.bind_mpi_axis``).
+  over mpi4jax (``jaxring.distributed.bind_mpi_axis``);
+* ``jaxring ring <codec>``: one flat ring over all devices, in both shapes;
+* ``jaxring auto <codec>``: after ``jaxring.calibrate`` in the same job, with the plan it chose,
+  its time against the best contender it could have been, and the chosen plan's own row against
+  that best.
 
 Per contender: median of ``--reps`` timed calls after warm-up (in rounds: every contender once per
 round), algbw (bytes per device / time),

@@ -2,11 +2,11 @@
 
 ``--mode jax``: one process per node (``jaxring cluster run --procs-per-node 1
 --devices-per-proc D``); times ``lax.psum`` (gloo) over the global (node, local) mesh and jaxring's
-``hierarchical`` all-reduce, uncompressed and with a codec on the node level, the uncompressed
-ring, and ``auto`` after ``jaxring.calibrate`` has measured the plans in this job (its time and
-the plan ``auto`` chose are reported).
+``hierarchical`` all-reduce and the flat ``ring``, uncompressed and with a codec on the node
+level, and ``auto`` (also with ``check_vma=False``) after ``jaxring.calibrate`` has measured the
+plans in this job (its time and the plan ``auto`` chose are reported).
 ``--mode mpi``: one MPI rank per device (``--transport mpi``); times ``MPI_Allreduce`` (mpi4py,
-numpy buffers), then jaxring's hierarchical all-reduce over the MPI transport (mpi4jax) with each
+numpy buffers), then jaxring's hierarchical and ring all-reduces over the MPI transport (mpi4jax) with each
 codec of ``--codecs`` on the node level (its error against MPICH's result), then each codec's
 inter-node step alone (the node-level ring on the shard left by the local reduce-scatter), and
 ``auto`` after calibrating over the MPI transport.
@@ -77,8 +77,7 @@ def run_jax(args) -> int:
 
   codecs = [c for c in args.codecs.split(",") if c]
   contenders = [("gloo lax.psum", "gloo", "none")] + [
-      (f"jaxring {a} {c}", a, c) for a in args.algorithms.split(",") for c in codecs
-      if a != "ring" or c == "none"]
+      (f"jaxring {a} {c}", a, c) for a in args.algorithms.split(",") for c in codecs]
   # check_vma=False (train_step's mode, and pmap's): the all-gather back over the in-process
   # level may run in shared memory too, nothing having to be typed invariant
   contenders += [(f"jaxring hierarchical {c} (check_vma=False)", "hierarchical/check_vma=False",
@@ -209,7 +208,8 @@ def _jaxring_mpi(args, comm, send, ref) -> list:
       emit(calibration=True, node=0, seconds=time.perf_counter() - t0,
            profile=json.loads(profile.to_json()))
     plans = choices(profile, [send.nbytes], codecs)[send.nbytes]
-  runs = [("hierarchical", c) for c in codecs] + [("auto", c) for c in codecs if args.auto]
+  runs = [(a, c) for a in args.algorithms.split(",") for c in codecs]
+  runs += [("auto", c) for c in codecs if args.auto]
   ready = []
   for algorithm, codec_name in runs:
     codec = jaxring.codecs.parse(codec_name)
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--codecs", default="none,bf16,int8,topk")
   ap.add_argument("--algorithms", default="hierarchical,ring",
-                  help="jaxring plans timed in jax mode (ring: uncompressed only)")
+                  help="jaxring plans timed, each with every codec (both modes)")
   ap.add_argument("--no-auto", dest="auto", action="store_false",
                   help="jax mode: skip calibrating and timing algorithm='auto'")
   ap.add_argument("--procs-per-node", type=int, default=1)
