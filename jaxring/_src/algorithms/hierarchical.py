@@ -171,8 +171,10 @@ def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[s
 def all_gather(payload: tuple, groups: list[Group], transport) -> tuple:
   """Hierarchical all-gather of encoded chunks, slowest level first (inverse of reduce_scatter)."""
   for g in reversed(groups):
-    # The ppermute ring, not the native gather: its transpose is a reduce-scatter, as lax's is.
-    payload = ring.ring_all_gather_payload(payload, g, transport)
+    # the native all-gather where a level is whole axes (gloo's and NCCL's are rings already);
+    # the derivative is lax.all_gather's whatever moves the bytes (linear.all_gather)
+    # (typed varying as the ring's result and lax's tangent are, under check_vma)
+    payload = tuple(vma.pvary(x, g.axes) for x in ring.all_gather_payload(payload, g, transport))
   return payload
 
 
