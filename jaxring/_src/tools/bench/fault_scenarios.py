@@ -48,6 +48,38 @@ def _others_done(faulty: int):
   return lambda procs: all(p.poll() is not None for i, p in enumerate(procs) if i != faulty)
 
 
+# --- mpirun ----------------------------------------------------------------------------------
+
+
+def _mpirun() -> str:
+  here = os.path.join(os.path.dirname(sys.executable), "mpirun")
+  return here if os.path.exists(here) else "mpirun"
+
+
+def _mpi_missing() -> str | None:
+  import shutil
+  if not os.path.exists(_mpirun()) and shutil.which("mpirun") is None:
+    return "no mpirun (pip install mpich)"
+  try:
+    import mpi4jax  # noqa: F401
+  except ImportError as exc:
+    return f"mpi4jax is not installed ({exc})"
+  return None
+
+
+def _mpi_job(n: int, timeout: float, *worker_args: str):
+  def run():
+    # -disable-auto-cleanup: hydra leaves every rank to end by itself (else it kills the rest as
+    # soon as one exits, and which one names the culprit is a race)
+    cmd = [_mpirun(), "-disable-auto-cleanup", "-n", str(n), sys.executable, "-m", WORKER,
+           "--mpi", *worker_args]
+    env = child_env(JAXRING_FAILURE_TIMEOUT=timeout,
+                    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    procs = spawn([cmd], [env], 4 * timeout + 90)
+    return procs, fault_time(procs[0].output)
+  return run
+
+
 # --- the emulated cluster ------------------------------------------------------------------------
 
 
@@ -249,6 +281,16 @@ def rows(timeout: float) -> list[dict]:
       dict(name="coordinator (process 0) killed", outcome="both others end, naming it",
            run=_local(3, 1, t, "--case", "kill", "--rank", "0", "--calls", "1000"),
            expect={p: ("fail", r"leader|process 0\b|coordination service") for p in (1, 2)}),
+      dict(name="mpirun: kill -9 of one rank mid all-reduce", requires=_mpi_missing,
+           outcome="hydra ends the job at once, exit non-zero (it reports signal 9, not the rank)",
+           run=_mpi_job(3, t, "--case", "kill", "--calls", "1000"),
+           expect={0: ("fail", r"Killed \(signal 9\)|rank 1 of 3 \(pid \d+ on [^)]+\) died")}),
+      dict(name="mpirun: one rank stuck between collectives", requires=_mpi_missing,
+           outcome="mpirun exits non-zero, every rank says who",
+           run=_mpi_job(3, t, "--case", "stuck", "--calls", "1000"),
+           expect={0: ("fail", r"cannot complete: rank 1 of 3 [\s\S]*cannot complete: rank 1 of 3 "
+                               r"[\s\S]*Rank 1 exits|Rank 1 exits[\s\S]*cannot complete: rank 1 "
+                               r"of 3[\s\S]*cannot complete: rank 1 of 3")}),
       dict(name="SIGKILL during a checkpoint save, then restart",
            outcome="step 1 restored bit for bit; step 2 saved again", run=ckpt_run,
            expect={0: ("fail", r"COMMITTED 1")}, completes=True, check=ckpt_check),

@@ -17,7 +17,8 @@ printing ``FAULT at=<unix time>``:
 * ``none``: no fault (the link and packet-loss rows inject theirs from outside).
 
 Prints ``OK calls=N`` and exits 0, or ``MISMATCH`` and exits 4; jaxring's errors are left
-uncaught, as in a user's program (``jaxring.distributed`` then publishes them and exits 1). A checkpoint case (``--case ckpt``, one process, no job) commits step 1, then writes
+uncaught, as in a user's program (``jaxring.distributed`` then publishes them and exits 1). With ``--mpi`` (under ``mpirun``) every rank binds the axis ``data`` to ``MPI.COMM_WORLD`` and
+runs the same calls (cases ``none``, ``kill``, ``stuck``). A checkpoint case (``--case ckpt``, one process, no job) commits step 1, then writes
 step 2 with orbax's final rename replaced by a sleep, so that the parent's SIGKILL lands mid-save.
 """
 from __future__ import annotations
@@ -137,6 +138,34 @@ def job(args) -> int:
   return 0
 
 
+def mpi_job(args) -> int:
+  """The same calls over MPI (``--mpi``, under ``mpirun``: one rank per device)."""
+  import jax
+  from mpi4py import MPI
+
+  import jaxring
+  import jaxring.distributed
+
+  comm = MPI.COMM_WORLD
+  me, p = comm.Get_rank(), comm.Get_size()
+  jaxring.distributed.bind_mpi_axis("data", comm)   # the watchdog: JAXRING_FAILURE_TIMEOUT
+  f = jax.jit(lambda v: jaxring.psum(v, "data", algorithm="ring"))
+  for call in range(args.calls):
+    if me == args.rank and call == args.at and args.case != "none":
+      fault_now(args.case)
+      if args.case == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+      time.sleep(10 ** 6)
+    y = np.asarray(f(rows(call, [me], args.size)[0].astype(np.float32)), np.float64)
+    want = rows(call, range(p), args.size).astype(np.float32).astype(np.float64).sum(axis=0)
+    if not np.max(np.abs(y - want)) <= 1e-5 * (1 + float(np.max(np.abs(want)))):
+      print(f"rank {me}: MISMATCH at call {call}", flush=True)
+      return 4
+  print(f"rank {me}: OK calls={args.calls}", flush=True)
+  comm.Barrier()
+  return 0
+
+
 def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--case", choices=(*CASES, "ckpt"), default="none")
@@ -147,7 +176,10 @@ def main() -> int:
   ap.add_argument("--progress", type=int, default=0, help="print every N calls")
   ap.add_argument("--dir", help="ckpt: the checkpoint folder")
   ap.add_argument("--expected", help="ckpt: where the committed parameters go (.npz)")
+  ap.add_argument("--mpi", action="store_true", help="run under mpirun (cases none, kill, stuck)")
   args = ap.parse_args()
+  if args.mpi:
+    return mpi_job(args)
   if args.case == "ckpt":
     return checkpoint_case(args.dir, args.expected)
   return job(args)
