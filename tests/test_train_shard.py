@@ -268,6 +268,7 @@ def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_dev
     ckpt.save(state, step=3)
     ckpt.wait_until_finished()
   saved = jax.device_get((state.params, state.opt_state))
+  saved_residuals = jax.device_get(state.residuals.tree)
   straight, _ = _run(step, state, batches[3:])  # (donates state)
   with jt.Checkpointer(tmp_path / "ckpt") as ckpt, jax.numpy_dtype_promotion("standard"):
     restored, _ = ckpt.restore(step.prepare(_mlp_state(optax.adam(1e-2))))
@@ -277,11 +278,17 @@ def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_dev
                   jax.tree.leaves((resumed.params, resumed.opt_state, resumed.residuals))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
-  # the same checkpoint's parameters and optimizer state on a 4-device mesh (no residuals)
+  # the same checkpoint on a 4-device mesh: parameters and optimizer state as saved, and each
+  # replica's residual the mean of the 8 saved ones (what they add back to the mean is kept)
   small = Mesh(np.asarray(jax.devices()[:4]), ("data",))
-  step4 = _mlp_step(mesh=small, shard="params")
+  step4 = _mlp_step(mesh=small, shard="params", algorithm="ring",
+                    compression={"grads": jaxring.codecs.int8(block_size=32)})
   with jt.Checkpointer(tmp_path / "ckpt") as ckpt, jax.numpy_dtype_promotion("standard"):
     on4, _ = ckpt.restore(step4.prepare(_mlp_state(optax.adam(1e-2))))
   assert on4.params["Dense_0"]["kernel"].sharding.mesh.devices.size == 4
   _assert_trees_close((on4.params, on4.opt_state), saved, rtol=0, atol=0)
+  for r8, r4 in zip(jax.tree.leaves(saved_residuals), jax.tree.leaves(on4.residuals)):
+    assert r4.shape == (4,) + r8.shape[1:]
+    np.testing.assert_allclose(np.asarray(r4).sum(0) / 4, np.asarray(r8).sum(0) / 8, rtol=1e-6,
+                               atol=1e-9)
   _run(step4, on4, batches[3:4])  # and it trains there

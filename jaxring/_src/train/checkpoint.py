@@ -70,6 +70,21 @@ def _abstract(x):
   return x
 
 
+def _replicated_like(a, shape) -> jax.ShapeDtypeStruct:
+  from jax.sharding import NamedSharding, PartitionSpec
+  return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(a.sharding.mesh,
+                                                                     PartitionSpec()))
+
+
+def _remap_residual(saved, template):
+  """Residuals saved by ``p_old`` replicas for ``p_new``: each new replica carries the mean of
+  the old ones, so the error all replicas add back to the next mean, ``sum(r) / p``, is the
+  same (``p_new * mean / p_new == sum(r_old) / p_old``)."""
+  mean = jax.numpy.mean(saved, axis=0, keepdims=True)
+  return jax.device_put(jax.numpy.broadcast_to(mean, template.shape).astype(template.dtype),
+                        template.sharding)
+
+
 def _root_cause(exc: BaseException) -> str:
   """The first line of the innermost exception: tensorstore's own words, not orbax's wrapping."""
   seen = set()
@@ -187,9 +202,13 @@ class Checkpointer:
     if recorded:
       items[_CHECKSUMS] = ocp.args.JsonRestore()
     residuals = residual_tree(template)
-    abstract_residuals = None
+    abstract_residuals = remap_to = None
     if residuals is not None and os.path.isdir(os.path.join(self.step_path(step), _RESIDUALS)):
       abstract_residuals = jax.tree_util.tree_map(_abstract, residuals)
+      saved = self._saved_replicas(step, abstract_residuals) if recorded else None
+      if saved is not None:  # saved by another replica count: read whole, then remap
+        remap_to, abstract_residuals = residuals, jax.tree_util.tree_map(
+            lambda a: _replicated_like(a, (saved,) + tuple(a.shape[1:])), abstract_residuals)
       items[_RESIDUALS] = ocp.args.StandardRestore(abstract_residuals)
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -205,8 +224,25 @@ class Checkpointer:
       self._verify(step, state, restored[_RESIDUALS] if _RESIDUALS in items else None,
                    data, record)
     if _RESIDUALS in items:
-      state = with_residual_tree(state, restored[_RESIDUALS])
+      res = restored[_RESIDUALS]
+      if remap_to is not None:
+        res = jax.tree_util.tree_map(_remap_residual, res, remap_to)
+      state = with_residual_tree(state, res)
     return state, data
+
+  def _saved_replicas(self, step: int, abstract_residuals) -> int | None:
+    """The replica count the residuals were saved with, where it is not the template's (and
+    nothing else differs); None otherwise."""
+    record = self._read_record(step).get(_RESIDUALS, {})
+    want = {p: list(e["shape"]) for p, e in checksums.describe(abstract_residuals).items()}
+    have = {p: e["shape"] for p, e in record.items()}
+    if set(want) != set(have) or not want:
+      return None
+    counts = {h[0] for p, h in have.items() if h and want[p] and h[1:] == want[p][1:]}
+    if len(counts) != 1 or any(not h or h[1:] != want[p][1:] for p, h in have.items()):
+      return None
+    (count,) = counts
+    return None if count == next(iter(want.values()))[0] else count
 
   def _has_record(self, step: int) -> bool:
     """Whether ``step`` was saved with checksums (False: by a jaxring before they existed)."""

@@ -136,9 +136,14 @@ def _record_local(entry: dict, leaf) -> None:
       entry["crc32"][region] = crc32(_host(shard.data))
 
 
+def describe(tree) -> dict:
+  """``{path: {"shape", "dtype"}}`` of ``tree``'s array and scalar leaves (a record's keys)."""
+  return {p: d for p, leaf in _array_leaves(tree) if (d := _describe_leaf(leaf)) is not None}
+
+
 def mismatch(template, saved: dict) -> str | None:
   """How ``template``'s leaves differ from a record's (paths, shapes, dtypes); None if alike."""
-  want = {p: d for p, leaf in _array_leaves(template) if (d := _describe_leaf(leaf)) is not None}
+  want = describe(template)
   have = {p: {"shape": e["shape"], "dtype": e["dtype"]} for p, e in saved.items()}
   problems = [f"{p} is not in the checkpoint" for p in want if p not in have]
   problems += [f"the checkpoint has {p}, the template does not" for p in have if p not in want]
