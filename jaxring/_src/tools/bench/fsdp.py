@@ -10,7 +10,10 @@ reduce-scatter against gloo's ``lax.all_gather`` / ``lax.psum_scatter`` on the s
 uncompressed and with each codec on the node level; one FSDP step of an MLP uncompressed and with
 int8 weights + int8 gradients, beside its compute alone. JAX shape: one process per node.
 
-  $ jaxring bench fsdp --parts memory,collectives,train --link 1gbit
+``accuracy`` (this machine): test accuracy on the harder generated image task, replicated and
+fully sharded, uncompressed and with int8 weights + int8 gradients.
+
+  $ jaxring bench fsdp --parts memory,accuracy,collectives,train --link 1gbit
 """
 from __future__ import annotations
 
@@ -64,18 +67,62 @@ def _memory(args) -> list[dict]:
   return rows
 
 
+def _accuracy(args) -> list[dict]:
+  """Test accuracy on the harder generated image task (jaxring._src.data.hard_shapes, the small
+  ResNet of ``jaxring bench convergence``) after the same steps, replicated and fully sharded,
+  uncompressed and with int8 weights + int8 gradients (error feedback), momentum SGD."""
+  import jax
+  import numpy as np
+  import optax
+
+  import jaxring
+  import jaxring.train as jt
+  from jaxring._src.data.hard_shapes import hard_shapes
+  from jaxring._src.tools.bench.convergence import TASKS, init_resnet, resnet_logits
+  xtr, ytr, xte, yte = hard_shapes()
+  n = jax.device_count()
+  per = args.batch_per_device * n
+  lr = TASKS["shapes"][1]["momentum"]
+  int8 = jaxring.codecs.int8()
+  rows = []
+  for label, shard, comp, algorithm in (
+      ("replicated, uncompressed", "none", None, "auto"),
+      ("fsdp, uncompressed", "params", None, "auto"),
+      ("fsdp, int8 weights + int8 grads", "params", {"params": int8, "grads": int8}, "ring")):
+    @jt.train_step(shard=shard, compression=comp, algorithm=algorithm)
+    def step(state, b):
+      def loss_fn(p):
+        return optax.softmax_cross_entropy_with_integer_labels(resnet_logits(p, b["x"]),
+                                                               b["y"]).mean()
+      loss, grads = jt.value_and_grad(loss_fn)(state.params)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+    state = jt.TrainState.create(apply_fn=None, params=init_resnet(jax.random.key(0), width=16),
+                                 tx=optax.sgd(lr, momentum=0.9))
+    rng = np.random.default_rng(0)
+    for _ in range(args.steps):
+      idx = rng.integers(0, len(xtr), per)
+      state, metrics = step(state, {"x": xtr[idx], "y": ytr[idx]})
+    logits = jax.jit(resnet_logits)(state.params, xte)
+    acc = float((np.asarray(logits).argmax(1) == yte).mean() * 100)
+    rows.append({"contender": label, "steps": args.steps, "test_accuracy": acc,
+                 "final_loss": float(metrics["loss"])})
+    print(f"  {label}: {acc:.2f}% after {args.steps} steps", flush=True)
+  return rows
+
+
 def _cluster(args) -> tuple[list[dict], dict]:
+  """Each cluster part on a cluster of its own link rate, made and deleted here."""
   from jaxring._src.tools.bench.cluster import _run_job
   from jaxring._src.tools.cluster import netns
   name = "jrf"
-  if netns.load_state(name) is not None:
-    netns.down(name)
-  rows, info = [], {}
-  try:
-    state = netns.up(name, args.nodes, rate=args.link)
-    info = {"nodes": args.nodes, "devices_per_node": args.devices_per_node, "link": args.link,
-            "bandwidth_bytes_per_s": state.bandwidth}
-    for part in [p for p in ("collectives", "train") if p in args.parts]:
+  rows, info = [], {"nodes": args.nodes, "devices_per_node": args.devices_per_node}
+  for part in [p for p in ("collectives", "train") if p in args.parts]:
+    link = args.link if part == "collectives" else args.train_link
+    if netns.load_state(name) is not None:
+      netns.down(name)
+    try:
+      state = netns.up(name, args.nodes, rate=link)
+      info[part] = {"link": link, "bandwidth_bytes_per_s": state.bandwidth}
       worker_args = ["--part", part, "--reps", str(args.reps), "--warmup", str(args.warmup),
                      "--mib", str(args.mib if part == "collectives" else args.train_mib),
                      "--codecs", args.codecs]
@@ -84,9 +131,9 @@ def _cluster(args) -> tuple[list[dict], dict]:
       if rc != 0 or not recs:
         print(f"--- {part}: exit {rc}; last output:\n" + "\n".join(log.splitlines()[-30:]),
               file=sys.stderr)
-      rows += _summarize(part, recs)
-  finally:
-    netns.down(name)
+      rows += [dict(r, link=link) for r in _summarize(part, recs)]
+    finally:
+      netns.down(name)
   return rows, info
 
 
@@ -123,13 +170,17 @@ def _summarize(part: str, recs: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="jaxring bench fsdp", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--parts", default="memory,collectives,train")
+  ap.add_argument("--parts", default="memory,accuracy,collectives,train")
   ap.add_argument("--devices", type=int, default=8, help="memory: emulated CPU devices")
   ap.add_argument("--width", type=int, default=2048, help="memory: the MLP's width")
   ap.add_argument("--layers", type=int, default=6, help="memory: the MLP's hidden layers")
+  ap.add_argument("--steps", type=int, default=1200, help="accuracy: training steps")
+  ap.add_argument("--batch-per-device", type=int, default=16, help="accuracy")
   ap.add_argument("--nodes", type=int, default=4)
   ap.add_argument("--devices-per-node", type=int, default=2)
-  ap.add_argument("--link", default="1gbit")
+  ap.add_argument("--link", default="1gbit", help="collectives: every node link's rate")
+  ap.add_argument("--train-link", default="100mbit",
+                  help="train: a rate at which the uncompressed FSDP step is network-bound")
   ap.add_argument("--mib", type=int, default=32, help="collectives: f32 MiB per device")
   ap.add_argument("--train-mib", type=int, default=32, help="train: the MLP's parameter MiB")
   ap.add_argument("--codecs", default="none,bf16,int8")
@@ -153,6 +204,13 @@ def main(argv=None) -> int:
         ("state_share", "params+opt/replicated", ".3f"), ("step_peak", "step peak MiB", ".1f"),
         ("peak_share", "peak/replicated", ".3f")])
     result["memory"] = rows
+  if "accuracy" in args.parts:
+    common.set_cpu_devices(args.devices)
+    rows = _accuracy(args)
+    common.print_table(rows, [("contender", "contender", ""), ("steps", "steps", "d"),
+                              ("test_accuracy", "test accuracy %", ".2f"),
+                              ("final_loss", "last loss", ".3f")])
+    result["accuracy"] = rows
   if {"collectives", "train"} & set(args.parts):
     if os.geteuid() != 0:
       print("jaxring bench fsdp: cluster parts skipped: need root (network namespaces, tc)",
