@@ -160,7 +160,7 @@ def _reps(nbytes: int, reps: int) -> int:
 
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
               sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] = DEFAULT_CODECS,
-              reps: int = 3, warmup: int = 1, reuse: bool = True, save: bool = True,
+              reps: int = 3, warmup: int = 0, reuse: bool = True, save: bool = True,
               log=None) -> cost_model.Profile:
   """Times the candidate plans of ``psum`` over ``axes`` and returns (and keeps) their profile.
 
@@ -174,7 +174,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       are interpolated, ``cost_model.Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
-      below 4 MiB).
+      below 4 MiB). No warm-up by default: the first call at a size compiles, and the median of
+      three or more leaves it out (a warm-up call costs one more call per plan and size).
     reuse: return the cached profile of these axes if every process has the same one.
     save: write the profile to the cache, where ``auto`` finds it.
     log: a callable receiving one line per measured plan (e.g. ``print``).
