@@ -132,6 +132,7 @@ def test_a_peer_that_never_launched_the_collective_we_wait_in_is_named():
   launches._started(("7",))     # our second launch of collective #7
   assert dog.stuck() is None    # not before the timeout
   time.sleep(0.35)
+  dog.last_seen.update({1: time.monotonic(), 2: time.monotonic()})   # both heartbeat
   problem = dog.stuck()
   assert problem is not None and problem.startswith(
       "collective #7 (launch 2) started here"), problem
@@ -191,3 +192,14 @@ def test_launches_are_counted_at_dispatch_of_a_marked_program():
   finally:
     launches.enable(0)
     launches.reset()
+
+
+def test_a_peer_behind_that_also_went_quiet_is_left_to_the_silence_check():
+  launches, dog = _launch_dog(0.2, {1: {"7": 1}, 2: {"7": 0}})
+  launches._started(("7",))
+  time.sleep(0.25)
+  dog.last_seen[1] = time.monotonic()   # 1 heartbeats, 2 has been quiet for 0.25 s (> 3 beats)
+  assert dog.stuck() is None            # not called "alive (heartbeating)"
+  dog.last_seen[2] = time.monotonic()
+  assert "process 2 of 3 (pid 102 on h2) launched it 0 time(s)" in dog.stuck()
+  launches.reset()

@@ -182,7 +182,10 @@ class Watchdog:
     if latest is not None and now - latest[2] > self.timeout:
       key, k, since = latest
       late = launches.behind(key, k, peers)
-      if late:
+      # a peer behind that has also gone quiet is frozen or dead, not stuck: the silence check
+      # names it (within the timeout of its last heartbeat), with the right words
+      quiet = {p for p in late if now - self.last_seen.get(p, now) > 3 * self.interval}
+      if late and not quiet:
         who = ", ".join(f"{self.noun} {p} of {self.n}{self.names.get(p, '')} launched it "
                         f"{c} time(s)" for p, c in sorted(late.items()))
         return (f"collective {launches.describe(key)} (launch {k}) started here "
