@@ -138,8 +138,9 @@ class Fit:
         beta, alpha = 0.0, float(np.median(y))
       elif alpha < 0:                    # through the origin instead
         beta, alpha = float(np.dot(x, y) / np.dot(x, x)), 0.0
-    return cls(algorithm, tuple(codecs), alpha, beta, tuple(int(v) for v in x),
-               tuple(float(v) for v in y))
+    # microseconds and 4 digits of beta: the timings are not better than that, and the JSON reads
+    return cls(algorithm, tuple(codecs), round(alpha, 6), float(f"{beta:.4g}"),
+               tuple(int(v) for v in x), tuple(round(float(v), 6) for v in y))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +164,10 @@ class Profile:
     return int(hashlib.sha1(what.encode()).hexdigest()[:12], 16)
 
   def to_json(self) -> str:
-    return json.dumps({"key": self.key, "created": self.created, "meta": self.meta,
-                       "fits": [dataclasses.asdict(f) for f in self.fits]}, indent=1)
+    """Indented JSON with one line per plan (its measured sizes and seconds, then its line)."""
+    head = json.dumps({"key": self.key, "created": self.created, "meta": self.meta}, indent=1)
+    fits = ",\n  ".join(json.dumps(dataclasses.asdict(f)) for f in self.fits)
+    return head[:-2] + f',\n "fits": [\n  {fits}\n ]\n}}'
 
   @classmethod
   def from_json(cls, text: str) -> Profile:
