@@ -198,8 +198,8 @@ def auto_bucket_bytes(leaves: Sequence, forward_order: Sequence[int], axes, *,
   bytes, dtype and codec under the algorithm ``auto`` picks at that size (or ``algorithm`` if
   fixed; ``jaxring._src.algorithms.planner.reduction_seconds``); reductions run one at a time,
   in order (:func:`bucket_timeline`). The size with the earliest predicted end of the last
-  reduction wins; the default is kept unless the gain exceeds the planner's margin (5%), as
-  ``auto`` does for algorithms.
+  reduction wins; the default is kept unless it ends earlier by more than the planner's margin
+  (5%) of the default's predicted reduction time, as ``auto`` keeps its default plan.
 
   Args:
     leaves: the differentiated leaves (arrays or ``jax.ShapeDtypeStruct``), flattened.
@@ -249,7 +249,7 @@ def auto_bucket_bytes(leaves: Sequence, forward_order: Sequence[int], axes, *,
       algos.append(kind)
       costs.append(t)
       when.append(max(ready[i] for i in b.indices))
-    return tuple(algos), max(work, bucket_timeline(when, costs))
+    return tuple(algos), max(work, bucket_timeline(when, costs)), sum(costs)
 
   results = {b: r for b in dict.fromkeys([DEFAULT_BUCKET_BYTES, *candidates])
              if (r := evaluate(int(b))) is not None}
@@ -257,7 +257,8 @@ def auto_bucket_bytes(leaves: Sequence, forward_order: Sequence[int], axes, *,
     return BucketChoice(DEFAULT_BUCKET_BYTES)
   best = min(results, key=lambda b: (results[b][1], -b))
   default = results.get(DEFAULT_BUCKET_BYTES)
-  if default is not None and results[best][1] > (1 - planner.MARGIN) * default[1]:
+  # the predictions err in proportion to the reductions they add up, not to the compute
+  if default is not None and default[1] - results[best][1] <= planner.MARGIN * default[2]:
     best = DEFAULT_BUCKET_BYTES
-  algos, finish = results[best]
+  algos, finish, _ = results[best]
   return BucketChoice(int(best), algos, finish, finish - work, True)
