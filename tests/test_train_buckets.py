@@ -153,6 +153,18 @@ def test_auto_bucket_bytes_chooses_size_and_algorithm_together():
   assert fixed.finish_s == pytest.approx(0.78125 + 0.02 + 0.58 * 24 / 31 + 0.02 + 0.58 * 6 / 31)
 
 
+def test_auto_bucket_bytes_margin_is_on_the_reductions_not_the_step():
+  prof = _profile(("node", "local"), (4, 2), LINES)
+  choice = jt_buckets.auto_bucket_bytes(LEAVES, range(32), ("node", "local"), axis_sizes=(4, 2),
+                                        backward_seconds=10.0, profile=prof)
+  # 25 MiB: the first bucket ends before backprop does, the last 7 MiB (xla, 0.1323 s) starts at
+  # 10 s; 1 MiB buckets leave 10 ms. The gain (1.2% of the step) is 20% of the default's
+  # reductions (0.469 + 0.132 s), above the 5% margin
+  assert choice.bucket_bytes == MiB
+  assert choice.finish_s == pytest.approx(10.01)
+  assert choice.exposed_s == pytest.approx(0.01)
+
+
 def test_auto_bucket_bytes_keeps_the_default_within_the_margin():
   # one bucket holds everything at 16 MiB and above; no overlap credited: 16 MiB ties 25 MiB
   prof = _profile(("data",), (8,), {"xla": [(MiB, 0.01 + 1e-9 * MiB), (32 * MiB, 0.01 + 32e-9 * MiB)]})
