@@ -12,10 +12,11 @@ from recipes import lm, lm_data
 
 
 def _small(**kw):
-  """A 2-layer, 64-wide model on 32-character windows: compiles and steps in seconds."""
-  base = dict(num_layers=2, width=64, num_heads=4, context=32, train_sequences=1024,
-              val_sequences=32, batch_size=32, num_steps=60, warmup_steps=6,
-              learning_rate=1e-2, log_every=10, progress=False, cpu_devices=0)
+  """One 128-wide layer on 32-character windows: compiles and steps in seconds. (At a peak rate
+  of 5e-3 and above it sat at the unigram entropy for 100 steps; 3e-3 learns.)"""
+  base = dict(num_layers=1, width=128, num_heads=4, context=32, train_sequences=1024,
+              val_sequences=32, batch_size=32, num_steps=100, warmup_steps=10,
+              learning_rate=3e-3, log_every=25, progress=False, cpu_devices=0)
   return dataclasses.replace(lm.get_config("tiny_cpu"), **{**base, **kw})
 
 
@@ -111,21 +112,29 @@ def _run_steps(config, steps):
 
 def test_fsdp_equals_the_replicated_step_on_the_lm():
   config = _small(num_steps=20)
-  want, m_want = _run_steps(config, 4)
-  got, m_got = _run_steps(dataclasses.replace(config, shard="params"), 4)
+  want, m_want = _run_steps(config, 3)
+  got, m_got = _run_steps(dataclasses.replace(config, shard="params"), 3)
   assert "data" in str(got.params["block0"]["attn"]["qkv"]["kernel"].sharding.spec)
   assert float(m_got["loss"]) == pytest.approx(float(m_want["loss"]), rel=1e-5)
+  d = config.width
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want.params),
                           jax.tree_util.tree_leaves(got.params)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+    a, b, name = np.asarray(a), np.asarray(b), jax.tree_util.keystr(path)
+    if name.endswith("['qkv']['bias']"):
+      # the key bias adds q.b to every score of a query, which softmax ignores: its gradient is
+      # zero in exact arithmetic, and Adam turns rounding noise into steps of up to the learning
+      # rate, differently for any other order of summation. Bounded, not compared.
+      assert np.abs(b[d:2 * d] - a[d:2 * d]).max() <= 3 * config.learning_rate
+      a, b = np.delete(a, np.s_[d:2 * d]), np.delete(b, np.s_[d:2 * d])
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_small_lm_trains_fully_sharded_below_the_unigram_entropy():
   summary = lm.train_and_evaluate(_small(shard="params"))
   losses = summary["losses"]
-  assert len(losses) == 60
-  assert summary["final"]["eval_loss"] < 0.7 * summary["unigram_entropy"], summary["final"]
+  assert len(losses) == 100
+  assert np.mean(losses[-10:]) < 0.6 * summary["unigram_entropy"] < np.mean(losses[:3])
+  assert summary["final"]["eval_loss"] < 0.6 * summary["unigram_entropy"], summary["final"]
   assert summary["final"]["eval_perplexity"] == pytest.approx(
       np.exp(summary["final"]["eval_loss"]))
   assert summary["entropy_floor"] < summary["final"]["eval_loss"]
