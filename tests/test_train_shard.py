@@ -1,5 +1,8 @@
 """train_step(shard="optimizer"|"params"): ZeRO-1/2 and FSDP equal the replicated step, split the
 state, carry error feedback exactly, checkpoint sharded and refuse what they cannot do."""
+import functools
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,11 +102,18 @@ TXS = {"sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
        "adamw": lambda: optax.adamw(3e-3, weight_decay=1e-2)}
 
 
+@functools.lru_cache(maxsize=None)
+def _replicated(tx: str, steps: int):
+  """The replicated step's state after ``steps`` steps (shared by the tests that compare)."""
+  state, _ = _run(_cnn_step(), _cnn_state(TXS[tx]()), _data(steps))
+  return jax.device_get(state)
+
+
 @pytest.mark.parametrize("tx", sorted(TXS))
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_sharded_step_equals_the_replicated_step_after_10_steps(shard, tx):
   batches = _data(10)
-  want, _ = _run(_cnn_step(), _cnn_state(TXS[tx]()), batches)
+  want = _replicated(tx, 10)
   got, metrics = _run(_cnn_step(shard=shard), _cnn_state(TXS[tx]()), batches)
   _assert_trees_close(got.params, want.params)
   _assert_trees_close(got.opt_state, want.opt_state)
@@ -120,19 +130,11 @@ def test_sharded_step_equals_the_replicated_step_after_10_steps(shard, tx):
              for m in mu)
 
 
-def test_optimizer_mode_keeps_parameters_replicated():
-  got, _ = _run(_cnn_step(shard="optimizer"), _cnn_state(optax.adam(1e-3)), _data(1))
-  assert all(x.sharding.spec == jax.sharding.PartitionSpec()
-             for x in jax.tree.leaves(got.params))
-
-
 def test_hierarchical_mesh_with_a_ring_per_level_equals_the_replicated_step():
   mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
-  batches = _data(5)
-  want, _ = _run(_cnn_step(), _cnn_state(optax.sgd(0.05, momentum=0.9)), batches)
+  want = _replicated("sgd_momentum", 10)
   got, _ = _run(_cnn_step(mesh=mesh, axis_name=("node", "local"), shard="params",
-                          algorithm="hierarchical"), _cnn_state(optax.sgd(0.05, momentum=0.9)),
-                batches)
+                          algorithm="hierarchical"), _cnn_state(TXS["sgd_momentum"]()), _data(10))
   _assert_trees_close(got.params, want.params)
   assert "node" in str(got.params["Conv_1"]["kernel"].sharding.spec)
 
@@ -292,3 +294,15 @@ def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_dev
     np.testing.assert_allclose(np.asarray(r4).sum(0) / 4, np.asarray(r8).sum(0) / 8, rtol=1e-6,
                                atol=1e-9)
   _run(step4, on4, batches[3:4])  # and it trains there
+
+
+def test_bench_fsdp_memory_part_writes_its_table(tmp_path, capsys):
+  from jaxring._src.tools.bench import fsdp
+  assert fsdp.main(["--parts", "memory", "--width", "64", "--layers", "2", "--out-dir",
+                    str(tmp_path)]) == 0
+  [path] = tmp_path.glob("fsdp-*.json")
+  rows = {r["shard"]: r for r in json.loads(path.read_text())["memory"]}
+  assert rows["none"]["opt_state_share"] == 1.0
+  assert rows["optimizer"]["opt_state_share"] <= 1 / 8 + 0.05
+  assert rows["params"]["state_share"] <= 1 / 8 + 0.10
+  assert "params+opt/replicated" in capsys.readouterr().out

@@ -69,8 +69,9 @@ def _memory(args) -> list[dict]:
 
 def _accuracy(args) -> list[dict]:
   """Test accuracy on the harder generated image task (jaxring._src.data.hard_shapes, the small
-  ResNet of ``jaxring bench convergence``) after the same steps, replicated and fully sharded,
-  uncompressed and with int8 weights + int8 gradients (error feedback), momentum SGD."""
+  CNN of ``jaxring bench convergence``, its learning rate) after the same steps, replicated and
+  fully sharded, uncompressed and with int8 weights + int8 gradients (error feedback), momentum
+  SGD, 16 random images per device a step."""
   import jax
   import numpy as np
   import optax
@@ -78,8 +79,9 @@ def _accuracy(args) -> list[dict]:
   import jaxring
   import jaxring.train as jt
   from jaxring._src.data.hard_shapes import hard_shapes
-  from jaxring._src.tools.bench.convergence import TASKS, init_resnet, resnet_logits
+  from jaxring._src.tools.bench.convergence import MODELS, TASKS
   xtr, ytr, xte, yte = hard_shapes()
+  init, logits_fn = MODELS[args.model]
   n = jax.device_count()
   per = args.batch_per_device * n
   lr = TASKS["shapes"][1]["momentum"]
@@ -92,21 +94,22 @@ def _accuracy(args) -> list[dict]:
     @jt.train_step(shard=shard, compression=comp, algorithm=algorithm)
     def step(state, b):
       def loss_fn(p):
-        return optax.softmax_cross_entropy_with_integer_labels(resnet_logits(p, b["x"]),
+        return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, b["x"]),
                                                                b["y"]).mean()
       loss, grads = jt.value_and_grad(loss_fn)(state.params)
       return state.apply_gradients(grads=grads), {"loss": loss}
-    state = jt.TrainState.create(apply_fn=None, params=init_resnet(jax.random.key(0), width=16),
+    state = jt.TrainState.create(apply_fn=None, params=init(jax.random.key(0)),
                                  tx=optax.sgd(lr, momentum=0.9))
     rng = np.random.default_rng(0)
     for _ in range(args.steps):
       idx = rng.integers(0, len(xtr), per)
       state, metrics = step(state, {"x": xtr[idx], "y": ytr[idx]})
-    logits = jax.jit(resnet_logits)(state.params, xte)
+    logits = jax.jit(logits_fn)(state.params, xte)
     acc = float((np.asarray(logits).argmax(1) == yte).mean() * 100)
     rows.append({"contender": label, "steps": args.steps, "test_accuracy": acc,
                  "final_loss": float(metrics["loss"])})
-    print(f"  {label}: {acc:.2f}% after {args.steps} steps", flush=True)
+    print(f"  {label}: {acc:.2f}% after {args.steps} steps (last loss "
+          f"{float(metrics['loss']):.3f})", flush=True)
   return rows
 
 
@@ -176,6 +179,7 @@ def main(argv=None) -> int:
   ap.add_argument("--layers", type=int, default=6, help="memory: the MLP's hidden layers")
   ap.add_argument("--steps", type=int, default=1200, help="accuracy: training steps")
   ap.add_argument("--batch-per-device", type=int, default=16, help="accuracy")
+  ap.add_argument("--model", default="cnn", help="accuracy: cnn or resnet (bench convergence's)")
   ap.add_argument("--nodes", type=int, default=4)
   ap.add_argument("--devices-per-node", type=int, default=2)
   ap.add_argument("--link", default="1gbit", help="collectives: every node link's rate")
