@@ -26,7 +26,10 @@ def _free_port():
 
 
 @pytest.mark.multiprocess
-def test_two_processes_match_one_process_with_the_same_devices(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "params"])
+def test_two_processes_match_one_process_with_the_same_devices(tmp_path, shard):
+  """Also fully sharded: the parameters split over both processes' devices, gathered and
+  reduce-scattered across processes, give the one-process replicated result."""
   port, metrics, out = _free_port(), tmp_path / "metrics.jsonl", tmp_path / "params.npz"
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXRING_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
@@ -36,7 +39,7 @@ def test_two_processes_match_one_process_with_the_same_devices(tmp_path):
     logs.append(open(tmp_path / f"worker{pid}.log", "w"))
     procs.append(subprocess.Popen(
         [sys.executable, WORKER, "--port", str(port), "--process-id", str(pid),
-         "--steps", str(STEPS), "--metrics", str(metrics), "--out", str(out)],
+         "--steps", str(STEPS), "--metrics", str(metrics), "--out", str(out), "--shard", shard],
         stdout=logs[-1], stderr=subprocess.STDOUT, env=env, start_new_session=True))
   try:
     deadline = time.time() + 240

@@ -1,4 +1,5 @@
-"""Worker for tests/test_train_multiprocess.py: one of N processes of a data-parallel fit.
+"""Worker for tests/test_train_multiprocess.py: one of N processes of a data-parallel fit
+(``--shard params``: the parameters split over every process's devices).
 
 Every process feeds only its own slice of each global batch (BatchIterator's default process
 split) and all write to the same metrics file, which only process 0 may touch. Process 0 saves the
@@ -32,7 +33,7 @@ def problem():
   return MLP(), optax.sgd(0.3, momentum=0.9), data, loss_fn
 
 
-def run(num_steps: int, metrics_path: str | None):
+def run(num_steps: int, metrics_path: str | None, shard: str = "none"):
   import jax
   import jax.numpy as jnp
 
@@ -41,7 +42,7 @@ def run(num_steps: int, metrics_path: str | None):
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))["params"]
   state = jt.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-  @jt.train_step(bucket_bytes=256)
+  @jt.train_step(bucket_bytes=256, shard=shard)
   def step(state, batch):
     loss, grads = jt.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
@@ -60,6 +61,7 @@ def main() -> int:
   ap.add_argument("--steps", type=int, default=4)
   ap.add_argument("--metrics", required=True)
   ap.add_argument("--out", required=True)
+  ap.add_argument("--shard", default="none")
   args = ap.parse_args()
 
   import jax
@@ -67,9 +69,11 @@ def main() -> int:
   jax.config.update("jax_numpy_dtype_promotion", "strict")
   jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
                              process_id=args.process_id)
-  step, state = run(args.steps, args.metrics)
+  step, state = run(args.steps, args.metrics, args.shard)
   assert step.num_replicas == args.num_processes * args.local_devices
-  params = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.params)
+  from jax.experimental import multihost_utils
+  params = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+                        state.params)  # split leaves: every process's blocks
   if jax.process_index() == 0:
     np.savez(args.out, **{"/".join(k): v for k, v in _flat(params)})
   print("DONE", flush=True)

@@ -196,10 +196,7 @@ def reduce_scatter(leaf, d: int, tiled: bool, binding, algorithm, compression):
   """
   dtype = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
   nbytes = np.size(leaf) * dtype.itemsize
-  plan = plan_for(binding, nbytes, dtype, algorithm, compression)
-  _check_per_hop(plan, "psum_scatter")
-  if plan.kind == "xla" and not plan.transport.has_reduce_scatter:
-    plan = plan_for(binding, nbytes, dtype, "ring", None)
+  plan = _reduce_scatter_plan(binding, nbytes, dtype, algorithm, compression)
   _fingerprint("psum_scatter", binding, np.shape(leaf), dtype, algorithm, plan)
   _check_block_order(plan, binding, "psum_scatter")
   p = binding.size
@@ -255,13 +252,24 @@ def reduce_scatter_flat(flat, dtype, binding, algorithm, compression, *, want_er
   if not binding.lax_bound:
     raise NotImplementedError("reduce_scatter_flat: mesh axes only (a sharded train step)")
   p = binding.size
-  plan = plan_for(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype, algorithm,
-                  compression)
-  _check_per_hop(plan, "psum_scatter")
+  plan = _reduce_scatter_plan(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype,
+                              algorithm, compression)
   _fingerprint("psum_scatter", binding, flat.shape, dtype, algorithm, plan)
   if plan.kind == "xla" or p == 1:
     return lax.psum_scatter(flat, axis_arg(binding.axes), scatter_dimension=0, tiled=True), None
   return _reduce_scatter_rows(flat.reshape(p, -1), p, dtype, plan, want_error)
+
+
+def _reduce_scatter_plan(binding, nbytes: int, dtype, algorithm, compression) -> Plan:
+  """The plan of a reduce-scatter. The native one only where it is sound: a transport that has
+  one, and, unless the caller named ``"xla"``, not across processes (``lax.psum_scatter`` over
+  gloo intermittently returned wrong sums there: docs/design.md); the ring otherwise."""
+  plan = plan_for(binding, nbytes, dtype, algorithm, compression)
+  _check_per_hop(plan, "psum_scatter")
+  if plan.kind == "xla" and (not plan.transport.has_reduce_scatter or (
+      algorithm != "xla" and jax.process_count() > 1)):
+    plan = plan_for(binding, nbytes, dtype, "ring", None)
+  return plan
 
 
 def _reduce_scatter_rows(rows, p, dtype, plan: Plan, want_error: bool):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -158,6 +159,8 @@ def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[s
   """
   x, offset = flat, 0
   err = jnp.zeros_like(flat) if want_error else None
+  if jax.process_count() > 1:  # no native reduce-scatter across processes (docs/design.md)
+    algos = ["ring" if a == "xla" else a for a in algos]
   for g, cd, al, pc in zip(groups, codecs, algos, pieces or [1] * len(groups)):
     c = x.shape[0] // g.size
     x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error, pc)
