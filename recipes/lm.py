@@ -364,6 +364,11 @@ def main(argv=None) -> int:
   import jaxring.distributed
 
   argv = sys.argv[1:] if argv is None else list(argv)
+  if "-h" in argv or "--help" in argv:
+    print(f"--config={{{','.join(CONFIGS)}}}, then --config.name=value or --name value:")
+    for name, value in dataclasses.asdict(get_config()).items():
+      print(f"  --{name.replace('_', '-')} {value!r}")
+    return 0
   config = parse_args(argv)
   jaxring.distributed.initialize(local_device_count=config.cpu_devices or None)
   summary = train_and_evaluate(config)

@@ -39,7 +39,7 @@ commands:
   simulate [--cluster 8xh100-25gbe] [--reproduce baidu]   projected scaling to 1,024 GPUs
   demo [args]          the README's main job (recipes/demo.py)
   doctor [--require mpi,cuda,gpu,tcmalloc]   versions, kernels self-test, MPI, allocator: a report
-  train <recipe> [--config.name=value ...]   a recipe of recipes/ (imagenet_resnet50, small_cpu)
+  train <recipe> [--config.name=value ...]   a recipe of recipes/ (imagenet_resnet50, small_cpu, lm)
 """ % ",".join([*BENCHES, *RECIPE_BENCHES])
 
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(argv: list[str]) -> int:
   if not argv or argv[0].startswith("-") or not argv[0].isidentifier():
     print("usage: jaxring train <recipe> [--config.name=value ...]   (recipes: "
-          "imagenet_resnet50, small_cpu)", file=sys.stderr)
+          "imagenet_resnet50, small_cpu, lm)", file=sys.stderr)
     return 2
   return exec_recipe(f"recipes.{argv[0]}", argv[1:], f"train {argv[0]}")
 
