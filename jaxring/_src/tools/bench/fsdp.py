@@ -222,10 +222,11 @@ def main(argv=None) -> int:
     else:
       rows, info = _cluster(args)
       result.update(cluster=info, cluster_rows=rows)
-      print(f"\n{args.nodes} nodes x {args.devices_per_node} devices, {args.link} links, "
-            "one process per node (median ms of node 0; ratios side by side in one run)")
+      print(f"\n{args.nodes} nodes x {args.devices_per_node} devices, one process per node "
+            "(median ms of node 0; ratios side by side in one run)")
       common.print_table(rows, [
-          ("contender", "contender", ""), ("ms", "ms", ".1f"), ("vs_gloo", "vs gloo", ".3f"),
+          ("contender", "contender", ""), ("link", "link", ""), ("ms", "ms", ".1f"),
+          ("vs_gloo", "vs gloo", ".3f"),
           ("vs_uncompressed_fsdp", "vs uncompressed FSDP", ".3f"),
           ("tx_mib", "tx MiB/node", ".1f"), ("rel_err", "rel err", ".1e"),
           ("error", "error", "")])
