@@ -31,7 +31,7 @@ def _bench(tmp_path, *args: str, timeout: float) -> tuple[subprocess.CompletedPr
 @pytest.mark.timeout(200)
 def test_bench_faults_runs_the_stuck_and_mismatch_rows_and_tabulates_detection(tmp_path):
   proc, result = _bench(tmp_path, "--only", "stuck between,mismatched shapes", "--skip",
-                        "cluster", "--failure-timeout", "4", timeout=180)
+                        "cluster,mpirun", "--failure-timeout", "4", timeout=180)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
   rows = {r["name"]: r for r in result["rows"]}
   assert set(rows) == {"stuck between collectives (alive, heartbeating)", "mismatched shapes"}
