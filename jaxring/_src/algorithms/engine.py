@@ -260,6 +260,12 @@ def reduce_scatter_flat(flat, dtype, binding, algorithm, compression, *, want_er
   return _reduce_scatter_rows(flat.reshape(p, -1), p, dtype, plan, want_error)
 
 
+def _order(algorithm, plan: Plan):
+  """The algorithm's chunk order, or None where it is the identity (no permuting copy)."""
+  order = algorithm.chunk_order(plan)
+  return None if order is None or tuple(order) == tuple(range(len(order))) else order
+
+
 def _reduce_scatter_plan(binding, nbytes: int, dtype, algorithm, compression) -> Plan:
   """The plan of a reduce-scatter. The native one only where it is sound: a transport that has
   one, and, unless the caller named ``"xla"``, not across processes (``lax.psum_scatter`` over
@@ -279,7 +285,7 @@ def _reduce_scatter_rows(rows, p, dtype, plan: Plan, want_error: bool):
   m_pad = -(-max(m, 1) // plan.align) * plan.align
   rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
   algorithm = base.get(plan.kind)
-  if (order := algorithm.chunk_order(plan)) is not None:
+  if (order := _order(algorithm, plan)) is not None:
     rows = rows[np.asarray(order)]
   if not want_error:
     return algorithm.reduce_scatter(rows.reshape(-1), plan, dtype)[:m], None
@@ -316,7 +322,7 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   algorithm = base.get(plan.kind)
   gathered = algorithm.all_gather(codec.encode(flat, dtype), plan)
   rows = codec.decode(gathered, dtype).reshape(p, -1)
-  if (order := algorithm.chunk_order(plan)) is not None:
+  if (order := _order(algorithm, plan)) is not None:
     rows = rows[np.argsort(np.asarray(order))]
   return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
 
