@@ -321,9 +321,10 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   flat = _pad_to(jnp.ravel(leaf).astype(accum_dtype(dtype)), plan.align)
   algorithm = base.get(plan.kind)
   gathered = algorithm.all_gather(codec.encode(flat, dtype), plan)
+  if (order := _order(algorithm, plan)) is not None:  # member order, on the narrow payload
+    inverse = np.argsort(np.asarray(order))
+    gathered = tuple(a.reshape(p, -1)[inverse].reshape(-1) for a in gathered)
   rows = codec.decode(gathered, dtype).reshape(p, -1)
-  if (order := _order(algorithm, plan)) is not None:
-    rows = rows[np.argsort(np.asarray(order))]
   return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
 
 
