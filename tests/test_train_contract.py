@@ -87,3 +87,22 @@ def test_a_bad_bucket_bytes_is_named_in_the_error(bad, error):
 def test_a_float_bucket_bytes_is_a_byte_count():
   step = jt.train_step(bucket_bytes=25e6)(lambda state, batch: (state, {}))
   assert step.config.bucket_bytes == 25_000_000
+
+
+def test_auto_bucket_bytes_without_a_profile_buckets_as_the_default(tmp_path, monkeypatch):
+  """bucket_bytes="auto" reaches the step (buckets.auto_bucket_bytes); with no measured profile
+  it keeps the 25 MiB default, so the buckets are the default's."""
+  monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))  # an empty cache: no profile
+  buckets = {}
+  for size in ("auto", 25 << 20):
+    step = jt.train_step(bucket_bytes=size, algorithm="ring")(
+        lambda state, batch: (state.apply_gradients(grads=jt.value_and_grad(
+            lambda p: jnp.mean((batch["x"] @ p["w"]) ** 2))(state.params)[1]), {}))
+    assert step.config.bucket_bytes == size
+    state = jt.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 2))},
+                                 tx=optax.sgd(0.1))
+    step(state, {"x": np.ones((16, 4), np.float32)})
+    buckets[size] = [b.indices for b in step.buckets]
+  assert buckets["auto"] == buckets[25 << 20]
+  with pytest.raises(TypeError, match="or 'auto'"):
+    jt.train_step(bucket_bytes="fast")

@@ -31,8 +31,14 @@ from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
 from jaxring._src.error_feedback import next_residual
 from jaxring._src.optim.momentum import corrected_mean
-from jaxring._src.train.buckets import Bucket, make_buckets, use_order
+from jaxring._src.train.buckets import (
+  Bucket,
+  auto_bucket_bytes,
+  make_buckets,
+  use_order,
+)
 from jaxring._src.train.fsdp import regather_policy, sharded_identity
+from jaxring._src.train.loss_check import check_output
 from jaxring._src.train.precision import Policy
 
 
@@ -44,7 +50,7 @@ class ReduceConfig:
   algorithm: Any = "auto"
   compression: Any = None
   error_feedback: bool = True
-  bucket_bytes: int = 25 << 20
+  bucket_bytes: int | str = 25 << 20   # or "auto" (buckets.auto_bucket_bytes)
   overlap: bool = True
   policy: Policy | None = None
   momentum: float | None = None   # momentum correction in the reduction (jaxring._src.optim)
@@ -248,6 +254,14 @@ def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_
   return diff_leaves
 
 
+def _bucket_bytes(cfg: ReduceConfig, leaves, order) -> int:
+  """``cfg.bucket_bytes``, or with ``"auto"`` the profile's choice for these gradients."""
+  if cfg.bucket_bytes != "auto":
+    return cfg.bucket_bytes
+  return auto_bucket_bytes(leaves, order, cfg.axes, algorithm=cfg.algorithm,
+                           compression=cfg.compression, overlap=cfg.overlap).bucket_bytes
+
+
 def _sharded_buckets(cfg, shard: ShardedParams, leaves, treedef, call) -> list[Bucket]:
   """Buckets of a sharded step: split leaves and whole leaves never share one (one is gathered
   and reduce-scattered, the other all-reduced); both lists merged in order of readiness."""
@@ -263,7 +277,8 @@ def _sharded_buckets(cfg, shard: ShardedParams, leaves, treedef, call) -> list[B
   buckets = []
   for part in (split, whole):
     if part:
-      sub = make_buckets([full[i] for i in part], range(len(part)), cfg.bucket_bytes)
+      sub = make_buckets([full[i] for i in part], range(len(part)),
+                         _bucket_bytes(cfg, [full[i] for i in part], range(len(part))))
       buckets += [Bucket(tuple(part[j] for j in b.indices), b.dtype, b.numel) for b in sub]
   return sorted(buckets, key=lambda b: max(position[i] for i in b.indices))
 
@@ -293,7 +308,8 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   call = _caller(fun, args, kwargs, argnums, treedef, policy)
   shard = ctx.shard
   if shard is None:
-    buckets = make_buckets(leaves, use_order(lambda *ls: call(ls), leaves), cfg.bucket_bytes)
+    order = use_order(lambda *ls: call(ls), leaves)
+    buckets = make_buckets(leaves, order, _bucket_bytes(cfg, leaves, order))
   else:
     buckets = _sharded_buckets(cfg, shard, leaves, treedef, call)
   ctx.buckets = buckets
@@ -305,7 +321,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
       diff_leaves = _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags,
                                                inv_scale, check, shard)
     out = call(diff_leaves)
-    _check_output(out, has_aux)
+    check_output(out, has_aux)
     loss, aux = out if has_aux else (out, None)
     objective = loss.astype(jnp.float32)
     if scale is not None:
@@ -331,35 +347,6 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     loss = loss.astype(jnp.float32)
   value = (loss, aux) if has_aux else loss
   return value, grads
-
-
-def _check_output(out, has_aux: bool) -> None:
-  """Raises the TypeError ``jax.value_and_grad`` raises for ``out`` (an integer, complex or
-  non-scalar loss; a ``has_aux`` output that is not a pair), with jax's own message.
-
-  The reduced path differentiates ``loss.astype(float32)``: without this check an integer loss
-  would train with zero gradients instead of failing as it does under ``jax.grad``. jax itself
-  judges a stand-in of the same shapes and dtypes, so the rules stay exactly jax's.
-  """
-  def stand_in(x):
-    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) if _is_array_like(x) else x
-
-  if has_aux and isinstance(out, tuple) and len(out) == 2:
-    out = (out[0], None)  # what aux holds is not jax's concern here, only the pair
-  shapes = jax.tree_util.tree_map(stand_in, out)
-
-  def like(_):
-    return jax.tree_util.tree_map(
-        lambda s: jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes)
-
-  try:
-    jax.eval_shape(jax.value_and_grad(like, has_aux=has_aux), jax.ShapeDtypeStruct((), jnp.float32))
-  except TypeError as e:
-    raise TypeError(f"jaxring.value_and_grad: {e}") from None
-
-
-def _is_array_like(x) -> bool:
-  return hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex))
 
 
 def _reduce_after_backward(cfg, buckets, grads, residuals, inv_scale, check):

@@ -346,11 +346,14 @@ def _check_residuals(state) -> None:
     state.residuals.fresh = False  # warned once
 
 
-def _validate_bucket_bytes(bucket_bytes) -> int:
+def _validate_bucket_bytes(bucket_bytes) -> int | str:
+  if bucket_bytes == "auto":
+    return bucket_bytes
   # a float such as 25e6 is a byte count too; a bool is not, though Python calls it an int
   if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Real):
     raise TypeError(f"train_step: bucket_bytes must be a number of bytes (an int such as "
-                    f"25 << 20), got {bucket_bytes!r} of type {type(bucket_bytes).__name__}")
+                    f"25 << 20) or 'auto', got {bucket_bytes!r} of type "
+                    f"{type(bucket_bytes).__name__}")
   if not math.isfinite(bucket_bytes) or bucket_bytes < 1:
     raise ValueError(f"train_step: bucket_bytes must be a positive number of bytes, got "
                      f"{bucket_bytes!r}")
@@ -358,7 +361,8 @@ def _validate_bucket_bytes(bucket_bytes) -> int:
 
 
 def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: Any = "auto",
-               compression: Any = None, error_feedback: bool = True, bucket_bytes: int = 25 << 20,
+               compression: Any = None, error_feedback: bool = True,
+               bucket_bytes: int | str = 25 << 20,
                overlap: bool = True, donate: bool = True, precision: Any = None,
                momentum: float | None = None, nesterov: bool = False, shard: str = "none"):
   """Turns a per-replica ``step(state, batch) -> (state, metrics)`` into a data-parallel step.
@@ -373,7 +377,9 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       compresses the parameters' all-gather (each value as above).
     error_feedback: with a lossy codec, carry each replica's compression error into the next step
       (residuals in ``state.residuals``).
-    bucket_bytes: gradient bytes fused into one reduction.
+    bucket_bytes: gradient bytes fused into one reduction, or ``"auto"``: chosen jointly with
+      each bucket's algorithm from the measured profile (``jaxring calibrate``; the model:
+      jaxring._src.train.buckets.auto_bucket_bytes), 25 MiB without one.
     overlap: reduce each bucket inside the backward pass (False: after it, the baseline).
     donate: donate the input state's buffers to the output state.
     precision: None (f32), ``"bf16"``, ``"fp16"`` (dynamic loss scaling) or a ``Policy``.
