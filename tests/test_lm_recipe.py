@@ -149,4 +149,5 @@ def test_tiny_cpu_with_int8_weights_and_gradients_trains_like_uncompressed():
   both = lm.train_and_evaluate(dataclasses.replace(base, algorithm="ring", compression="int8",
                                                    param_compression="int8"))
   assert plain["final"]["eval_loss"] < 0.5 * plain["unigram_entropy"]
-  assert both["final"]["eval_loss"] == pytest.approx(plain["final"]["eval_loss"], rel=0.02)
+  # no more than 2% above (measured: 6% below, seed 0; docs/benchmarks.md, "LM recipe")
+  assert both["final"]["eval_loss"] <= 1.02 * plain["final"]["eval_loss"]
