@@ -296,6 +296,31 @@ def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_dev
   _run(step4, on4, batches[3:4])  # and it trains there
 
 
+@pytest.mark.parametrize("shard", ["none", "optimizer", "params"])
+def test_full_params_inside_the_step_is_the_whole_updated_model(shard):
+  """A metric of the updated model computed in the step (jt.full_params gathers the blocks)
+  is the replicated step's."""
+  @jt.train_step(shard=shard)
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    state = state.apply_gradients(grads=grads)
+    return state, {"after": loss_fn(jt.full_params(state.params))}
+  batch = _data(1, shape=(16,), classes=8)[0]
+  _, metrics = step(_mlp_state(optax.sgd(0.5)), batch)
+  with jax.numpy_dtype_promotion("standard"):
+    ref = _mlp_state(optax.sgd(0.5))
+    grads = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        ref.apply_fn({"params": p}, batch["x"]), batch["y"]).mean())(ref.params)
+    new = ref.apply_gradients(grads=grads)
+    want = optax.softmax_cross_entropy_with_integer_labels(
+        new.apply_fn({"params": new.params}, batch["x"]), batch["y"]).mean()
+  np.testing.assert_allclose(float(metrics["after"]), float(want), rtol=1e-5)
+  assert jt.full_params is not None and jt.full_params({"a": 1}) == {"a": 1}  # outside: as is
+
+
 def test_bench_fsdp_memory_part_writes_its_table(tmp_path, capsys):
   from jaxring._src.tools.bench import fsdp
   assert fsdp.main(["--parts", "memory", "--width", "64", "--layers", "2", "--out-dir",

@@ -37,7 +37,7 @@ from jaxring._src.train.buckets import (
   make_buckets,
   use_order,
 )
-from jaxring._src.train.fsdp import regather_policy, sharded_identity
+from jaxring._src.train.fsdp import gather_params, regather_policy, sharded_identity
 from jaxring._src.train.loss_check import check_output
 from jaxring._src.train.precision import Policy
 
@@ -403,6 +403,26 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     return _reduced_value_and_grad(ctx, fun, argnums, has_aux, args, kwargs)
 
   return wrapped
+
+
+def full_params(params):
+  """Inside a sharded train step (``shard="optimizer"|"params"``), the whole parameters gathered
+  exactly from this replica's blocks ``params`` (e.g. ``state.params``, before or after the
+  update); elsewhere ``params`` itself. For what the step computes outside
+  :func:`value_and_grad` (a metric of the updated model); gradients need no such call.
+
+  Example:
+    >>> logits = state.apply_fn({"params": jaxring.train.full_params(state.params)}, x)
+  """
+  ctx = current_context()
+  if ctx is None or ctx.shard is None:
+    return params
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  if treedef != ctx.shard.treedef:
+    raise ValueError(f"jaxring.train.full_params: expected a tree like state.params "
+                     f"({ctx.shard.treedef}), got {treedef}")
+  dims = jax.tree_util.tree_unflatten(treedef, list(ctx.shard.dims))
+  return gather_params(params, dims, ctx.config.axes, ctx.config.algorithm)
 
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):
