@@ -184,9 +184,8 @@ def cnn_logits(params, x):
 
 def init_resnet(key, num_classes: int = 16, width: int = 16):
   """A small ResNet for 16x16x3 images, without normalization: a 3x3 stem of ``width`` channels,
-  a residual block, a 2x2 average pool to a block of ``2 * width`` channels (1x1 convolution on
-  the shortcut), another residual block, global average pooling and a dense layer (~38k
-  parameters at width 16). Each block's second convolution starts at zero (Goyal et al.'s
+  a residual block, a 2x2 average pool and a 1x1 convolution to ``2 * width`` channels, two
+  residual blocks, global average pooling and a dense layer (43,120 parameters at width 16). Each block's second convolution starts at zero (Goyal et al.'s
   zero-initialized residual), so the untrained network is the stem and the shortcuts."""
   import jax
   import jax.numpy as jnp
