@@ -321,6 +321,21 @@ def test_full_params_inside_the_step_is_the_whole_updated_model(shard):
   assert jt.full_params is not None and jt.full_params({"a": 1}) == {"a": 1}  # outside: as is
 
 
+def test_fp16_loss_scaling_skips_the_same_steps_sharded():
+  """precision="fp16": the sharded step's overflow check (on the reduce-scattered rows) agrees
+  with the replicated one's, so both skip or apply the same steps and end equal."""
+  batches = _data(4, shape=(16,), classes=8)
+  batches[1] = dict(batches[1], x=batches[1]["x"] * 1e6)  # overflows fp16 in the backward pass
+  out = {}
+  for shard in ("none", "params"):
+    state, metrics = _run(_mlp_step(shard=shard, precision="fp16"),
+                          _mlp_state(optax.sgd(0.1)), batches)
+    out[shard] = (state, metrics)
+  _assert_trees_close(out["params"][0].params, out["none"][0].params, rtol=1e-3, atol=1e-5)
+  assert float(out["params"][0].loss_scale.scale) == float(out["none"][0].loss_scale.scale)
+  assert float(out["none"][0].loss_scale.scale) < 2.0 ** 15  # the overflow was seen
+
+
 def test_bench_fsdp_memory_part_writes_its_table(tmp_path, capsys):
   from jaxring._src.tools.bench import fsdp
   assert fsdp.main(["--parts", "memory", "--width", "64", "--layers", "2", "--out-dir",
