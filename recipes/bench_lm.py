@@ -11,6 +11,7 @@ Launch:
 
   python -m recipes.bench_lm                              # tiny_cpu, 8 emulated CPU devices
   python -m recipes.bench_lm --num-steps 100 --config.width=128
+  python -m recipes.bench_lm --rows=params/none,params/int8 --config.seed=1   # some rows
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ ROWS = (("none", "none", "none", "auto"), ("params", "none", "none", "auto"),
         ("none", "int8", "none", "ring"), ("params", "int8", "int8", "ring"))
 
 
-def measure(config) -> list[dict]:
+def measure(config, names=None) -> list[dict]:
+  """The :data:`ROWS` named ``shard/grads`` in ``names`` (all when None) trained and measured."""
   import jax
   import numpy as np
 
@@ -34,6 +36,8 @@ def measure(config) -> list[dict]:
 
   rows = []
   for shard, grads, params, algorithm in ROWS:
+    if names is not None and f"{shard}/{grads}" not in names:
+      continue
     run = dataclasses.replace(config, shard=shard, compression=grads, param_compression=params,
                               algorithm=algorithm, progress=False)
     start = time.perf_counter()
@@ -55,8 +59,9 @@ def measure(config) -> list[dict]:
     print(f"  {shard}/{grads}/{params}: eval loss {rows[-1]['eval_loss']:.4f} in {wall:.0f} s",
           flush=True)
   for row in rows:
-    base = next(r for r in rows if r["shard"] == row["shard"] and r["grads"] == "none")
-    row["loss_vs_uncompressed"] = row["eval_loss"] / base["eval_loss"] - 1
+    base = [r for r in rows if r["shard"] == row["shard"] and r["grads"] == "none"]
+    row["loss_vs_uncompressed"] = (row["eval_loss"] / base[0]["eval_loss"] - 1 if base
+                                   else float("nan"))
   return rows
 
 
@@ -85,10 +90,11 @@ def main(argv=None) -> int:
   import jaxring.distributed
   from recipes import lm
 
-  config = lm.parse_args(argv)
+  names = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--rows=")]
+  config = lm.parse_args([a for a in argv if not a.startswith("--rows=")])
   jaxring.distributed.initialize(local_device_count=config.cpu_devices or None)
   load_before = os.getloadavg()
-  rows = measure(config)
+  rows = measure(config, names[0] if names else None)
   print(format_table(rows))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
