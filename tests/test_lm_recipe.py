@@ -111,6 +111,7 @@ def _run_steps(config, steps):
   return state, metrics
 
 
+@pytest.mark.timeout(600)  # ~20 s of CPU; 111-191 s of wall time at load 35-45 on 2 cores
 def test_fsdp_equals_the_replicated_step_on_the_lm():
   config = _small(num_steps=20)
   want, m_want = _run_steps(config, 3)
@@ -142,6 +143,7 @@ def test_small_lm_trains_fully_sharded_below_the_unigram_entropy():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two runs of 200 steps: 220-340 s each at load 35-45
 def test_tiny_cpu_with_int8_weights_and_gradients_trains_like_uncompressed():
   """The issue's goal: final loss within 2% of uncompressed FSDP (tiny_cpu, 8 devices)."""
   base = dataclasses.replace(lm.get_config("tiny_cpu"), shard="params", progress=False)
