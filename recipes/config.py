@@ -76,8 +76,9 @@ def _parse(field: dataclasses.Field, text: str):
   return {"int": int, "float": float, "str": str}[kind](text)
 
 
-def override(config: Config, argv: Sequence[str]) -> Config:
-  """``config`` with the ``--config.name=value`` / ``--name value`` arguments in ``argv`` applied.
+def override(config, argv: Sequence[str]):
+  """``config`` (a dataclass: :class:`Config` or another recipe's) with the ``--config.name=value``
+  / ``--name value`` arguments in ``argv`` applied.
 
   Raises:
     ValueError: an unknown name, a missing value or a value of the wrong type.
@@ -86,7 +87,7 @@ def override(config: Config, argv: Sequence[str]) -> Config:
     >>> override(Config(), ["--config.batch_size=64", "--num-steps", "10"]).batch_size
     64
   """
-  fields = {f.name: f for f in dataclasses.fields(Config)}
+  fields = {f.name: f for f in dataclasses.fields(config)}
   changes, args = {}, list(argv)
   while args:
     arg = args.pop(0)

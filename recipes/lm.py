@@ -40,7 +40,7 @@ import optax
 import jaxring
 import jaxring.train as jt
 from recipes import lm_data, optim, train
-from recipes.config import _parse
+from recipes.config import override
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,17 +205,6 @@ def create_train_state(config: LMConfig, model: GPT, tx) -> jt.TrainState:
   return jax.jit(create)(jax.random.key(config.seed, impl="rbg"))
 
 
-def codecs(config: LMConfig):
-  """The step's ``compression=``: ``{"params": ..., "grads": ...}`` under ``shard="params"``."""
-  grads = jaxring.codecs.parse(config.compression)
-  if config.shard == "params":
-    return {"params": jaxring.codecs.parse(config.param_compression), "grads": grads}
-  if config.param_compression not in ("none", ""):
-    raise ValueError("--config.param_compression compresses the parameters' all-gather of "
-                     f"--config.shard=params; this run has --config.shard={config.shard}")
-  return grads
-
-
 def make_train_step(config: LMConfig, schedule: optax.Schedule, mesh=None) -> jt.TrainStep:
   """The single-device LM step under ``@jaxring.train_step`` with the config's reduction."""
   def step(state, batch):
@@ -230,7 +219,7 @@ def make_train_step(config: LMConfig, schedule: optax.Schedule, mesh=None) -> jt
 
   axis = train.axis_name(config)
   return jt.train_step(mesh if mesh is not None else jt.default_mesh(axis), axis_name=axis,
-                       algorithm=config.algorithm, compression=codecs(config),
+                       algorithm=config.algorithm, compression=train.step_compression(config),
                        error_feedback=config.error_feedback,
                        bucket_bytes=int(config.bucket_mib * (1 << 20)), shard=config.shard)(step)
 
@@ -328,25 +317,6 @@ class _LossLog:
 
 
 # --- command line -------------------------------------------------------------------------------
-
-
-def override(config: LMConfig, argv) -> LMConfig:
-  """``config`` with ``--config.name=value`` / ``--name value`` applied (recipes.config's rules)."""
-  fields = {f.name: f for f in dataclasses.fields(LMConfig)}
-  changes, args = {}, list(argv)
-  while args:
-    arg = args.pop(0)
-    name, eq, value = arg.removeprefix("--").partition("=")
-    name = name.removeprefix("config.").replace("-", "_")
-    if not arg.startswith("--") or name not in fields:
-      raise ValueError(f"unknown argument {arg!r}; fields: {', '.join(sorted(fields))}")
-    if not eq:
-      is_flag = fields[name].type in ("bool", bool) and (not args or args[0].startswith("--"))
-      if not is_flag and not args:
-        raise ValueError(f"--{name} needs a value")
-      value = "true" if is_flag else args.pop(0)
-    changes[name] = _parse(fields[name], value)
-  return dataclasses.replace(config, **changes)
 
 
 def parse_args(argv) -> LMConfig:

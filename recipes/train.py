@@ -13,9 +13,8 @@ BatchNorm statistics and the metrics over the replicas.
 """
 from __future__ import annotations
 
-import logging
-
 import dataclasses
+import logging
 import os
 from typing import Any, Callable
 
@@ -120,6 +119,19 @@ def momentum_in_step(config: Config, compression: str | None = None) -> bool:
   return bool(getattr(codec, "sparsifying", False) and config.error_feedback and config.momentum)
 
 
+def step_compression(config, compression: str | None = None):
+  """The train step's ``compression=`` from a config's ``compression`` (or ``compression``) and,
+  under ``shard="params"``, ``param_compression``: ``{"params": ..., "grads": ...}`` (FSDP's
+  parameter all-gather has its own codec)."""
+  codec = jaxring.codecs.parse(config.compression if compression is None else compression)
+  if config.shard == "params":
+    return {"params": jaxring.codecs.parse(config.param_compression), "grads": codec}
+  if config.param_compression not in ("none", ""):
+    raise ValueError("--config.param_compression compresses the parameters' all-gather of "
+                     f"--config.shard=params; this run has --config.shard={config.shard}")
+  return codec
+
+
 def make_train_step(config: Config, schedule: optax.Schedule, mesh=None,
                     compression: str | None = None) -> jt.TrainStep:
   """The recipe's step under ``@jaxring.train_step`` (``compression`` overrides the config's).
@@ -128,12 +140,7 @@ def make_train_step(config: Config, schedule: optax.Schedule, mesh=None,
   optimizer is then :func:`recipes.optim.make_optimizer`'s momentum-free form.
   """
   in_step = momentum_in_step(config, compression)
-  codec = jaxring.codecs.parse(config.compression if compression is None else compression)
-  if config.shard == "params":  # FSDP: the parameters' all-gather has its own codec
-    codec = {"params": jaxring.codecs.parse(config.param_compression), "grads": codec}
-  elif config.param_compression not in ("none", ""):
-    raise ValueError("--config.param_compression compresses the parameters' all-gather of "
-                     f"--config.shard=params; this run has --config.shard={config.shard}")
+  codec = step_compression(config, compression)
   return jt.train_step(
       mesh if mesh is not None else jt.default_mesh(axis_name(config)),
       axis_name=axis_name(config), algorithm=config.algorithm, compression=codec,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxring._src.train.sharding import shard_dim
-from recipes import lm, lm_data
+from recipes import lm, lm_data, train
 
 
 def _small(**kw):
@@ -92,10 +92,10 @@ def test_command_line_picks_a_config_and_overrides_it():
                      "--config.param_compression=int8", "--tied=false"])
   assert (c.width, c.shard, c.num_steps, c.param_compression, c.tied) == (768, "params", 5,
                                                                           "int8", False)
-  with pytest.raises(ValueError, match="unknown argument"):
+  with pytest.raises(ValueError, match="unknown config field"):
     lm.parse_args(["--widht=3"])
   with pytest.raises(ValueError, match="param_compression"):
-    lm.codecs(dataclasses.replace(c, shard="none"))
+    train.step_compression(dataclasses.replace(c, shard="none"))
 
 
 def _run_steps(config, steps):
