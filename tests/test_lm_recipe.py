@@ -142,14 +142,5 @@ def test_small_lm_trains_fully_sharded_below_the_unigram_entropy():
   assert summary["entropy_floor"] < summary["final"]["eval_loss"]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)  # two runs of 200 steps: 220-340 s each at load 35-45
-def test_tiny_cpu_with_int8_weights_and_gradients_trains_like_uncompressed():
-  """The issue's goal: final loss within 2% of uncompressed FSDP (tiny_cpu, 8 devices)."""
-  base = dataclasses.replace(lm.get_config("tiny_cpu"), shard="params", progress=False)
-  plain = lm.train_and_evaluate(base)
-  both = lm.train_and_evaluate(dataclasses.replace(base, algorithm="ring", compression="int8",
-                                                   param_compression="int8"))
-  assert plain["final"]["eval_loss"] < 0.5 * plain["unigram_entropy"]
-  # no more than 2% above (measured: 6% below, seed 0; docs/benchmarks.md, "LM recipe")
-  assert both["final"]["eval_loss"] <= 1.02 * plain["final"]["eval_loss"]
+# The 2% goal of int8 weights + gradients against uncompressed FSDP on tiny_cpu (two 200-step
+# runs) is a benchmark's: `python -m recipes.bench_lm` (docs/benchmarks.md, "LM recipe").

@@ -178,10 +178,10 @@ def test_small_config_trains_on_8_devices_and_resumes(tiny_config, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_small_config_trains_fully_sharded_with_int8_weights_and_resumes(tiny_config, tmp_path):
+def test_small_config_trains_fully_sharded_with_int8_weights(tiny_config, tmp_path):
   """--config.shard=params --config.param_compression=int8: parameters and momentum live split
-  over the 8 devices, training lowers the loss, evaluation reads the split parameters, and a
-  restart resumes from the sharded checkpoint (restores, trains nothing)."""
+  over the 8 devices, training lowers the loss, evaluation reads the split parameters, and the
+  checkpoints are written (their exact resume: test_train_shard.py)."""
   config = dataclasses.replace(tiny_config, workdir=str(tmp_path), shard="params",
                                param_compression="int8", compression="int8", algorithm="ring")
   summary = train.train_and_evaluate(config)
@@ -191,11 +191,7 @@ def test_small_config_trains_fully_sharded_with_int8_weights_and_resumes(tiny_co
     losses = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
   assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.1, losses
   assert summary["final"]["eval_images"] == 16
-  resumed = train.train_and_evaluate(config)
-  assert resumed["start_step"] == 8
-  for a, b in zip(jax.tree_util.tree_leaves(summary["state"].params),
-                  jax.tree_util.tree_leaves(resumed["state"].params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "8"]  # saved sharded
   with pytest.raises(ValueError, match="param_compression"):
     train.make_train_step(dataclasses.replace(tiny_config, param_compression="int8"),
                           lambda s: 0.1)

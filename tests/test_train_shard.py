@@ -199,21 +199,6 @@ def test_compressed_parameters_and_gradients_train_like_uncompressed():
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(comp.params))
 
 
-def test_state_per_device_is_one_pth_of_the_replicated_state():
-  p = len(jax.devices())
-  batch = _data(1, shape=(16,), classes=8)[0]
-  sizes = {}
-  for shard in ("none", "optimizer", "params"):
-    with jax.numpy_dtype_promotion("standard"):
-      sizes[shard] = _mlp_step(shard=shard).memory(_mlp_state(optax.adam(1e-3)), batch)
-  full = sizes["none"]
-  assert sizes["optimizer"]["opt_state"] <= (1 / p + 0.05) * full["opt_state"]
-  assert sizes["optimizer"]["params"] == full["params"]
-  persistent = sizes["params"]["params"] + sizes["params"]["opt_state"]
-  assert persistent <= (1 / p + 0.10) * (full["params"] + full["opt_state"])
-  assert all(sizes[s]["step_peak"] > 0 for s in sizes)
-
-
 def test_an_optimizer_that_reduces_over_leaves_is_refused_naming_it():
   tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
   step = _mlp_step(shard="params")
