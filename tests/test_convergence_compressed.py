@@ -76,7 +76,11 @@ def test_nesterov_topk_with_momentum_correction_within_one_point(data, uncompres
 def test_every_optimizer_and_codec_meets_the_goal(data, name, codec):
   """The whole matrix (~2 min): the goal is 0.5 points for dense codecs, 1.0 for top-k."""
   lr = bench.LEARNING_RATES[name]
-  base = accuracy(data, bench.supported_optimizer(name, lr, "d", None))
   c = TOPK if codec == "topk" else codecs.parse(codec)
+  if name == "lamb" and codec == "topk":  # refused where it is built, with the supported line
+    with pytest.raises(ValueError, match="LAMB over topk_chunks.*compression=jr.codecs.int8"):
+      bench.supported_optimizer(name, lr, "d", c, **ADAM)
+    return
+  base = accuracy(data, bench.supported_optimizer(name, lr, "d", None))
   got = accuracy(data, bench.supported_optimizer(name, lr, "d", c, **ADAM))
   assert got >= base - (1.0 if codec == "topk" else 0.5), (base, got)

@@ -281,7 +281,7 @@ def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_dev
   _run(step4, on4, batches[3:4])  # and it trains there
 
 
-@pytest.mark.parametrize("shard", ["none", "optimizer", "params"])
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_full_params_inside_the_step_is_the_whole_updated_model(shard):
   """A metric of the updated model computed in the step (jt.full_params gathers the blocks)
   is the replicated step's."""
