@@ -27,7 +27,7 @@ from jax import lax
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
-from jaxring._src.train.sharding import from_rows, to_rows
+from jaxring._src.train.sharding import from_rows, full_shape, to_rows
 from jaxring._src.transport.groups import axis_arg
 
 
@@ -165,12 +165,8 @@ def gather_params(params, dims, axes: tuple, algorithm):
       by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
   for idx in by_dtype.values():
     full = gather_leaves([leaves[i] for i in idx], [dim_leaves[i] for i in idx],
-                         [_full_shape(leaves[i].shape, dim_leaves[i], p) for i in idx], axes,
+                         [full_shape(leaves[i].shape, dim_leaves[i], p) for i in idx], axes,
                          algorithm, None)
     for i, x in zip(idx, full):
       out[i] = x
   return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _full_shape(block_shape, d: int, p: int) -> tuple:
-  return tuple(block_shape[:d]) + (block_shape[d] * p,) + tuple(block_shape[d + 1:])

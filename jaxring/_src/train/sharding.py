@@ -200,6 +200,15 @@ def from_rows(rows, d: int, shape):
   return jnp.moveaxis(rows.reshape((p,) + tuple(block)), 0, d).reshape(shape)
 
 
+def full_shape(block_shape, d: int | None, p: int) -> tuple:
+  """The shape of the leaf whose blocks (split along ``d`` over ``p`` replicas) are
+  ``block_shape`` (``block_shape`` itself when ``d`` is None)."""
+  block_shape = tuple(block_shape)
+  if d is None:
+    return block_shape
+  return block_shape[:d] + (block_shape[d] * p,) + block_shape[d + 1:]
+
+
 def local_block(full, d: int | None, p: int, index):
   """Replica ``index``'s block of ``full`` (``full`` itself when ``d`` is None)."""
   if d is None:

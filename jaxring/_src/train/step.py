@@ -288,8 +288,7 @@ class TrainStep:
     leaves, treedef = jax.tree_util.tree_flatten(state.params)
     dims = tuple(jax.tree_util.tree_leaves(self._dims, is_leaf=lambda x: x is None))
     if cfg.shard == "params":
-      shapes = tuple(x.shape if d is None else x.shape[:d] + (x.shape[d] * p,) + x.shape[d + 1:]
-                     for x, d in zip(leaves, dims))
+      shapes = tuple(sharding.full_shape(x.shape, d, p) for x, d in zip(leaves, dims))
       return ShardedParams(treedef, dims, shapes, None), state
     index = lax.axis_index(cfg.axis_name)
     blocks = [sharding.local_block(x, d, p, index) for x, d in zip(leaves, dims)]
