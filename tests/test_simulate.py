@@ -84,19 +84,77 @@ def test_cli_runs_to_1024_gpus_in_seconds_and_reproduces_baidus_400_ms(tmp_path)
   assert abs(at40 - 400) / 400 < 0.25
 
 
+def _profile(model, sizes, link, plans, nbytes=(64 << 10, 1 << 20, 32 << 20)):
+  """A calibration profile whose points the model produces exactly."""
+  from jaxring._src.tools.simulate import calibrated
+  fits = []
+  for algorithm, codec in plans:
+    text = {"none": "Codec()", **calibrated._DEFAULT}[codec]
+    fits.append({"algorithm": algorithm, "codecs": ["Codec()", text], "sizes": list(nbytes),
+                 "seconds": [model.all_reduce_seconds(algorithm, codec, n, link) for n in nbytes]})
+  return {"key": {}, "fits": fits}
+
+
+PLANS = [("xla", "none"), ("ring", "none"), ("hierarchical", "none"), ("ring", "bf16"),
+         ("hierarchical", "bf16"), ("ring", "int8"), ("hierarchical", "int8"),
+         ("hierarchical", "topk")]
+
+
+def test_calibrated_terms_by_hand():
+  from jaxring._src.tools.simulate import calibrated
+  n, link = 32 << 20, 125e6
+  int8 = calibrated.wire_of("Int8(block_size=256, stochastic=False)")
+  assert int8.ratio == pytest.approx(0.25 + 1 / 256)
+  t, f = calibrated.terms("hierarchical", "int8", int8, n, (2, 4), link)
+  # the node level: 2 rings (one per device) share the link, each all-reducing half the buffer
+  assert t == pytest.approx(2 * 3 / 4 * (n / 2) * int8.ratio / (link / 2))
+  assert f["alpha_local"] == 2 and f["alpha_node"] == 6
+  assert f["beta_local"] == pytest.approx(n / 2 + n / 2 * int8.ratio)   # f32 RS, int8 AG
+  assert f["beta_node"] == pytest.approx(2 * 3 / 4 * (n / 2) * int8.ratio)
+  assert f["kappa_int8"] == pytest.approx(2 * 3 / 4 * n / 2) and f["gamma_int8"] == 1
+  topk = calibrated.wire_of("TopKChunks(density=0.01, chunk_size=4096, inner=None)")
+  t, f = calibrated.terms("ring", "topk", topk, n, (2, 4), link)
+  packed = round(n / 4 / 4096 * 0.01) * 4096 * 4          # 20 chunks of 4096 f32
+  assert t == pytest.approx(2 * 7 / 8 * packed / link)
+  assert f["kappa_topk"] == n and f["alpha_node"] == 14 and f["kappa_int8"] == 0
+  t, f = calibrated.terms("xla", "none", calibrated.Wire(), n, (2, 4), link)
+  assert t == 0 and f["link_native"] == pytest.approx(2 * 7 / 8 * n / link)
+
+
+def test_calibrated_fit_recovers_the_coefficients_and_moves_to_another_link_rate():
+  from jaxring._src.tools.simulate import calibrated
+  sizes, link = (2, 4), 125e6
+  truth = calibrated.Calibrated(sizes, {
+      **dict.fromkeys(calibrated.NAMES, 0.0), "alpha_local": 1e-3, "alpha_node": 2e-3,
+      "beta_local": 3e-9, "beta_node": 2e-9, "alpha_native": 8e-3, "link_native": 1.8,
+      "kappa_bf16": 2e-9, "kappa_int8": 4e-9, "kappa_topk": 3e-9, "gamma_int8": 5e-3,
+      "gamma_topk": 7e-3})
+  model = calibrated.fit(_profile(truth, sizes, link, PLANS), sizes, link)
+  for k, v in truth.coef.items():
+    assert model.coef[k] == pytest.approx(v, rel=1e-6, abs=1e-12), k
+  for plan in PLANS + [("ring", "topk")]:     # ring top-k was never timed
+    for rate in (62.5e6, 250e6):
+      assert model.all_reduce_seconds(*plan, 8 << 20, rate) == pytest.approx(
+          truth.all_reduce_seconds(*plan, 8 << 20, rate), rel=1e-6)
+
+
 def test_validation_predicts_bench_cluster_rows_by_hand():
-  from jaxring._src.tools.simulate import validate
+  from jaxring._src.tools.simulate import calibrated, validate
   n, bw = 32 << 20, 125e6
+  truth = calibrated.Calibrated((2, 4), {**dict.fromkeys(calibrated.NAMES, 0.0),
+                                         "alpha_node": 1e-3, "kappa_int8": 4e-9,
+                                         "alpha_native": 5e-3, "link_native": 1.0})
   result = {"bench": "cluster", "args": {"devices_per_node": 2}, "nodes": 4, "link": "1gbit",
             "bandwidth_bytes_per_s": bw, "bytes_per_device": n,
-            "calibration": [{"job": "jax", "fits": [["hierarchical", "Int8(block_size=256)",
-                                                     0.01, 2e-9]]}],
+            "calibration": [{"job": "jax", "profile": _profile(truth, (2, 4), bw, PLANS)}],
             "rows": [{"contender": "gloo lax.psum", "ms": 500.0},
                      {"contender": "jaxring hierarchical int8", "ms": 250.0},
+                     {"contender": "jaxring hierarchical int8 (MPI transport)", "ms": 240.0},
                      {"contender": "jaxring auto int8", "ms": 240.0}]}   # auto: not modelled
   rows = validate.predict_cluster_rows(
       result, lambda alg, codec: timeline.Plan(alg, 0.25 if codec == "int8" else 1.0, codec))
-  assert [r["contender"] for r in rows] == ["gloo lax.psum", "jaxring hierarchical int8"]
+  assert [r["contender"] for r in rows] == [
+      "gloo lax.psum", "jaxring hierarchical int8", "jaxring hierarchical int8 (MPI transport)"]
   e = clusters.CLUSTERS["emulated"]
   flat = 2 * 7 * e.inter_latency + 2 * 7 / 8 * n / bw               # one ring through 8 devices
   assert rows[0]["predicted_ms"] == pytest.approx(flat * 1e3)
@@ -104,6 +162,37 @@ def test_validation_predicts_bench_cluster_rows_by_hand():
   local = 2 * e.intra_latency + 2 * 1 / 2 * n / e.intra_bandwidth
   node = 6 * e.inter_latency + 2 * 3 / 4 * (n / 2) * 0.25 / (bw / 2) + 2 * 3 / 4 * (n / 2) / 2e9
   assert rows[1]["predicted_ms"] == pytest.approx((local + node) * 1e3)
-  assert rows[1]["calibrated_ms"] == pytest.approx((0.01 + 2e-9 * n) * 1e3)
-  assert rows[0]["calibrated_ms"] is None
+  assert rows[0]["calibrated_ms"] == pytest.approx((5e-3 + 2 * 7 / 8 * n / bw) * 1e3, rel=1e-6)
+  int8 = calibrated.wire_of(calibrated._DEFAULT["int8"])
+  hier = 6e-3 + 2 * 3 / 4 * (n / 2) * (int8.ratio / (bw / 2) + 4e-9)
+  assert rows[1]["calibrated_ms"] == pytest.approx(hier * 1e3, rel=1e-6)
+  assert rows[2]["calibrated_ms"] is None            # no MPI calibration in this run
   assert validate.plan_of("jaxring hierarchical topk (MPI transport)") == ("hierarchical", "topk")
+
+
+def test_step_validation_adds_each_reduction_to_the_measured_computation():
+  import jax
+
+  from jaxring._src.tools.bench import tta
+  from jaxring._src.tools.bench.convergence import init_resnet
+  from jaxring._src.tools.simulate import calibrated, validate
+  model = calibrated.Calibrated((2, 4), {**dict.fromkeys(calibrated.NAMES, 0.0),
+                                         "alpha_native": 0.01, "link_native": 1.0,
+                                         "alpha_node": 1e-3, "kappa_int8": 4e-9})
+  result = {"bench": "tta", "link": "10mbit", "compute_s": 0.05,
+            "args": {"seed": 0, "bucket_mib": 1.0, "chunk_size": 16},
+            "rows": [{"contender": tta.HAND, "s_per_step": 0.5},
+                     {"contender": tta.BASE, "s_per_step": 0.3},
+                     {"contender": tta.INT8, "s_per_step": 0.1}]}
+  rows = {r["contender"]: r for r in validate.predict_tta_steps(result, {"jax": model})}
+  leaves = [4 * x.size for x in jax.tree.leaves(jax.eval_shape(init_resnet, jax.random.key(0)))]
+  link, total = 1.25e6, sum(leaves)
+  native = lambda n: 0.01 + 2 * 7 / 8 * n / link            # noqa: E731
+  # the hand-written step: one native all-reduce per leaf, and the loss
+  assert rows[tta.HAND]["predicted_s"] == pytest.approx(0.05 + sum(map(native, leaves)) + native(4))
+  # train_step: one bucket of every leaf (under 1 MiB), and the loss
+  assert rows[tta.BASE]["predicted_s"] == pytest.approx(0.05 + native(total) + native(4))
+  assert rows[tta.BASE]["error"] == pytest.approx(rows[tta.BASE]["predicted_s"] / 0.3 - 1)
+  int8 = calibrated.wire_of(calibrated._DEFAULT["int8"])
+  hier = 6e-3 + 2 * 3 / 4 * (total / 2) * (int8.ratio / (link / 2) + 4e-9)
+  assert rows[tta.INT8]["predicted_s"] == pytest.approx(0.05 + hier + native(4))

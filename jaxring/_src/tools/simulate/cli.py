@@ -5,6 +5,8 @@ Examples:
   jaxring simulate --cluster 8xh100-25gbe --codecs none,int8,topk --bucket-mib 25
   jaxring simulate --reproduce baidu                 # the ring all-reduce arithmetic of Baidu (2017)
   jaxring simulate --validate benchmarks/results/cluster-20261123-160415.json   # vs measured
+  jaxring simulate --validate RUN.json --calibration OTHER_RUN.json  # model fitted elsewhere
+  jaxring simulate --validate-steps TTA.json --calibration CLUSTER.json  # training steps
 
 Prints a table per cluster (step ms, reduction ms, exposed ms, efficiency, images/s), writes JSON
 under benchmarks/results/ and, where matplotlib is installed (``pip install jaxring[plot]``), a
@@ -43,6 +45,12 @@ def _parser():
   ap.add_argument("--reproduce", choices=("baidu",), default=None)
   ap.add_argument("--validate", default=None, metavar="CLUSTER_JSON",
                   help="predict every row of a `jaxring bench cluster` result and compare")
+  ap.add_argument("--validate-steps", default=None, metavar="TTA_JSON",
+                  help="predict the step time of every contender of a `jaxring bench tta` result "
+                       "(needs --calibration)")
+  ap.add_argument("--calibration", default=None, metavar="CLUSTER_JSON",
+                  help="fit the calibrated model to this `jaxring bench cluster` run's "
+                       "calibration (--validate: default the validated run's own)")
   ap.add_argument("--out-dir", default=None)
   return ap
 
@@ -63,7 +71,13 @@ def main(argv=None) -> int:
   from jaxring._src.tools.bench import common
   t0 = time.perf_counter()
   if args.validate:
-    return _validate(args.validate, args.out_dir)
+    return _validate(args.validate, args.out_dir, args.calibration)
+  if args.validate_steps:
+    if not args.calibration:
+      print("jaxring simulate: --validate-steps needs --calibration CLUSTER_JSON (a `jaxring "
+            "bench cluster` run on the same emulated cluster shape)", file=sys.stderr)
+      return 2
+    return _validate_steps(args.validate_steps, args.calibration, args.out_dir)
   if args.reproduce == "baidu":
     result = baidu()
     print("# Baidu ring all-reduce: 1.2 GB over 6 GB/s links, alpha ignored (source: ~400 ms "
@@ -108,13 +122,16 @@ def main(argv=None) -> int:
   return 0
 
 
-def _validate(path: str, out_dir) -> int:
+def _validate(path: str, out_dir, calibration_path: str | None = None) -> int:
   from jaxring._src.tools.bench import common
   from jaxring._src.tools.simulate import validate
   result = validate.load(path)
-  rows = validate.predict_cluster_rows(result, lambda alg, codec: _codec_plan(codec, alg))
+  calibration = validate.load(calibration_path) if calibration_path else None
+  rows = validate.predict_cluster_rows(result, lambda alg, codec: _codec_plan(codec, alg),
+                                       calibration)
   print(f"# {path}: {result['nodes']} nodes x {result['args']['devices_per_node']} devices, "
-        f"{result['link']}, {common.fmt_bytes(result['bytes_per_device'])} per device")
+        f"{result['link']}, {common.fmt_bytes(result['bytes_per_device'])} per device; "
+        f"calibrated model fitted to {calibration_path or 'its own calibration'}")
   common.print_table(rows, [("contender", "contender", ""), ("measured_ms", "measured ms", ".0f"),
                             ("predicted_ms", "alpha-beta ms", ".0f"), ("error", "error", "+.0%"),
                             ("calibrated_ms", "calibrated ms", ".0f"),
@@ -122,7 +139,30 @@ def _validate(path: str, out_dir) -> int:
   calibrated = [abs(r["calibrated_error"]) for r in rows if r["calibrated_error"] is not None]
   print(f"worst error: alpha-beta {max(abs(r['error']) for r in rows):.0%}"
         + (f", calibrated {max(calibrated):.0%}" if calibrated else ""))
-  print(f"wrote {common.write_json('simulate-validate', {'source': path, 'rows': rows}, out_dir)}")
+  fitted = validate.models(calibration or result)
+  out = {"source": path, "calibration": calibration_path or path, "rows": rows,
+         "coefficients": {job: m.coef for job, m in fitted.items()}}
+  print(f"wrote {common.write_json('simulate-validate', out, out_dir)}")
+  return 0
+
+
+def _validate_steps(path: str, calibration_path: str, out_dir) -> int:
+  from jaxring._src.tools.bench import common
+  from jaxring._src.tools.simulate import validate
+  result, calibration = validate.load_tta(path), validate.load(calibration_path)
+  fitted = validate.models(calibration)
+  rows = validate.predict_tta_steps(result, fitted)
+  print(f"# {path}: {result['args'].get('batch_per_device')} images per device, links "
+        f"{result['link']}; computation {result['compute_s'] * 1e3:.0f} ms a step (measured), "
+        f"reductions from the model fitted to {calibration_path}")
+  common.print_table(rows, [("contender", "contender", ""), ("measured_s", "measured s/step", ".3f"),
+                            ("reduce_s", "reductions s", ".3f"),
+                            ("predicted_s", "predicted s/step", ".3f"), ("error", "error", "+.0%")])
+  if rows:
+    print(f"worst error: {max(abs(r['error']) for r in rows):.0%}")
+  out = {"source": path, "calibration": calibration_path, "rows": rows,
+         "coefficients": {job: m.coef for job, m in fitted.items()}}
+  print(f"wrote {common.write_json('simulate-validate-steps', out, out_dir)}")
   return 0
 
 

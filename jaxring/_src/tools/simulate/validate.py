@@ -1,13 +1,15 @@
 """The simulator against measurement: every ``jaxring bench cluster`` row it can model.
 
 A ``bench cluster`` JSON holds the emulated cluster's shape (nodes, devices per node, link rate),
-the buffer size and each contender's median time. The simulator predicts the same all-reduce from
-the shipped ``emulated`` cluster description at that link rate (``timeline.all_reduce_seconds``:
-the alpha-beta formulas of ``jaxring._src.cost_model``, the codec's wire ratio and encode/decode
-rate) and nothing measured in that run: the error column is the model's. Where the run holds
-the calibration that ``auto`` used (``jaxring calibrate``: a line ``alpha + beta * bytes`` per plan,
-fitted from calls of other sizes on the same mesh), the calibrated prediction is that line at
-the row's size.
+the buffer size, each contender's median time and the calibration profiles ``auto`` used. Two
+predictions per row:
+
+- **alpha-beta**: the shipped ``emulated`` cluster description at that link rate
+  (``timeline.all_reduce_seconds``: the formulas of ``jaxring._src.cost_model``, the codec's wire
+  ratio and a nominal encode/decode rate); nothing measured.
+- **calibrated**: the per-level model of ``calibrated`` fitted to a calibration profile, of this
+  run or of another one (another link rate, another size): the same formulas plus what the
+  profile measured beyond them.
 """
 from __future__ import annotations
 
@@ -15,15 +17,15 @@ import dataclasses
 import json
 import re
 
+from jaxring._src.tools.simulate import calibrated, timeline
 from jaxring._src.tools.simulate import cluster as clusters
-from jaxring._src.tools.simulate import timeline
 
 # contender name -> (algorithm, codec); the rest (auto, the node ring alone, check_vma variants)
 # repeat these plans or time part of one
 PLANS = (
     (r"^gloo lax\.psum$", ("flat", "none")),
     (r"^MPICH MPI_Allreduce", ("flat", "none")),
-    (r"^jaxring ring (none)$", ("flat", None)),
+    (r"^jaxring ring (none|bf16|int8|topk)( \(MPI transport\))?$", ("flat", None)),
     (r"^jaxring hierarchical (none|bf16|int8|topk)( \(MPI transport\))?$", ("hierarchical", None)),
 )
 
@@ -48,39 +50,45 @@ def emulated(nodes_link_bytes_per_s: float, devices_per_node: int) -> clusters.C
                              gpus_per_node=devices_per_node)
 
 
-CODEC_FITS = {"none": "Codec()", "bf16": "Bf16()", "int8": "Int8(", "topk": "TopKChunks("}
+def job_of(contender: str) -> str:
+  return "mpi" if "MPI" in contender else "jax"
 
 
-def calibrated_ms(result: dict, contender: str, algorithm: str, codec: str, n: float):
-  """The calibration's fitted line at ``n`` bytes for this row's plan and job, or None."""
-  job = "mpi" if "MPI" in contender else "jax"
-  fits = next((r["fits"] for r in result.get("calibration", []) if r.get("job") == job), None)
-  if not fits:
-    return None
-  alg = {"flat": "xla" if contender.startswith(("gloo", "MPICH")) else "ring"}.get(algorithm,
-                                                                                  algorithm)
-  for fit_alg, fit_codec, alpha, beta in fits:
-    if fit_alg == alg and fit_codec.startswith(CODEC_FITS[codec]):
-      return (alpha + beta * n) * 1e3
-  return None
+def models(result: dict) -> dict:
+  """``{job: calibrated.Calibrated}`` from the calibration profiles of a ``bench cluster`` result
+  (one per job: ``mpi``, ``jax``)."""
+  sizes = (int(result["args"]["devices_per_node"]), int(result["nodes"]))
+  link = float(result["bandwidth_bytes_per_s"])
+  out = {}
+  for cal in result.get("calibration", []):
+    if cal.get("job") not in out and cal.get("profile"):
+      out[cal["job"]] = calibrated.fit(cal["profile"], sizes, link)
+  return out
 
 
-def predict_cluster_rows(result: dict, plan_for_codec) -> list[dict]:
+def predict_cluster_rows(result: dict, plan_for_codec, calibration: dict | None = None) -> list:
   """Predicted against measured ms for each modelled row of a ``bench cluster`` result.
 
-  ``plan_for_codec(algorithm, codec)`` builds the ``timeline.Plan`` (the codec's wire ratio).
+  ``plan_for_codec(algorithm, codec)`` builds the ``timeline.Plan`` (the codec's wire ratio);
+  ``calibration`` is the ``bench cluster`` result whose profiles the calibrated model is fitted
+  to (default: ``result`` itself).
   """
   args = result["args"]
   devices, nodes = int(args["devices_per_node"]), int(result["nodes"])
-  c = emulated(float(result["bandwidth_bytes_per_s"]), devices)
+  link = float(result["bandwidth_bytes_per_s"])
+  c = emulated(link, devices)
   n = float(result["bytes_per_device"])
+  fitted = models(result if calibration is None else calibration)
   rows = []
   for r in result["rows"]:
     plan = plan_of(r["contender"])
     if plan is None:
       continue
     predicted = timeline.all_reduce_seconds(n, nodes * devices, c, plan_for_codec(*plan)) * 1e3
-    cal = calibrated_ms(result, r["contender"], *plan, n)
+    model = fitted.get(job_of(r["contender"]))
+    algorithm = plan[0] if plan[0] != "flat" else (
+        "xla" if r["contender"].startswith(("gloo", "MPICH")) else "ring")
+    cal = None if model is None else model.all_reduce_seconds(algorithm, plan[1], n, link) * 1e3
     rows.append({"contender": r["contender"], "measured_ms": r["ms"],
                  "predicted_ms": predicted, "error": predicted / r["ms"] - 1,
                  "calibrated_ms": cal, "calibrated_error": None if cal is None else cal / r["ms"] - 1})
@@ -92,4 +100,69 @@ def load(path: str) -> dict:
     result = json.load(f)
   if result.get("bench") != "cluster":
     raise ValueError(f"{path}: not a `jaxring bench cluster` result (bench={result.get('bench')!r})")
+  return result
+
+
+# --- training steps -------------------------------------------------------------------------------
+#
+# XLA:CPU runs a collective and the computation beside it in turn (docs/benchmarks.md, "Inter-node
+# step alone"), so on the emulated cluster a step is its computation plus its reductions, no
+# overlap: the timeline's ``overlap=False``.
+
+def tta_reductions(contender: str, leaf_bytes: list[int], bucket_bytes: int, chunk_size: int):
+  """The all-reduces one step of a ``bench tta`` contender issues: ``[(algorithm, codec, wire
+  codec string, bytes per member)]``. The hand-written step reduces every gradient leaf by
+  itself; ``train_step`` packs them into buckets (one, for this model) and reduces the loss too."""
+  from jaxring._src.tools.bench import tta
+  total = sum(leaf_bytes)
+  buckets = [min(bucket_bytes, total - i) for i in range(0, total, bucket_bytes)]
+  scalar = [("xla", "none", "Codec()", 4)]
+  if contender == tta.HAND:
+    return [("xla", "none", "Codec()", b) for b in leaf_bytes] + scalar
+  if contender == tta.BASE:     # lossless auto without a profile: the native all-reduce
+    return [("xla", "none", "Codec()", b) for b in buckets] + scalar
+  if contender == tta.INT8:
+    return [("hierarchical", "int8", "Int8(block_size=256, stochastic=False)", b)
+            for b in buckets] + scalar
+  if contender == tta.TOPK:
+    text = f"TopKChunks(density=0.01, chunk_size={chunk_size}, inner=None)"
+    return [("hierarchical", "topk", text, b) for b in buckets] + scalar
+  return None
+
+
+def predict_tta_steps(tta_result: dict, fitted: dict) -> list[dict]:
+  """Predicted against measured seconds per step for each contender of a ``bench tta`` result:
+  the measured computation alone (``compute_s``, a step of one node's devices with nothing on
+  the link) plus the calibrated model's time for each reduction at the run's link rate."""
+  import jax
+
+  from jaxring._src.tools.bench.convergence import init_resnet
+  from jaxring._src.tools.cluster import netns
+  args = tta_result["args"]
+  link = netns.rate_bytes_per_second(tta_result["link"])
+  shapes = jax.eval_shape(init_resnet, jax.random.key(int(args.get("seed", 0))))
+  leaf_bytes = [4 * int(s.size) for s in jax.tree.leaves(shapes)]
+  model = fitted.get("jax")
+  rows = []
+  for r in tta_result["rows"]:
+    plan = tta_reductions(r["contender"], leaf_bytes, int(args["bucket_mib"] * (1 << 20)),
+                          int(args["chunk_size"]))
+    if plan is None or model is None:
+      continue
+    reduce_s = 0.0
+    for algorithm, codec, text, nbytes in plan:
+      wire = calibrated.wire_of(text)
+      reduce_s += model.with_wire(codec, wire).all_reduce_seconds(algorithm, codec, nbytes, link)
+    predicted = tta_result["compute_s"] + reduce_s
+    rows.append({"contender": r["contender"], "measured_s": r["s_per_step"],
+                 "compute_s": tta_result["compute_s"], "reduce_s": reduce_s,
+                 "predicted_s": predicted, "error": predicted / r["s_per_step"] - 1})
+  return rows
+
+
+def load_tta(path: str) -> dict:
+  with open(path) as f:
+    result = json.load(f)
+  if result.get("bench") != "tta":
+    raise ValueError(f"{path}: not a `jaxring bench tta` result (bench={result.get('bench')!r})")
   return result

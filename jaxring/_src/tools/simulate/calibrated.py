@@ -1,0 +1,170 @@
+"""Per-level costs of a machine, fitted from a calibration profile: the simulator's measured model.
+
+The alpha-beta formulas of ``jaxring._src.cost_model`` give what the links cost. What a plan
+costs on a machine also holds what they leave out, and ``jaxring calibrate`` measures it: the
+profile times each plan at a few sizes. This module splits those timings into parts that
+carry over to other sizes, link rates and plans:
+
+  t(plan, n) = link(plan, n) + sum over levels (messages x alpha_l + bytes x beta_l)
+               + coded bytes x kappa_c + gamma_c
+
+- ``link`` is the slow level's wire bytes at the link rate (known: the rate the links are
+  shaped to). Each node's devices run their node-level rings side by side and share its link.
+- ``alpha_l``, ``beta_l``: the cost per message and per byte on level ``l`` beyond the link time
+  (on the emulated cluster: gloo's loopback TCP between the devices of a process, the kernel's
+  TCP work, XLA:CPU's buffer handling).
+- ``kappa_c``, ``gamma_c``: codec ``c``'s encode and decode per f32 byte of the slow level's
+  hops, and its cost per call.
+- Top-k chunks: chunk norms, selection and scatter on the whole buffer (``kappa``, ``gamma``),
+  then the dense plan on the packed chunks.
+- The native all-reduce (``xla``: gloo, or ``MPI_Allreduce``) is a black box: a cost per call
+  and a multiple of the flat ring's link time (MPICH's large-message algorithm sends about twice
+  the ring's bytes per node link).
+
+Messages and bytes per level come from the cost model's own formulas, evaluated with unit
+constants, so the two cannot disagree. The coefficients are fitted by non-negative least
+squares over every timed point of the profile (:func:`fit`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from jaxring._src import cost_model
+
+LEVELS = ("local", "node")
+CODECS = ("bf16", "int8", "topk")
+NAMES = (("alpha_local", "alpha_node", "beta_local", "beta_node", "alpha_native",
+          "link_native") + tuple(f"kappa_{c}" for c in CODECS) + tuple(f"gamma_{c}" for c in CODECS))
+
+# the profile's codec strings (repr of each level's codec) -> the spelling jaxring.codecs.parse takes
+_SPELLING = (("Codec()", "none"), ("Bf16()", "bf16"), ("Int8(", "int8"), ("TopKChunks(", "topk"))
+
+
+def codec_spelling(text: str) -> str:
+  """``none``/``bf16``/``int8``/``topk`` for a profile's codec string.
+
+  Example:
+    >>> codec_spelling("Int8(block_size=256, stochastic=False)")
+    'int8'
+  """
+  for prefix, name in _SPELLING:
+    if text.startswith(prefix):
+      return name
+  raise ValueError(f"calibrated: no model for the codec {text!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+  """What a codec puts on the wire: bytes per f32 byte, and for top-k the packed chunks."""
+  ratio: float = 1.0
+  density: float = 0.0          # top-k: the fraction of chunks sent (0: a dense codec)
+  chunk_bytes: int = 0          # top-k: f32 bytes per chunk
+
+  def packed(self, nbytes: float) -> float:
+    chunks = max(1, math.ceil(nbytes / self.chunk_bytes))
+    return max(1, round(chunks * self.density)) * self.chunk_bytes
+
+
+def wire_of(text: str) -> Wire:
+  """The wire format of a profile's codec string (its density and chunk size for top-k)."""
+  name = codec_spelling(text)
+  if name == "topk":
+    density = float(re.search(r"density=([0-9.e-]+)", text).group(1))
+    chunk = int(re.search(r"chunk_size=(\d+)", text).group(1))
+    return Wire(density=density, chunk_bytes=4 * chunk)
+  return Wire({"none": 1.0, "bf16": 0.5, "int8": 0.25 * (1 + 4 / 256)}[name])
+
+
+def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[int, int],
+          link_bytes_per_s: float) -> tuple[float, dict[str, float]]:
+  """``(link seconds, {coefficient: its multiplier})`` of one all-reduce of ``nbytes`` per member.
+
+  ``sizes`` are the members per level, fast to slow; ``link_bytes_per_s`` is one node's link.
+  """
+  f = dict.fromkeys(NAMES, 0.0)
+  if codec == "topk":
+    link, f = terms(algorithm, "none", Wire(), wire.packed(nbytes), sizes, link_bytes_per_s)
+    f["kappa_topk"] += nbytes
+    f["gamma_topk"] += 1.0
+    return link, f
+  local, nodes = sizes
+  p = local * nodes
+  unit = 1.0                                # the formulas at unit latency or bandwidth
+  if algorithm == "xla":
+    f["alpha_native"] += 1.0
+    f["link_native"] += cost_model.ring_all_reduce(nbytes, p, 0.0, link_bytes_per_s)
+    return 0.0, f
+  if algorithm == "ring":                   # one ring through every member, node by node
+    f["alpha_node"] += cost_model.ring_all_reduce(0.0, p, unit, math.inf)
+    f["beta_node"] += cost_model.ring_all_reduce(nbytes, p, 0.0, unit, wire.ratio)
+    link = cost_model.ring_all_reduce(nbytes, p, 0.0, link_bytes_per_s, wire.ratio)
+    coded = cost_model.ring_all_reduce(nbytes, p, 0.0, unit)
+  elif algorithm == "hierarchical":         # BlueConnect; the codec on the node level only
+    shard = nbytes / local
+    f["alpha_local"] += cost_model.ring_all_reduce(0.0, local, unit, math.inf)
+    # the local reduce-scatter moves f32; its all-gather carries the node level's encoding
+    f["beta_local"] += (cost_model.ring_reduce_scatter(nbytes, local, 0.0, unit)
+                        + cost_model.ring_all_gather(nbytes, local, 0.0, unit, wire.ratio))
+    f["alpha_node"] += cost_model.ring_all_reduce(0.0, nodes, unit, math.inf)
+    f["beta_node"] += cost_model.ring_all_reduce(shard, nodes, 0.0, unit, wire.ratio)
+    link = cost_model.ring_all_reduce(shard, nodes, 0.0, link_bytes_per_s / local, wire.ratio)
+    coded = cost_model.ring_all_reduce(shard, nodes, 0.0, unit)
+  else:
+    raise ValueError(f"calibrated: no model for the algorithm {algorithm!r}")
+  if codec != "none":
+    f[f"kappa_{codec}"] += coded
+    f[f"gamma_{codec}"] += 1.0
+  return link, f
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+  """A machine's fitted coefficients (seconds per message, per byte, per call; see the module
+  docstring) for members laid out ``sizes`` = (per node, nodes)."""
+  sizes: tuple[int, int]
+  coef: dict
+  wires: dict = dataclasses.field(default_factory=dict)   # codec spelling -> Wire, as profiled
+  points: int = 0
+
+  def with_wire(self, codec: str, wire: Wire) -> Calibrated:
+    """The same machine with ``codec`` configured otherwise (e.g. top-k with other chunks)."""
+    return dataclasses.replace(self, wires={**self.wires, codec: wire})
+
+  def all_reduce_seconds(self, algorithm: str, codec: str, nbytes: float,
+                         link_bytes_per_s: float) -> float:
+    wire = self.wires.get(codec) or (Wire() if codec == "none" else wire_of(_DEFAULT[codec]))
+    link, f = terms(algorithm, codec, wire, nbytes, self.sizes, link_bytes_per_s)
+    return link + sum(self.coef[k] * v for k, v in f.items())
+
+
+_DEFAULT = {"bf16": "Bf16()", "int8": "Int8(block_size=256, stochastic=False)",
+            "topk": "TopKChunks(density=0.01, chunk_size=4096, inner=None)"}
+
+
+def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float) -> Calibrated:
+  """Fits the coefficients to a profile's timed points (``Profile.to_json``'s dict).
+
+  Example:
+    >>> model = fit(json.load(open(path)), (2, 4), 125e6)  # doctest: +SKIP
+    >>> model.all_reduce_seconds("hierarchical", "int8", 32 << 20, 250e6)  # doctest: +SKIP
+  """
+  from scipy.optimize import nnls
+
+  rows, rhs, wires = [], [], {}
+  for fit_ in profile["fits"]:
+    codec = codec_spelling(fit_["codecs"][-1])
+    wires[codec] = wire_of(fit_["codecs"][-1])
+    for nbytes, seconds in zip(fit_["sizes"], fit_["seconds"]):
+      link, f = terms(fit_["algorithm"], codec, wires[codec], nbytes, sizes, link_bytes_per_s)
+      # weights 1/sqrt(t): between absolute error (the large sizes decide, and the small ones'
+      # latency is lost) and relative error (the small sizes' noise, +-50% from one run to the
+      # next at 1 MiB on the emulated cluster, decides)
+      w = seconds ** -0.5
+      rows.append([f[k] * w for k in NAMES])
+      rhs.append((seconds - link) * w)
+  x, _ = nnls(np.asarray(rows), np.asarray(rhs))
+  return Calibrated(tuple(sizes), dict(zip(NAMES, (float(v) for v in x))), wires, len(rows))
