@@ -277,6 +277,9 @@ TASKS = {
     "shapes": (1200, {"sgd": 0.5, "momentum": 0.1, "nesterov": 0.1, "adam": 3e-3,
                       "adamw": 3e-3}, 16, 300),
 }
+# the small ResNet (no normalization) diverges with momentum at 0.05 and above; at 0.03 plain
+# training reaches 86.6% in 1200 steps (and AdamW at 3e-3 87.7%)
+MODEL_RATES = {("shapes", "resnet"): {"momentum": 0.03, "nesterov": 0.03}}
 
 
 def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int,
@@ -290,7 +293,7 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
     from jaxring._src.data.hard_shapes import hard_shapes
     data = hard_shapes()
     train = lambda tx, seed: train_shapes(tx, steps, data, seed=seed, model=model)  # noqa: E731
-  rates = TASKS[task][1]
+  rates = {**TASKS[task][1], **MODEL_RATES.get((task, model), {})}
   rows = []
 
   def measure(make):

@@ -4,8 +4,8 @@ What a user buys: wall-clock time until the model is good enough. One process pe
 ``--devices-per-node`` CPU devices (JAX's shape, launched as ``jaxring bench train-cluster``
 does); the task is the convergence benchmark's harder one (``hard_shapes``, 16 classes, label
 noise) trained by its small ResNet (``jaxring._src.tools.bench.convergence``), 16 images per
-member a step, momentum SGD (0.9), each member walking its shard of the training set as the
-convergence benchmark's members do. Contenders:
+member a step, momentum SGD (0.9, lr 0.03: from 0.05 up this ResNet diverges), each member
+walking its shard of the training set as the convergence benchmark's members do. Contenders:
 
 * ``hand-written jit(shard_map)+pmean``: ``jax.grad`` and ``lax.pmean`` of the gradients;
 * ``train_step none``: ``@jaxring.train_step`` uncompressed (``auto``);
@@ -18,14 +18,16 @@ alike); after each turn the test accuracy of the replicated parameters is measur
 timed span, and a contender stops once it reaches ``--target`` (or ``--steps``). Time to target is
 the timed training time until the first evaluation at or above the target. Before that, every
 node times the same step on its own devices only (no link crossed) while the others do too:
-that is the compute share, and the uncompressed step minus it the communication share.
+that is the compute share, and the uncompressed step minus it the communication share. One
+step is in flight at a time (``block_until_ready`` after each): with 50 queued, the hand-written
+step deadlocked in XLA:CPU's gloo all-reduces after ~15 steps (jax 0.10.2, 10 Mbit/s).
 
 Prints a table (time to target, steps, final accuracy, MiB per node link and step), writes JSON
 under benchmarks/results/ and, with matplotlib (``pip install jaxring[plot]``), a PNG of accuracy
 against training time beside it.
 
 Example:
-  jaxring bench tta                          # 4 nodes x 2 devices, 10mbit links, target 60%
+  jaxring bench tta --full                   # 4 nodes x 2 devices, 10mbit links, target 75%
   jaxring bench tta --link 20mbit --target 50 --steps 600
 """
 from __future__ import annotations
@@ -308,9 +310,10 @@ def _parser() -> argparse.ArgumentParser:
                   help="node link rate: at 10mbit the uncompressed step is link-bound ~3:1")
   ap.add_argument("--devices-per-node", type=int, default=2)
   ap.add_argument("--batch-per-device", type=int, default=16)
-  ap.add_argument("--lr", type=float, default=0.1)
-  ap.add_argument("--target", type=float, default=60.0, help="test accuracy (%%) to reach")
-  ap.add_argument("--steps", type=int, default=1200, help="at most this many steps each")
+  ap.add_argument("--lr", type=float, default=0.03,
+                  help="momentum SGD (0.9); 0.05 and above diverge on this ResNet")
+  ap.add_argument("--target", type=float, default=75.0, help="test accuracy (%%) to reach")
+  ap.add_argument("--steps", type=int, default=1000, help="at most this many steps each")
   ap.add_argument("--eval-every", type=int, default=50)
   ap.add_argument("--full", action="store_true", help="train every contender --steps steps")
   ap.add_argument("--chunk-size", type=int, default=16, help="top-k chunk size")
