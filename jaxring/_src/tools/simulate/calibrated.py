@@ -15,8 +15,8 @@ carry over to other sizes, link rates and plans:
   TCP work, XLA:CPU's buffer handling).
 - ``kappa_c``, ``gamma_c``: codec ``c``'s encode and decode per f32 byte of the slow level's
   hops, and its cost per call.
-- Top-k chunks: chunk norms, selection and scatter on the whole buffer (``kappa``, ``gamma``),
-  then the dense plan on the packed chunks.
+- Top-k chunks: the native all-reduce of the chunk norms; selection and scatter on the whole
+  buffer (``kappa``, ``gamma``); the dense plan on the packed chunks.
 - The native all-reduce (``xla``: gloo, or ``MPI_Allreduce``) is a black box: a cost per call
   and a multiple of the flat ring's link time (MPICH's large-message algorithm sends about twice
   the ring's bytes per node link).
@@ -87,7 +87,11 @@ def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[in
   """
   f = dict.fromkeys(NAMES, 0.0)
   if codec == "topk":
+    # the chunk norms' native all-reduce (one f32 per chunk), then the dense plan on the chunks
+    _, norms = terms("xla", "none", Wire(), 4 * math.ceil(nbytes / wire.chunk_bytes), sizes,
+                     link_bytes_per_s)
     link, f = terms(algorithm, "none", Wire(), wire.packed(nbytes), sizes, link_bytes_per_s)
+    f = {k: v + norms[k] for k, v in f.items()}
     f["kappa_topk"] += nbytes
     f["gamma_topk"] += 1.0
     return link, f
@@ -134,11 +138,19 @@ class Calibrated:
     """The same machine with ``codec`` configured otherwise (e.g. top-k with other chunks)."""
     return dataclasses.replace(self, wires={**self.wires, codec: wire})
 
-  def all_reduce_seconds(self, algorithm: str, codec: str, nbytes: float,
-                         link_bytes_per_s: float) -> float:
+  def split(self, algorithm: str, codec: str, nbytes: float,
+            link_bytes_per_s: float) -> tuple[float, float]:
+    """``(seconds on the slow link, seconds of everything else)`` of one all-reduce (the
+    native all-reduce's link share is inside its fitted multiple: counted as link)."""
     wire = self.wires.get(codec) or (Wire() if codec == "none" else wire_of(_DEFAULT[codec]))
     link, f = terms(algorithm, codec, wire, nbytes, self.sizes, link_bytes_per_s)
-    return link + sum(self.coef[k] * v for k, v in f.items())
+    native_link = self.coef["link_native"] * f["link_native"]
+    other = sum(self.coef[k] * v for k, v in f.items()) - native_link
+    return link + native_link, other
+
+  def all_reduce_seconds(self, algorithm: str, codec: str, nbytes: float,
+                         link_bytes_per_s: float) -> float:
+    return sum(self.split(algorithm, codec, nbytes, link_bytes_per_s))
 
 
 _DEFAULT = {"bf16": "Bf16()", "int8": "Int8(block_size=256, stochastic=False)",
