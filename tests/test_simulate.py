@@ -222,3 +222,31 @@ def test_gradientflow_reproduction_orders_the_plans_as_the_paper_builds_them_up(
   assert result["images_per_s_per_gpu"] == pytest.approx(606.3, abs=0.5)
   assert abs(lazy["speedup"] / 434.1 - 1) <= 0.25
   assert at[(512, "per tensor, after backward, f32")]["speedup"] < 0.25 * lazy["speedup"]
+
+
+def test_any_flax_model_by_module_and_function(tmp_path, monkeypatch):
+  import json
+
+  from jaxring._src.tools.simulate import cli
+  (tmp_path / "simmodel.py").write_text(
+      "import jax, jax.numpy as jnp, flax.linen as nn\n"
+      "class MLP(nn.Module):\n"
+      "  @nn.compact\n"
+      "  def __call__(self, x):\n"
+      "    return nn.Dense(10)(nn.relu(nn.Dense(512)(x)))\n"
+      "def params():\n"
+      "  return jax.eval_shape(MLP().init, jax.random.key(0), jnp.zeros((1, 784)))['params']\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  layers = cli.load_model("simmodel:params", flops_per_example=1e6)
+  assert sorted(lay.params for lay in layers) == [10, 512, 5120, 784 * 512]
+  assert sum(lay.flops for lay in layers) == pytest.approx(1e6)
+  assert cli.main(["--model", "simmodel:params", "--cluster", "8xh100-25gbe", "--gpus", "64",
+                   "--codecs", "none", "--out-dir", str(tmp_path)]) == 0
+  out = json.loads(next(tmp_path.glob("simulate-*.json")).read_text())
+  assert out["params"] == 407_050
+  flat = next(r for r in out["clusters"]["8xh100-25gbe"] if r["plan"] == "flat none")
+  one_bucket = timeline.all_reduce_seconds(4 * 407_050, 64, clusters.CLUSTERS["8xh100-25gbe"],
+                                           timeline.Plan("flat"))   # 1.6 MB: a single bucket
+  assert flat["comm_ms"] == pytest.approx(one_bucket * 1e3)
+  with pytest.raises(SystemExit, match="MODULE:FUNCTION"):
+    cli.load_model("simmodel.params")

@@ -40,6 +40,13 @@ def _parser():
                   help=f"comma list of {sorted(clusters.CLUSTERS)}")
   ap.add_argument("--gpus", default=",".join(map(str, GPUS)))
   ap.add_argument("--codecs", default="none,bf16,int8,topk")
+  ap.add_argument("--model", default="resnet50",
+                  help="resnet50 (built in) or MODULE:FUNCTION, a callable of no arguments that "
+                       "returns the parameter pytree (arrays or jax.ShapeDtypeStruct, e.g. "
+                       "jax.eval_shape of a Flax module's init); one layer per leaf")
+  ap.add_argument("--flops-per-example", type=float, default=None,
+                  help="with --model MODULE:FUNCTION: forward FLOPs per example (default 2 per "
+                       "parameter, a dense layer's)")
   ap.add_argument("--batch-per-gpu", type=int, default=256)
   ap.add_argument("--bucket-mib", type=float, default=25.0)
   ap.add_argument("--no-overlap", action="store_true")
@@ -54,6 +61,23 @@ def _parser():
                        "calibration (--validate: default the validated run's own)")
   ap.add_argument("--out-dir", default=None)
   return ap
+
+
+def load_model(spec: str, flops_per_example: float | None = None) -> list:
+  """``resnet50``, or the layers of the parameter pytree ``MODULE:FUNCTION()`` returns.
+
+  Example:
+    >>> len(load_model("resnet50"))
+    107
+  """
+  if spec == "resnet50":
+    return model.resnet50()
+  import importlib
+  module, sep, name = spec.partition(":")
+  if not sep:
+    raise SystemExit(f"jaxring simulate: --model {spec!r}: give resnet50 or MODULE:FUNCTION")
+  params = getattr(importlib.import_module(module), name)()
+  return model.from_params(params, flops_per_example)
 
 
 def baidu() -> dict:
@@ -133,9 +157,10 @@ def main(argv=None) -> int:
                                         ("speedup", "speed-up", ".1f")])
     print(f"wrote {common.write_json('simulate-gradientflow', result, args.out_dir)}")
     return 0
-  layers = model.resnet50()
+  layers = load_model(args.model, args.flops_per_example)
   gpus = [int(g) for g in args.gpus.split(",")]
-  out = {"model": "resnet50", "batch_per_gpu": args.batch_per_gpu,
+  out = {"model": args.model, "params": sum(lay.params for lay in layers),
+         "batch_per_gpu": args.batch_per_gpu,
          "bucket_bytes": args.bucket_mib * (1 << 20), "overlap": not args.no_overlap,
          "clusters": {}}
   for name in args.cluster.split(","):
@@ -156,7 +181,7 @@ def main(argv=None) -> int:
                      "comm_ms": s.comm_s * 1e3, "exposed_ms": s.exposed_s * 1e3,
                      "efficiency": s.efficiency,
                      "images_per_s": g * args.batch_per_gpu / s.step_s})
-    print(f"\n# {name}: {c.about}; ResNet-50, batch {args.batch_per_gpu}/GPU, "
+    print(f"\n# {name}: {c.about}; {args.model}, batch {args.batch_per_gpu}/GPU, "
           f"{args.bucket_mib:g} MiB buckets, {'no ' if args.no_overlap else ''}overlap")
     common.print_table(rows, [("gpus", "GPUs", "d"), ("plan", "plan", ""),
                               ("step_ms", "step ms", ".1f"), ("comm_ms", "reduce ms", ".1f"),
