@@ -76,7 +76,10 @@ def wire_of(text: str) -> Wire:
     density = float(re.search(r"density=([0-9.e-]+)", text).group(1))
     chunk = int(re.search(r"chunk_size=(\d+)", text).group(1))
     return Wire(density=density, chunk_bytes=4 * chunk)
-  return Wire({"none": 1.0, "bf16": 0.5, "int8": 0.25 * (1 + 4 / 256)}[name])
+  if name == "int8":   # a byte per value and an f32 scale per block
+    block = int(re.search(r"block_size=(\d+)", text).group(1))
+    return Wire(0.25 + 1 / block)
+  return Wire({"none": 1.0, "bf16": 0.5}[name])
 
 
 def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[int, int],
