@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from jaxring._src.tools.bench import common
+from jaxring._src.tools.bench import common, plots
 
 WORKER = "jaxring._src.tools.bench.cluster_worker"
 MARK = "JRB "
@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
              "log_tails": {k: v[-4000:] for k, v in logs.items()}}
   path = common.write_json("cluster", payload, args.out_dir)
   print(f"wrote {path}")
+  png = plots.cluster(payload, path[:-5] + ".png")
+  print(f"wrote {png}" if png else plots.NO_MATPLOTLIB)
   ok = rows and all("ms" in r for r in rows) and all(rc == 0 for rc in rcs.values())
   return 0 if ok else 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from jaxring._src.tools.bench import common
+from jaxring._src.tools.bench import common, plots
 
 DEFAULT_ALGOS = ("lax.psum", "xla", "ring", "hierarchical", "auto")
 
@@ -145,6 +145,8 @@ def main(argv=None) -> int:
   result = run(sizes, algos, comps, args.reps, mesh_shape)
   path = common.write_json("collectives", result, args.out_dir)
   print(f"# wrote {path}")
+  png = plots.collectives(result, path[:-5] + ".png")
+  print(f"# wrote {png}" if png else f"# {plots.NO_MATPLOTLIB}")
   return 0
 
 
