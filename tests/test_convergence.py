@@ -53,3 +53,15 @@ def test_int8_with_error_feedback_matches_uncompressed(accuracies):
 
 def test_topk_with_error_feedback_within_1_5_points(accuracies):
   assert abs(accuracies["topk 1%+EF"] - accuracies["uncompressed"]) <= 1.5
+
+
+def test_a_diverged_run_is_reported_as_nan_and_drifting_replicas_as_a_defect():
+  import numpy as np
+  convergence = bench
+  assert convergence._replicas_agree({"w": np.ones((8, 3)), "b": np.zeros((8,))})
+  assert not convergence._replicas_agree({"w": np.full((8, 3), np.nan)})
+  assert not convergence._replicas_agree({"w": np.full((8, 3), np.inf)})
+  drifted = np.ones((8, 3))
+  drifted[5, 2] += 1e-6
+  with pytest.raises(AssertionError, match="different parameters"):
+    convergence._replicas_agree({"w": drifted})

@@ -147,13 +147,26 @@ def train_digits(tx, steps: int, data=None, seed: int = 0):
   mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P("d")))
   out = f(init_mlp(jax.random.key(seed)), xtr, ytr)
-  for leaf in jax.tree.leaves(out):
-    leaf = np.asarray(leaf)
-    if not (leaf[1:] == leaf[:1]).all():
-      raise AssertionError("members ended with different parameters")
+  if not _replicas_agree(out):
+    return float("nan"), None
   params = jax.tree.map(lambda v: np.asarray(v[0]), out)
   acc = float((np.asarray(mlp_logits(params, xte)).argmax(1) == yte).mean() * 100)
   return acc, params
+
+
+def _replicas_agree(out) -> bool:
+  """Whether every member ended with the same parameters; False (reported as accuracy NaN) when
+  training diverged to NaN or Inf; an AssertionError when finite replicas differ (a defect)."""
+  import jax
+  import numpy as np
+  leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(out)]
+  if not all(np.isfinite(leaf).all() for leaf in leaves):
+    print("  diverged: non-finite parameters (reported as NaN)", flush=True)
+    return False
+  for leaf in leaves:
+    if not (leaf[1:] == leaf[:1]).all():
+      raise AssertionError("members ended with different parameters")
+  return True
 
 
 def init_cnn(key, num_classes: int = 16):
@@ -262,10 +275,8 @@ def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0, model: st
   mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P("d")))
   out = f(init(jax.random.key(seed)), xtr, ytr)
-  for leaf in jax.tree.leaves(out):
-    leaf = np.asarray(leaf)
-    if not (leaf[1:] == leaf[:1]).all():
-      raise AssertionError("members ended with different parameters")
+  if not _replicas_agree(out):
+    return float("nan")
   params = jax.tree.map(lambda v: v[0], out)
   logits = jax.jit(logits_fn)(params, xte)
   return float((np.asarray(logits).argmax(1) == yte).mean() * 100)
@@ -321,7 +332,9 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
         print(f"  {name} over {cname}: {e}; the candidate (compressed Adam + frozen trust "
               f"ratio): {row[f'{cname} refused candidate']:.2f}", flush=True)
     row["seconds"] = time.perf_counter() - t0
-    print(f"  {name}: done in {row['seconds']:.0f} s", flush=True)
+    print(f"  {name}: done in {row['seconds']:.0f} s: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in row.items() if isinstance(v, float) and k not in
+        ("lr", "seconds")), flush=True)   # each row as it ends: a later crash loses no result
     rows.append(row)
   return rows
 
