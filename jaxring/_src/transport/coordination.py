@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -177,10 +178,12 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
   text = str(exc).strip()
   summary = f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
   watchdog.stop(tell_peers=False)
-  try:
-    heartbeats.publish_state("failed:" + summary)
-  except Exception:  # noqa: BLE001 - the coordinator itself may be gone
-    pass
+  # a transport error means a peer is probably gone: publishing it at once made the other
+  # survivors name this process, not the dead one (a race with their own silence check), so it
+  # is published once the heartbeats have had their chance to say who died
+  lost_peer = _LOST_PEER.search(text) is not None
+  if not lost_peer:
+    _publish_failure(heartbeats, summary)
   deadline = time.monotonic() + watchdog.timeout + 2 * watchdog.interval
   lines = []
   others = set(range(watchdog.n)) - {watchdog.me}
@@ -198,10 +201,24 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
     time.sleep(watchdog.interval)
   lines += [f"process {p} failed: {msg}" for p, msg in sorted(heartbeats.failed().items())
             if p != watchdog.me]
+  if lost_peer:
+    _publish_failure(heartbeats, "; ".join([summary, *lines[:1]]))
   lines = lines or ["no other process reported a failure"]
   heartbeats.leave("\n".join(f"jaxring.distributed: {line}" for line in
                              [f"process {watchdog.me} of {watchdog.n} raised {summary}", *lines]),
                    watchdog)
+
+
+# what a collective raises when a peer's connection is gone (gloo over TCP, MPI)
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection refused|"
+                        r"connection (closed|reset)", re.IGNORECASE)
+
+
+def _publish_failure(heartbeats, summary: str) -> None:
+  try:
+    heartbeats.publish_state("failed:" + summary)
+  except Exception:  # noqa: BLE001 - the coordinator itself may be gone
+    pass
 
 
 def _at_exit() -> None:
