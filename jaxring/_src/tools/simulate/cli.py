@@ -222,7 +222,7 @@ def _validate(path: str, out_dir, calibration_path: str | None = None) -> int:
 def _validate_steps(path: str, calibration_path: str, out_dir) -> int:
   from jaxring._src.tools.bench import common
   from jaxring._src.tools.simulate import validate
-  result, calibration = validate.load_tta(path), validate.load(calibration_path)
+  result, calibration = validate.load(path, "tta"), validate.load(calibration_path)
   fitted = validate.models(calibration)
   rows = validate.predict_tta_steps(result, fitted)
   print(f"# {path}: {result['args'].get('batch_per_device')} images per device, links "

@@ -95,19 +95,21 @@ def predict_cluster_rows(result: dict, plan_for_codec, calibration: dict | None 
   return rows
 
 
-def load(path: str) -> dict:
+def load(path: str, bench: str = "cluster") -> dict:
+  """A ``jaxring bench <bench>`` result (ValueError if the file holds another benchmark's)."""
   with open(path) as f:
     result = json.load(f)
-  if result.get("bench") != "cluster":
-    raise ValueError(f"{path}: not a `jaxring bench cluster` result (bench={result.get('bench')!r})")
+  if result.get("bench") != bench:
+    raise ValueError(f"{path}: not a `jaxring bench {bench}` result "
+                     f"(bench={result.get('bench')!r})")
   return result
 
 
 # --- training steps -------------------------------------------------------------------------------
 #
 # XLA:CPU runs a collective and the computation beside it in turn (docs/benchmarks.md, "Inter-node
-# step alone"), so on the emulated cluster a step is its computation plus its reductions, no
-# overlap: the timeline's ``overlap=False``.
+# step alone"), so on the emulated cluster a step is its computation plus its reductions; only the
+# links' token buckets let link time hide behind the rest (predict_tta_steps).
 
 BURST = 256 * 1024   # bytes: the tbf bucket of every emulated link (jaxring cluster up's default)
 
@@ -173,10 +175,3 @@ def predict_tta_steps(tta_result: dict, fitted: dict) -> list[dict]:
                  "error": predicted / r["s_per_step"] - 1})
   return rows
 
-
-def load_tta(path: str) -> dict:
-  with open(path) as f:
-    result = json.load(f)
-  if result.get("bench") != "tta":
-    raise ValueError(f"{path}: not a `jaxring bench tta` result (bench={result.get('bench')!r})")
-  return result
