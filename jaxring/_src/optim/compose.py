@@ -54,7 +54,8 @@ def has_per_parameter_state(opt_state, params) -> bool:
 def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=None,
                          algorithm="auto", momentum: float = 0.9, weight_decay: float = 0.0,
                          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                         warmup_steps: int = 0, adam_warmup_steps: int = 100,
+                         warmup_steps: int = 0, warmup_density: float = 0.25,
+                         adam_warmup_steps: int = 100,
                          adam_variance_every: int = 5,
                          clip_norm: float | None = None) -> optax.GradientTransformation:
   """A data-parallel optimizer that reduces its gradients over ``axis_name`` and converges.
@@ -77,6 +78,7 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
       decoupled.
     b1, b2, eps: Adam's coefficients.
     warmup_steps: top-k density warm-up of momentum correction (see its docstring).
+    warmup_density: that warm-up's first density (1.0: dense first).
     adam_warmup_steps: exact Adam steps before compressed Adam freezes the variance.
     adam_variance_every: compressed Adam refreshes the variance exactly every this many steps
       (0: frozen).
@@ -101,7 +103,8 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
     if sparse and mom:
       return optax.chain(*decay, momentum_correction(
           axis_name, compression=compression, momentum=mom, nesterov=name == "nesterov",
-          algorithm=algorithm, clip_norm=clip_norm, warmup_steps=warmup_steps),
+          algorithm=algorithm, clip_norm=clip_norm, warmup_steps=warmup_steps,
+          warmup_density=warmup_density),
           optax.sgd(learning_rate))
     return optax.chain(*decay, reduce_gradients(axis_name, algorithm=algorithm,
                                                 compression=compression,

@@ -70,13 +70,15 @@ def naive_optimizer(name, lr, axis, codec, error_feedback: bool):
 
 
 def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_warmup: int = 100,
-                        adam_variance_every: int = 5, clip_norm: float | None = None):
+                        adam_variance_every: int = 5, clip_norm: float | None = None,
+                        warmup_density: float = 0.25):
   """The composition jaxring supports for optimizer ``name`` over ``codec`` (see the README)."""
   import jaxring as jr
   return jr.compressed_optimizer(name, lr, axis, compression=codec, algorithm=ALGORITHM,
                                  momentum=MOMENTUM,
                                  weight_decay=WEIGHT_DECAY if name in ("adamw", "lamb") else 0.0,
-                                 warmup_steps=warmup_steps, adam_warmup_steps=adam_warmup,
+                                 warmup_steps=warmup_steps, warmup_density=warmup_density,
+                                 adam_warmup_steps=adam_warmup,
                                  adam_variance_every=adam_variance_every, clip_norm=clip_norm)
 
 
@@ -331,7 +333,8 @@ MODEL_RATES = {("shapes", "resnet"): {"momentum": 0.03, "nesterov": 0.03}}
 
 def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int,
         adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF"),
-        model: str = "resnet", clip_norm: float | None = None) -> list[dict]:
+        model: str = "resnet", clip_norm: float | None = None, lr: float | None = None,
+        warmup_density: float = 0.25) -> list[dict]:
   import numpy as np
   if task == "digits":
     data = digits()
@@ -341,13 +344,17 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
     data = hard_shapes()
     train = lambda tx, seed: train_shapes(tx, steps, data, seed=seed, model=model)  # noqa: E731
   rates = {**TASKS[task][1], **MODEL_RATES.get((task, model), {})}
+  lr_all = lr
   rows = []
 
   def measure(make):
-    return float(np.mean([train(make(), seed) for seed in range(seeds)]))
+    runs = [train(make(), seed) for seed in range(seeds)]
+    if seeds > 1:   # the spread between seeds is the scale any gap is read against
+      print("    seeds: " + ", ".join(f"{a:.2f}" for a in runs), flush=True)
+    return float(np.mean(runs))
 
   for name in optimizers:
-    lr = rates[name]
+    lr = rates[name] if lr_all is None else lr_all
     t0 = time.perf_counter()
     row = {"optimizer": name, "lr": lr,
            "none": measure(lambda: supported_optimizer(name, lr, "d", None))}
@@ -360,7 +367,8 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
       try:
         row[f"{cname} supported"] = measure(lambda: supported_optimizer(
             name, lr, "d", codec, warmup_steps=warmup_steps, adam_warmup=adam_warmup,
-            adam_variance_every=adam_variance_every, clip_norm=clip_norm))
+            adam_variance_every=adam_variance_every, clip_norm=clip_norm,
+            warmup_density=warmup_density))
       except ValueError as e:   # refused (LAMB over top-k): measure the candidate it refuses
         row[f"{cname} supported"] = None
         row[f"{cname} refused candidate"] = measure(lambda: lamb_candidate(
@@ -390,6 +398,10 @@ def main(argv=None) -> int:
   parser.add_argument("--chunk-size", type=int, default=0,
                       help="top-k chunk size (0: the task's, 16: 1%% of digits' is 4 chunks)")
   parser.add_argument("--warmup-steps", type=int, default=0, help="top-k density warm-up")
+  parser.add_argument("--warmup-density", type=float, default=0.25,
+                      help="the warm-up's first density (1: dense, then falling by 4x)")
+  parser.add_argument("--lr", type=float, default=0.0,
+                      help="one learning rate for every optimizer (0: the task's table)")
   parser.add_argument("--adam-warmup", type=int, default=0,
                       help="compressed Adam's exact steps (0: the task's default)")
   parser.add_argument("--adam-variance-every", type=int, default=5,
@@ -415,7 +427,8 @@ def main(argv=None) -> int:
         f"{adam_warmup} exact steps, variance every {args.adam_variance_every}; test accuracy (%)",
         flush=True)
   rows = run(args.task, optimizers, codecs, steps, chunk, args.warmup_steps, adam_warmup,
-             args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm or None)
+             args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm or None,
+             lr=args.lr or None, warmup_density=args.warmup_density)
   cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
   for c in codecs:
     cols += [(f"{c} {m}", f"{c} {m}", ".2f") for m in modes]
