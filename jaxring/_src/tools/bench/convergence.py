@@ -241,10 +241,11 @@ def resnet_logits(params, x):
 MODELS = {"cnn": (init_cnn, cnn_logits), "resnet": (init_resnet, resnet_logits)}
 
 
-def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0, model: str = "resnet"):
+def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0, model: str = "resnet",
+                 return_params: bool = False):
   """Trains ``model`` (``MODELS``) on ``hard_shapes`` with ``tx`` (reducing over ``"d"``), 8
   members of ``batch`` images a step each (a cyclic walk through each member's shard); returns
-  test accuracy in %.
+  test accuracy in % (and the final parameters, one row per member, if ``return_params``).
 
   One jitted ``shard_map`` call per step, not a ``lax.scan`` over the steps: XLA:CPU runs a
   convolution step inside a while loop about 25x slower than the same step called on its own
@@ -313,11 +314,11 @@ def train_shapes(tx, steps: int, data, batch: int = 16, seed: int = 0, model: st
   xtr, ytr = jax.device_put((xtr, ytr), jax.sharding.NamedSharding(mesh, P("d")))
   for t in range(steps):
     params, state = step(params, state, xtr, ytr, jnp.int32(t))
-  if not _replicas_agree(params):
-    return float("nan")
-  params = jax.tree.map(lambda v: v[0], params)
-  logits = jax.jit(logits_fn)(params, xte)
-  return float((np.asarray(logits).argmax(1) == yte).mean() * 100)
+  acc = float("nan")
+  if _replicas_agree(params):
+    logits = jax.jit(logits_fn)(jax.tree.map(lambda v: v[0], params), xte)
+    acc = float((np.asarray(logits).argmax(1) == yte).mean() * 100)
+  return (acc, params) if return_params else acc
 
 
 TASKS = {
