@@ -110,11 +110,13 @@ def momentum_correction(axis_name, *, compression=None, momentum: float = 0.9,
 
   The supported way to train with momentum over a sparsifying codec (``topk_chunks``): it
   replaces both :func:`jaxring.reduce_gradients` and the momentum of the optimizer after it, which
-  must then be momentum-free (module docstring). Measured: on full-batch digits within 1 point of
-  uncompressed momentum SGD; on minibatch ``hard_shapes`` with a small ResNet without
-  normalization it diverged at every setting tried (docs/benchmarks.md, "Convergence with
-  compression"): there use int8, or Adam over top-k (:func:`jaxring.compressed_adam`). Use it inside ``shard_map`` over ``axis_name``
+  must then be momentum-free (module docstring). Use it inside ``shard_map`` over ``axis_name``
   (``init`` too: the velocity and residual are per member).
+
+  Measured: on full-batch digits within 1 point of uncompressed momentum SGD; on minibatch
+  ``hard_shapes`` with a small ResNet without normalization it diverged at every setting tried
+  (docs/benchmarks.md, "Convergence with compression"): there use int8, or Adam over top-k
+  (:func:`jaxring.compressed_adam`).
 
   Args:
     axis_name: mapped axis name or tuple of names to average over.

@@ -2,9 +2,11 @@
 
 Task ``digits``: a 64-64-10 MLP on scikit-learn's bundled digits (1440 training, 357 test
 images), trained full-batch and data-parallel on 8 members (180 images each). Task ``shapes``: a
-small ResNet (``--model resnet``, the default) or a small CNN (``--model cnn``) on ``hard_shapes`` (jaxring._src.data.hard_shapes: 16 classes, 16384 training images
-with 10% label noise, 1024 clean test images), 16 images per member a step. A digits run is
-one ``shard_map`` + ``lax.scan``; a shapes run one jitted ``shard_map`` call per step. For every optimizer it trains uncompressed, then per codec:
+small ResNet (``--model resnet``, the default) or a small CNN (``--model cnn``) on
+``hard_shapes`` (jaxring._src.data.hard_shapes: 16 classes, 16384 training images with 10% label
+noise, 1024 clean test images), 16 images per member a step. A digits run is one ``shard_map`` +
+``lax.scan``; a shapes run one jitted ``shard_map`` call per step. For every optimizer it trains
+uncompressed, then per codec:
 
 * ``EF``: ``optax.chain(jr.reduce_gradients(axis, compression=c), <optimizer>)``, the composition
   people write (with top-k it needs ``plain_sgd_after=True`` to be built at all: measured here
@@ -334,7 +336,7 @@ MODEL_RATES = {("shapes", "resnet"): {"momentum": 0.03, "nesterov": 0.03}}
 
 def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int,
         adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF"),
-        model: str = "resnet", clip_norm: float | None = None, lr: float | None = None,
+        model: str = "resnet", clip_norm: float | None = None, lr_override: float | None = None,
         warmup_density: float = 0.25) -> list[dict]:
   import numpy as np
   if task == "digits":
@@ -345,7 +347,6 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
     data = hard_shapes()
     train = lambda tx, seed: train_shapes(tx, steps, data, seed=seed, model=model)  # noqa: E731
   rates = {**TASKS[task][1], **MODEL_RATES.get((task, model), {})}
-  lr_all = lr
   rows = []
 
   def measure(make):
@@ -355,7 +356,7 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
     return float(np.mean(runs))
 
   for name in optimizers:
-    lr = rates[name] if lr_all is None else lr_all
+    lr = rates[name] if lr_override is None else lr_override
     t0 = time.perf_counter()
     row = {"optimizer": name, "lr": lr,
            "none": measure(lambda: supported_optimizer(name, lr, "d", None))}
@@ -429,7 +430,7 @@ def main(argv=None) -> int:
         flush=True)
   rows = run(args.task, optimizers, codecs, steps, chunk, args.warmup_steps, adam_warmup,
              args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm or None,
-             lr=args.lr or None, warmup_density=args.warmup_density)
+             lr_override=args.lr or None, warmup_density=args.warmup_density)
   cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
   for c in codecs:
     cols += [(f"{c} {m}", f"{c} {m}", ".2f") for m in modes]
