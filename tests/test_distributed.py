@@ -55,6 +55,26 @@ def test_psum_across_processes_matches_float64_numpy(nproc, devices):
       assert f"process {r.rank}: OK {algorithm} calls=50" in r.stdout, mp.report(results)
 
 
+@pytest.mark.timeout(240)
+def test_gather_and_scatter_across_processes_match_lax_with_the_local_level_in_shared_memory():
+  """2 processes x 2 devices: hierarchical all-gather and reduce-scatter, uncompressed (exact) and
+  int8 on the node level, equal lax's; the local level runs as the in-process custom calls."""
+  port = mp.free_port()
+  results = mp.spawn(2, lambda i: mp.python_worker("dist_scatter_gather.py"), _env(2, port, 2),
+                     timeout=200)
+  mp.assert_all_ok(results)
+  for r in results:
+    for size in (8, 1003, 4096):
+      for codec in ("none", "int8"):
+        assert (f"process {r.rank}: OK all_gather {codec} size={size} " in r.stdout and
+                f"process {r.rank}: OK psum_scatter {codec} size={size} " in r.stdout), \
+            mp.report(results)
+    gathers = re.findall(r"OK all_gather .* calls=(\S+)", r.stdout)
+    scatters = re.findall(r"OK psum_scatter .* calls=(\S+)", r.stdout)
+    assert gathers and set(gathers) == {"jaxring_local_all_gather"}, mp.report(results)
+    assert scatters and set(scatters) == {"jaxring_local_reduce_scatter"}, mp.report(results)
+
+
 def _die_time(results, rank: int) -> float:
   m = re.search(r"dying \(\w+\) at call \d+ at=([\d.]+)", results[rank].stdout)
   assert m, f"rank {rank} never reached the point where it dies\n" + mp.report(results)

@@ -171,13 +171,17 @@ def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[s
   return x, err
 
 
-def all_gather(payload: tuple, groups: list[Group], transport) -> tuple:
-  """Hierarchical all-gather of encoded chunks, slowest level first (inverse of reduce_scatter)."""
-  for g in reversed(groups):
-    # the native all-gather where a level is whole axes (gloo's and NCCL's are rings already);
-    # the derivative is lax.all_gather's whatever moves the bytes (linear.all_gather)
-    # (typed varying as the ring's result and lax's tangent are, under check_vma)
-    payload = tuple(vma.pvary(x, g.axes) for x in ring.all_gather_payload(payload, g, transport))
+def all_gather(payload: tuple, groups: list[Group], algos: list[str], transport) -> tuple:
+  """Hierarchical all-gather of encoded chunks, slowest level first (inverse of reduce_scatter).
+
+  A level whose members share this process (``algos[i] == "shm"``) gathers in shared memory;
+  the others use the native all-gather where a level is whole axes (gloo's and NCCL's are rings
+  already), a ppermute ring otherwise. The result is typed varying, as lax.all_gather's is, and
+  the derivative is lax.all_gather's whatever moves the bytes (linear.all_gather)."""
+  for g, al in zip(reversed(groups), reversed(algos)):
+    gathered = (inprocess.all_gather(payload, g) if al == "shm" else
+                ring.all_gather_payload(payload, g, transport))
+    payload = tuple(vma.pvary(x, g.axes) for x in gathered)
   return payload
 
 
@@ -235,7 +239,7 @@ class Hierarchical:
                           plan.transport, pieces=list(plan.pieces), want_error=want_error)
 
   def all_gather(self, payload: tuple, plan: Plan) -> tuple:
-    return all_gather(payload, list(plan.groups), plan.transport)
+    return all_gather(payload, list(plan.groups), list(plan.algos), plan.transport)
 
   def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
     return tuple(chunk_permutation(list(plan.groups), list(plan.strides)))
