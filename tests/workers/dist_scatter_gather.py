@@ -25,7 +25,8 @@ def main() -> int:
 
   import jax
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import jaxring
 

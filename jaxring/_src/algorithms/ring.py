@@ -14,17 +14,24 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxring._src.algorithms.base import Plan, PlanRequest, register
 from jaxring._src.codecs.base import Codec
 from jaxring._src.transport.groups import Group, whole_group
 
 
-def _rotate(chunks, shift):
-  """``out[k] = chunks[(k + shift) % p]`` along axis 0 (shift may be traced)."""
-  if isinstance(shift, int) and shift == 0:
-    return chunks
-  return jnp.roll(chunks, -shift, axis=0)
+def _unrotate(chunks: list, r):
+  """Rows ``out[(r + k) % p] = chunks[k]`` (``r`` may be traced), written in place one row at a
+  time: XLA:CPU runs a roll by a traced shift (``jnp.roll``) as a select per element, several
+  times slower than these copies."""
+  p = len(chunks)
+  if isinstance(r, int) and r == 0:
+    return jnp.stack(chunks)
+  out = jnp.zeros((p,) + chunks[0].shape, chunks[0].dtype)
+  for k, chunk in enumerate(chunks):
+    out = lax.dynamic_update_index_in_dim(out, chunk, (r + k) % p, axis=0)
+  return out
 
 
 def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False,
@@ -53,33 +60,38 @@ def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_e
   c = flat.shape[0] // p
   if pieces < 1 or c % (pieces * codec.align):
     pieces = 1
-  rot = _rotate(flat.reshape(p, c), group.rank())
-  cp = c // pieces
-  local = [rot[:, j * cp:(j + 1) * cp] for j in range(pieces)]
+  rows, r, cp = flat.reshape(p, c), group.rank(), c // pieces
+
+  def local(k, j):
+    """Piece ``j`` of local chunk ``k``, i.e. of row ``(r + k) % p`` (sliced where it is used:
+    no rotated copy of the whole buffer)."""
+    row = lax.dynamic_index_in_dim(rows, (r + k) % p, axis=0, keepdims=False)
+    return row[j * cp:(j + 1) * cp]
+
   # Hop s sends local chunk p-1-s; the predecessor's chunk p-1-s is our chunk p-2-s.
-  payloads = [codec.encode(piece[p - 1], dtype) for piece in local]
+  payloads = [codec.encode(local(p - 1, j), dtype) for j in range(pieces)]
   errors = [[None] * p for _ in range(pieces)]
   if want_error:
-    for j, piece in enumerate(local):
-      errors[j][p - 1] = piece[p - 1] - codec.decode(payloads[j], dtype)
+    for j in range(pieces):
+      errors[j][p - 1] = local(p - 1, j) - codec.decode(payloads[j], dtype)
   shards = [None] * pieces
   for s in range(p - 1):
     k = p - 2 - s
     for j in range(pieces):
       recv = transport.shift(payloads[j], group)
       if k > 0:
-        partial, payloads[j] = codec.hop(recv, local[j][k], dtype)
+        partial, payloads[j] = codec.hop(recv, local(k, j), dtype)
         if want_error:
           errors[j][k] = partial - codec.decode(payloads[j], dtype)
       else:
-        shards[j] = codec.last_hop(recv, local[j][0], dtype)
+        shards[j] = codec.last_hop(recv, local(0, j), dtype)
   shard = _concat(shards)
   if not want_error:
     return shard, None
   for j in range(pieces):
     errors[j][0] = jnp.zeros_like(shards[j])
-  err = _concat([jnp.stack(e) for e in errors], axis=1)  # (p, c)
-  return shard, _rotate(err, -group.rank()).reshape(-1)
+  err = [_concat([errors[j][k] for j in range(pieces)]) for k in range(p)]  # local chunk k's
+  return shard, _unrotate(err, r).reshape(-1)
 
 
 def _concat(parts, axis=0):
@@ -114,11 +126,7 @@ def ring_all_gather_payload(payload: tuple, group: Group, transport) -> tuple:
     cur = transport.shift(cur, group)
     slots[p - 1 - s] = cur
   r = group.rank()
-  out = []
-  for i in range(len(payload)):
-    stacked = jnp.stack([slot[i] for slot in slots])
-    out.append(_rotate(stacked, -r).reshape(-1))
-  return tuple(out)
+  return tuple(_unrotate([slot[i] for slot in slots], r).reshape(-1) for i in range(len(payload)))
 
 
 def all_reduce(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False,
@@ -146,16 +154,11 @@ def all_reduce_payload(flat, group: Group, codec: Codec, dtype, transport, *, wa
   if want_error and group.size > 1:
     c = shard.shape[0]
     own = (shard - codec.decode(payload, dtype))
-    err = err + _place(own, group.rank(), c, flat.shape[0])
+    # the reduce-scatter left this member's own chunk error-free: the encoding error goes there
+    err = lax.dynamic_update_slice(err, own, (group.rank() * c,))
   elif want_error:
     err = shard - codec.decode(payload, dtype)
   return all_gather_payload(payload, group, transport), err
-
-
-def _place(chunk, index, c, n):
-  """A length-``n`` zero buffer with ``chunk`` at chunk position ``index`` (index may be traced)."""
-  from jax import lax
-  return lax.dynamic_update_slice(jnp.zeros((n,), chunk.dtype), chunk, (index * c,))
 
 
 def _mesh_order(axes: tuple, sizes: tuple) -> tuple[tuple, tuple[int, ...] | None]:
