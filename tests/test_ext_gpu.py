@@ -26,7 +26,9 @@ pytestmark = [
                        "(rebuild with JAXRING_CUDA=on pip install --no-build-isolation -e .)"),
 ]
 
-SIZES = [0, 1, 255, 257, 10**6 + 3]
+# Odd sizes take the kernels' scalar path; multiples of 4 the vector path (16-byte accesses), a
+# partial last block included (10**6 + 4 is not a multiple of 256).
+SIZES = [0, 1, 255, 257, 10**6 + 3, 4096, 10**6 + 4]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
@@ -83,7 +85,44 @@ def test_ring_hops(n, stochastic):
       same(a, b)
 
 
-@pytest.mark.parametrize("n,chunk", [(1, 1), (4097, 4096), (10**6 + 3, 1000)])
+@pytest.mark.parametrize("block", [4, 100, 128, 1000, 1024, 2048])
+def test_int8_block_sizes(block):
+  """Every register-cache size of the vector paths (4- and 8-wide) and the fallbacks past them."""
+  n = 40_000
+  x, p = data(n), data(n, 1)
+  for xt in (x, x.astype(jnp.bfloat16)):  # 4 f32 or 8 bf16 elements per 16-byte access
+    for a, b in zip(on_gpu(lambda x: ext.quantize_int8(x, block, True, 5), xt),
+                    on_cpu(lambda x: ref.quantize_int8(x, block, True, 5), xt)):
+      same(a, b)
+  q, s = on_cpu(lambda x: ext.quantize_int8(x, block), x)
+  same(on_gpu(lambda q, s: ext.dequantize_int8(q, s, block), q, s),
+       on_cpu(lambda q, s: ref.dequantize_int8(q, s, block), q, s))
+  hop = lambda q, s, p: ext.ring_hop_int8(q, s, p, block, True, 4)  # noqa: E731
+  for a, b in zip(on_gpu(hop, q, s, p),
+                  on_cpu(lambda q, s, p: ref.ring_hop_int8(q, s, p, block, True, 4), q, s, p)):
+    same(a, b)
+
+
+@pytest.mark.parametrize("n", [1000, 1001])
+def test_batched_rows(n):
+  """vmap gives the kernels rows: each row's blocks and seed are its own (vector path at 1000)."""
+  x = np.stack([data(n, r) for r in range(3)])
+  p = np.stack([data(n, 10 + r) for r in range(3)])
+  quant = jax.vmap(lambda x: ext.quantize_int8(x, 256, True, 3))
+  for a, b in zip(on_gpu(quant, x), on_cpu(quant, x)):
+    same(a, b)
+  q, s = on_cpu(jax.vmap(lambda x: ext.quantize_int8(x, 256)), x)
+  hop = jax.vmap(lambda q, s, p: ext.ring_hop_int8(q, s, p, 256, True, 4))
+  for a, b in zip(on_gpu(hop, q, s, p), on_cpu(hop, q, s, p)):
+    same(a, b)
+  deq = jax.vmap(lambda q, s: ext.dequantize_int8(q, s, 256, jnp.bfloat16))
+  same(on_gpu(deq, q, s), on_cpu(deq, q, s))
+  norms = jax.vmap(lambda x: ext.chunk_norms(x, 100))
+  np.testing.assert_allclose(on_gpu(norms, x), on_cpu(norms, x), rtol=2e-7)
+
+
+@pytest.mark.parametrize("n,chunk", [(1, 1), (4097, 4096), (10**6 + 3, 1000), (4096 * 40, 4096),
+                                     (10**6 + 4, 1000), (3 * 20_000 + 8, 20_000)])
 def test_chunk_kernels(n, chunk):
   x = data(n)
   nc = ext.num_chunks(n, chunk)
@@ -96,3 +135,14 @@ def test_chunk_kernels(n, chunk):
   same(packed, ref.gather_chunks(x, idx, chunk))
   same(on_gpu(lambda x, i, p: ext.scatter_add_chunks(x, i, p, chunk), x, idx, packed),
        on_cpu(lambda x, i, p: ref.scatter_add_chunks(x, i, p, chunk), x, idx, packed))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_gather_chunks_of_narrow_types(dtype):
+  """Chunks of 2- and 1-byte elements: 16-byte copies where a chunk is a multiple of 16 bytes."""
+  for n, chunk in [(64 * 1000 + 16, 64), (64 * 1000 + 17, 64), (999, 7)]:
+    x = np.clip(data(n) * 10, -127, 127).astype(dtype)
+    nc = ext.num_chunks(n, chunk)
+    idx = np.random.default_rng(n).permutation(nc)[: max(1, nc // 3)].astype(np.int32)
+    same(on_gpu(lambda x, i: ext.gather_chunks(x, i, chunk), x, idx),
+         ref.gather_chunks(x, idx, chunk))
