@@ -133,7 +133,7 @@ def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error:
   plan = plan_for(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype, algorithm,
                   compression)
   _fingerprint("all_reduce", binding, flat.shape, dtype, algorithm, plan)
-  if plan.kind == "xla":
+  if plan.kind == "xla" or binding.size == 1:  # one member: exact, nothing travels or compresses
     return _native_all_reduce(flat, binding.axes, plan), None
   return _all_reduce_planned(flat, dtype, binding.axes, plan, want_error)
 

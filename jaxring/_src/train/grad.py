@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 from typing import Any, Callable, Sequence
 
@@ -307,9 +308,14 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   scale = ctx.loss_scale if policy is not None and policy.loss_scaling else None
   call = _caller(fun, args, kwargs, argnums, treedef, policy)
   shard = ctx.shard
+  # One member: the reduction is exact and moves nothing, so there is nothing to overlap or
+  # compress: one bucket per dtype after backprop, whatever the codec.
+  single = shard is None and replica_count(cfg.axes) == 1
+  overlap = cfg.overlap and not single
   if shard is None:
     order = use_order(lambda *ls: call(ls), leaves)
-    buckets = make_buckets(leaves, order, _bucket_bytes(cfg, leaves, order))
+    bucket_bytes = sys.maxsize if single else _bucket_bytes(cfg, leaves, order)
+    buckets = make_buckets(leaves, order, bucket_bytes)
   else:
     buckets = _sharded_buckets(cfg, shard, leaves, treedef, call)
   ctx.buckets = buckets
@@ -317,7 +323,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   check = scale is not None
 
   def inner(diff_leaves, residuals, flags):
-    if cfg.overlap:
+    if overlap:
       diff_leaves = _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags,
                                                inv_scale, check, shard)
     out = call(diff_leaves)
@@ -334,7 +340,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   flags = [jnp.zeros((), jnp.float32) for _ in buckets] if check else None
   (_, (loss, aux)), (g_leaves, g_res, g_flags) = jax.value_and_grad(
       inner, argnums=(0, 1, 2), has_aux=True)(leaves, res_leaves, flags)
-  if not cfg.overlap:
+  if not overlap:
     g_leaves, g_res, g_flags = _reduce_after_backward(cfg, buckets, g_leaves, res_leaves,
                                                       inv_scale, check)
   if cfg.uses_residuals:

@@ -201,7 +201,9 @@ class TrainStep:
     if (cfg.policy is not None and cfg.policy.loss_scaling
         and getattr(state, "loss_scale", None) is None):
       return True
-    if any(not (isinstance(r, jax.Array) and r.sharding == self._residual_sharding)
+    # Equivalent, not equal: on one device jit hands back P() for the residuals' P("data").
+    if any(not (isinstance(r, jax.Array)
+                and r.sharding.is_equivalent_to(self._residual_sharding, r.ndim))
            for r in jax.tree_util.tree_leaves(residuals)):
       return True  # e.g. read back from a checkpoint as NumPy arrays
     leaves = jax.tree_util.tree_leaves(_without_residuals(state))
