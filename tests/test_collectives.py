@@ -1,5 +1,4 @@
 """jaxring's collectives against jax.lax: every algorithm, dtype, mesh and transformation."""
-import math
 
 import jax
 import jax.numpy as jnp

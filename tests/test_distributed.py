@@ -180,7 +180,7 @@ def _startup(n: int, started: list[int], port: int):
 
 
 def _assert_raised_in_time(r, pattern: str, results) -> None:
-  assert r.returncode == 1, f"expected exit 1 (an uncaught exception)\n" + mp.report(results)
+  assert r.returncode == 1, "expected exit 1 (an uncaught exception)\n" + mp.report(results)
   assert "StartupTimeoutError" in r.stderr and re.search(pattern, r.stderr), mp.report(results)
   assert "Terminating process" not in r.stderr, mp.report(results)
   assert r.seconds < STARTUP_TIMEOUT + 20, mp.report(results)   # python start-up included

@@ -1,5 +1,4 @@
 """The in-process transport (shared-memory custom calls) against lax, on 8 CPU devices."""
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -4,7 +4,7 @@ Times a 4 MiB ppermute over the node axis, an independent chain of matmuls, and 
 program; run inside the emulated cluster as benchmarks/scripts/node_ring_pieces.py is. "both" near
 the sum of the two means the runtime runs them in turn.
 """
-import os, time, statistics
+import time, statistics
 import numpy as np
 import jaxring.distributed
 jaxring.distributed.initialize()

@@ -3,7 +3,7 @@
 the local reduce-scatter / all-gather, and x + 1. Run inside the emulated cluster as
 benchmarks/scripts/node_ring_pieces.py is (env ONLY=name,... keeps matching cases; CODECS, MIB, REPS).
 """
-import os, sys, time, statistics, json
+import os, time, statistics
 import numpy as np
 import jaxring.distributed
 jaxring.distributed.initialize()

@@ -8,7 +8,7 @@ node ring on the 1/2 shard, the local reduce-scatter, and x + 1. Run inside the 
 import time, statistics, os
 import numpy as np
 from mpi4py import MPI
-import jax, jax.numpy as jnp
+import jax
 import jaxring, jaxring.distributed
 from jaxring import codecs
 w = MPI.COMM_WORLD; r = w.Get_rank(); L = 2

@@ -4,7 +4,7 @@ shape (docs/design.md, "Transports"; docs/benchmarks.md). One process per node, 
   sudo LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 jaxring cluster run --name jrx \
       --nodes 4 --procs-per-node 1 --devices-per-proc 2 -- python benchmarks/scripts/node_level_native_vs_ring.py
 """
-import os, time, statistics
+import time, statistics
 import numpy as np
 import jaxring.distributed
 jaxring.distributed.initialize()

@@ -14,7 +14,6 @@ import numpy as np
 import jaxring.distributed
 jaxring.distributed.initialize()
 import jax, jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxring import codecs
 from jaxring._src.algorithms import ring as R

@@ -172,7 +172,6 @@ def extras(comm) -> None:
   """Eager calls, constants, pmean, jax.grad, reduce_gradients and unbinding, on "data"."""
   import jax
   import jax.numpy as jnp
-  import optax
   import jaxring
   import jaxring.distributed
 
