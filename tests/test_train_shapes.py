@@ -59,3 +59,18 @@ def test_step_by_step_equals_one_scan():
     assert got.shape == (8, *np.shape(init[name]))
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5, err_msg=name)  # fusion order
     assert not np.allclose(got[0], np.asarray(init[name])), name   # it trained
+
+
+def test_groupnorm_resnet_normalizes_and_starts_as_its_shortcuts():
+  """The benchmark's GroupNorm ResNet: its logits do not change when the input is scaled (the
+  stem's GroupNorm removes the scale; fails without it), and every block's branch starts at zero
+  (its last GroupNorm's scale), so perturbing a branch's convolution changes nothing at init."""
+  init, logits = bench.MODELS["resnet_gn"]
+  params = init(jax.random.key(1))
+  x = np.asarray(jax.random.normal(jax.random.key(2), (4, 16, 16, 3)))
+  y = np.asarray(logits(params, x))
+  np.testing.assert_allclose(np.asarray(logits(params, 3.0 * x)), y, rtol=1e-4, atol=1e-5)
+  bumped = dict(params, a2=params["a2"] + 1.0, c1=params["c1"] * 2.0)
+  np.testing.assert_allclose(np.asarray(logits(bumped, x)), y, rtol=1e-5, atol=1e-6)
+  trained = dict(params, a2_g=params["a2_g"] + 1.0)
+  assert np.max(np.abs(np.asarray(logits(trained, x)) - y)) > 1e-3
