@@ -130,13 +130,17 @@ def test_sharded_step_equals_the_replicated_step_after_10_steps(shard, tx):
              for m in mu)
 
 
-def test_hierarchical_mesh_with_a_ring_per_level_equals_the_replicated_step():
+@pytest.mark.parametrize("hpz", [False, True], ids=["flat-blocks", "hpz"])
+def test_hierarchical_mesh_with_a_ring_per_level_equals_the_replicated_step(hpz):
   mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
   want = _replicated("sgd_momentum", 10)
   got, _ = _run(_cnn_step(mesh=mesh, axis_name=("node", "local"), shard="params",
-                          algorithm="hierarchical"), _cnn_state(TXS["sgd_momentum"]()), _data(10))
+                          algorithm="hierarchical", hpz=hpz),
+                _cnn_state(TXS["sgd_momentum"]()), _data(10))
   _assert_trees_close(got.params, want.params)
-  assert "node" in str(got.params["Conv_1"]["kernel"].sharding.spec)
+  _assert_trees_close(got.opt_state, want.opt_state)
+  spec = got.params["Conv_1"]["kernel"].sharding.spec[3]
+  assert spec == (("local", "node") if hpz else ("node", "local"))  # hpZ: node-local pieces
 
 
 def _per_replica_grads(state, batch, p):
@@ -151,16 +155,16 @@ def _per_replica_grads(state, batch, p):
   return jax.tree.map(lambda *g: np.sum([np.asarray(x, np.float64) for x in g], axis=0), *per)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "hierarchical-hpz"])
 def test_error_feedback_of_the_compressed_reduce_scatter_loses_nothing(algorithm):
   """With SGD(lr=1): p * (-update) + the sum of every replica's new residual equals the sum of
   the replicas' gradients, leaf by leaf (nothing lost, nothing counted twice)."""
   p = len(jax.devices())
-  kw = dict(shard="params", algorithm=algorithm,
+  kw = dict(shard="params", algorithm=algorithm.split("-")[0],
             compression={"grads": jaxring.codecs.int8(block_size=32)})
-  if algorithm == "hierarchical":
+  if algorithm.startswith("hierarchical"):
     kw.update(mesh=Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local")),
-              axis_name=("node", "local"))
+              axis_name=("node", "local"), hpz=algorithm.endswith("hpz"))
   step = _mlp_step(**kw)
   state = _mlp_state(optax.sgd(1.0))
   batch = _data(1, shape=(16,), classes=8)[0]
@@ -217,6 +221,10 @@ def test_bad_arguments_are_named():
     jt.train_step(shard="params", compression={"grads": "int8"})
   with pytest.raises(ValueError, match="momentum"):
     jt.train_step(shard="params", momentum=0.9)
+  with pytest.raises(ValueError, match="hpz=True .* shard='params'"):
+    jt.train_step(shard="optimizer", axis_name=("node", "local"), hpz=True)
+  with pytest.raises(ValueError, match="hierarchical axis_name"):
+    jt.train_step(shard="params", hpz=True)
 
 
 def test_differentiating_something_else_than_the_params_is_refused():
@@ -244,6 +252,44 @@ def test_the_backward_pass_gathers_again_the_parameters_it_needs():
         "stablehlo.all_gather\"")
   assert counts["params"] == 6 + 2
   assert counts["optimizer"] == 6  # each updated block, once, after the update
+
+
+def _gather_groups(text: str) -> dict:
+  """How many all-gathers the lowered program has, by the shape of their replica groups."""
+  import re
+  shapes = re.findall(r'"stablehlo.all_gather"\(.*?replica_groups = dense<.*?> : tensor<(\w+)xi64>',
+                      text)
+  return {k: shapes.count(k) for k in set(shapes)}
+
+
+def test_hpz_gathers_across_nodes_once_and_within_the_node_in_the_backward_pass():
+  """2 nodes x 4: without hpZ every gather spans the 8 devices (6 forward + 2 backward, as
+  above); with it the forward pass gathers each split leaf across the nodes (groups of 2) then
+  within the node (groups of 4), and the backward pass only within the node again."""
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
+  batch = _data(1, shape=(16,), classes=8)[0]
+  groups = {}
+  for hpz in (False, True):
+    step = _mlp_step(mesh=mesh, axis_name=("node", "local"), shard="params", hpz=hpz)
+    groups[hpz] = _gather_groups(step.lower(_mlp_state(optax.sgd(0.1)), batch).as_text())
+  assert groups[False] == {"1x8": 6 + 2}
+  assert groups[True] == {"4x2": 6, "2x4": 6 + 2}
+
+
+def test_hpz_with_int8_parameters_across_nodes_trains_like_uncompressed():
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
+  batches = _data(30, shape=(16,), classes=8)
+  kw = dict(mesh=mesh, axis_name=("node", "local"), shard="params", algorithm="hierarchical")
+  plain, m_plain = _run(_mlp_step(**kw), _mlp_state(optax.sgd(0.1, momentum=0.9)), batches)
+  both = {"params": {"node": jaxring.codecs.int8()}, "grads": {"node": jaxring.codecs.int8()}}
+  comp, m_comp = _run(_mlp_step(hpz=True, compression=both, **kw),
+                      _mlp_state(optax.sgd(0.1, momentum=0.9)), batches)
+  first = float(_mlp_step(**kw)(_mlp_state(optax.sgd(0.0)), batches[0])[1]["loss"])
+  assert float(m_comp["loss"]) < 0.8 * first
+  assert abs(float(m_comp["loss"]) - float(m_plain["loss"])) < 0.05 * float(m_plain["loss"])
+  diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(comp.params), jax.tree.leaves(plain.params)))
+  assert diff > 0  # the weights travelled quantized
 
 
 def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_devices(tmp_path):

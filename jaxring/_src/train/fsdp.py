@@ -13,6 +13,12 @@ With ``shard="params"`` the loss is rematerialized with :func:`regather_policy`,
 everything except the exact all-gathers: the backward pass gathers those parameters again instead
 of keeping every layer's full parameters alive between the two passes.
 
+With ``hpz`` (ZeRO++'s secondary partition, on axes ``(outer..., local)``) the blocks are ordered
+local-major (``ReduceConfig.split_axes``), so gathering over the outer axes gives each device a
+contiguous piece of every leaf, 1/local of it, and gathering those pieces over ``local`` gives
+the leaf. The policy keeps the pieces and drops the leaves: the backward pass gathers within the
+node only. The reduce-scatter runs in the engine's node-major order, so its rows are permuted.
+
 Each bucket's rows carry one extra column, the token (see grad.py): the previous bucket's
 reduced token, so that XLA neither merges the reduce-scatters nor reorders them.
 """
@@ -31,23 +37,30 @@ from jaxring._src.train.sharding import from_rows, full_shape, to_rows
 from jaxring._src.transport.groups import axis_arg
 
 
-def regather_policy(axes: tuple):
-  """A ``jax.checkpoint`` policy saving everything but the exact all-gathers over ``axes``: the
-  backward pass gathers those parameters again instead of keeping them from the forward pass."""
-  names = set(axes)
+def regather_policy(axes: tuple, local=None):
+  """A ``jax.checkpoint`` policy saving everything but the exact all-gathers over ``axes`` (and,
+  with hpZ, over the node's axis ``local``): the backward pass gathers those parameters again
+  instead of keeping them from the forward pass."""
+  dropped = [set(axes)] + ([{local}] if local is not None else [])
 
   def policy(prim, *_, **params):
     if prim.name != "all_gather":
       return True
     axis = params.get("axis_name")
-    return set(axis if isinstance(axis, tuple) else (axis,)) != names
+    return set(axis if isinstance(axis, tuple) else (axis,)) not in dropped
 
   return policy
 
 
+def _hpz_levels(axes: tuple) -> tuple[str, tuple]:
+  """``(local, outer)`` of blocks ordered by ``ReduceConfig.split_axes`` with hpZ."""
+  return axes[0], axes[1:]
+
+
 def gather_leaves(blocks: Sequence, dims: Sequence[int], shapes: Sequence, axes: tuple,
-                  algorithm, compression) -> list:
-  """The full leaves of ``shapes`` from every replica's blocks (split along ``dims``).
+                  algorithm, compression, hpz: bool = False) -> list:
+  """The full leaves of ``shapes`` from every replica's blocks (split along ``dims``, ordered by
+  ``axes``; with ``hpz`` the node's axis first: gathered over the outer axes, then the node).
 
   Exactly (no codec): one native all-gather per leaf, straight into the leaf's layout, so that
   the all-gather's output *is* the full leaf and :func:`regather_policy` can leave it out of
@@ -56,13 +69,23 @@ def gather_leaves(blocks: Sequence, dims: Sequence[int], shapes: Sequence, axes:
   step's algorithm, in the codec's wire format (the blocks' dtype is what is encoded: f32
   master weights stay f32 on their owner); the decoded leaves are kept for the backward pass.
   """
+  if hpz:
+    local, outer = _hpz_levels(axes)
   if not is_lossy(compression):
+    if hpz:  # the node's piece (kept for the backward pass), then the leaf (dropped)
+      return [lax.all_gather(lax.all_gather(b, axis_arg(outer), axis=d, tiled=True), local,
+                             axis=d, tiled=True) for b, d in zip(blocks, dims)]
     return [lax.all_gather(b, axis_arg(axes), axis=d, tiled=True) for b, d in zip(blocks, dims)]
   p = engine.bind(axes, "all_gather").size
   dtype = jnp.result_type(*blocks)
   flat = jnp.concatenate([jnp.ravel(b).astype(dtype) for b in blocks])
-  gathered = engine.all_gather(flat, 0, True, engine.bind(axes, "all_gather"), algorithm,
-                               compression)
+  if hpz:  # the codec on the outer level only; within the node the decoded values, exactly
+    piece = engine.all_gather(flat, 0, True, engine.bind(outer, "all_gather"), algorithm,
+                              compression)
+    gathered = lax.all_gather(piece, local, axis=0, tiled=True)
+  else:
+    gathered = engine.all_gather(flat, 0, True, engine.bind(axes, "all_gather"), algorithm,
+                                 compression)
   rows = gathered.reshape(p, -1)
   out, col = [], 0
   for b, d, shape in zip(blocks, dims, shapes):
@@ -93,6 +116,9 @@ def scatter_bucket(cfg, cts: Sequence, dims: Sequence[int], residuals, tok, inv_
     rows = [r + to_rows(e.astype(acc), d, p) for r, e, d in zip(rows, residuals, dims)]
   grid = jnp.concatenate(rows + [jnp.broadcast_to(jnp.reshape(tok, (1, 1)).astype(acc), (p, 1))],
                          axis=1)
+  local = int(lax.axis_size(cfg.axes[-1])) if cfg.hpz else 1
+  if cfg.hpz:  # rows in block order (local-major) -> the engine's member order (node-major)
+    grid = grid.reshape(local, p // local, -1).swapaxes(0, 1).reshape(p, -1)
   want_error = residuals is not None
   shard, err = engine.reduce_scatter_flat(grid.reshape(-1), dtype, binding, cfg.algorithm,
                                           cfg.compression, want_error=want_error)
@@ -110,6 +136,8 @@ def scatter_bucket(cfg, cts: Sequence, dims: Sequence[int], residuals, tok, inv_
     if dtype != acc:  # rounding the mean to the gradients' dtype: carried by its owner
       err = err.at[lax.axis_index(cfg.axes)].add(mean - mean.astype(dtype).astype(acc))
     err = jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
+    if cfg.hpz:  # back to block order
+      err = err.reshape(p // local, local, -1).swapaxes(0, 1).reshape(p, -1)
     new_res, col = [], 0
     for c, d in zip(cts, dims):
       n = c.size // p
@@ -132,8 +160,8 @@ def sharded_identity(cfg, dims: tuple, shapes: tuple, check_finite: bool):
   def _forward(blocks, full):
     if full is not None:
       return tuple(full)
-    return tuple(gather_leaves(blocks, dims, shapes, cfg.axes, cfg.algorithm,
-                               cfg.param_compression))
+    return tuple(gather_leaves(blocks, dims, shapes, cfg.split_axes, cfg.algorithm,
+                               cfg.param_compression, cfg.hpz))
 
   def fwd(blocks, full, residuals, tok, inv_scale, flag):
     del flag

@@ -58,10 +58,22 @@ class ReduceConfig:
   nesterov: bool = False
   shard: str = "none"             # "none" | "optimizer" | "params" (jaxring._src.train.sharding)
   param_compression: Any = None   # the parameters' all-gather codec (shard="params")
+  hpz: bool = False               # shard="params": the backward pass gathers within the node
 
   @property
   def axis_name(self):
     return self.axes if len(self.axes) > 1 else self.axes[0]
+
+  @property
+  def split_axes(self) -> tuple:
+    """The order of the replicas' blocks of a split leaf: ``axes``, or with ``hpz`` the node's
+    axis first, so that a node's devices hold contiguous pieces of each leaf once they have
+    gathered over the outer axes (jaxring._src.train.fsdp)."""
+    return (self.axes[-1],) + self.axes[:-1] if self.hpz else self.axes
+
+  @property
+  def split_axis_name(self):
+    return self.split_axes if len(self.split_axes) > 1 else self.split_axes[0]
 
   @property
   def uses_residuals(self) -> bool:
@@ -335,7 +347,8 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     return objective, (loss, aux)
 
   if shard is not None and shard.remat:
-    inner = jax.checkpoint(inner, policy=regather_policy(cfg.axes))
+    inner = jax.checkpoint(inner, policy=regather_policy(cfg.axes, cfg.axes[-1] if cfg.hpz
+                                                         else None))
 
   flags = [jnp.zeros((), jnp.float32) for _ in buckets] if check else None
   (_, (loss, aux)), (g_leaves, g_res, g_flags) = jax.value_and_grad(
@@ -428,7 +441,7 @@ def full_params(params):
     raise ValueError(f"jaxring.train.full_params: expected a tree like state.params "
                      f"({ctx.shard.treedef}), got {treedef}")
   dims = jax.tree_util.tree_unflatten(treedef, list(ctx.shard.dims))
-  return gather_params(params, dims, ctx.config.axes, ctx.config.algorithm)
+  return gather_params(params, dims, ctx.config.split_axes, ctx.config.algorithm)
 
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False):

@@ -117,7 +117,7 @@ class TrainStep:
       state = state.replace(loss_scale=DynamicLossScale.create())
     state = _without_residuals(state)
     self._check_sharded_optimizer(state)
-    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.axis_name)
+    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
     state = jax.tree_util.tree_map(
         lambda x, s: sharding.place(x, NamedSharding(self.mesh, s)), state, specs)
     if residuals is not None:
@@ -152,7 +152,7 @@ class TrainStep:
     replicated = NamedSharding(self.mesh, P())
     params, opt_state = (jax.tree_util.tree_map(lambda x: sharding.place(x, replicated), t)
                          for t in (state.params, state.opt_state))
-    sharding.check_elementwise(tx, params, opt_state, self.mesh, cfg.axis_name,
+    sharding.check_elementwise(tx, params, opt_state, self.mesh, cfg.split_axis_name,
                                self.num_replicas, cfg.shard)
     self._checked_tx = tx
 
@@ -244,7 +244,7 @@ class TrainStep:
   def _spmd(self, state, residuals, batch):
     cfg = self.config
     data = P(cfg.axis_name)
-    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.axis_name)
+    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
     if cfg.shard != "none":
       self._dims = sharding.param_dims(state.params, self.num_replicas)
     res_specs = jax.tree_util.tree_map(lambda _: data, residuals)
@@ -267,8 +267,8 @@ class TrainStep:
     self.buckets = ctx.buckets
     new_state = _without_residuals(new_state)
     if cfg.shard == "optimizer":  # each replica updated its blocks: gather the whole, exactly
-      new_state = new_state.replace(params=gather_params(new_state.params, self._dims, cfg.axes,
-                                                         cfg.algorithm))
+      new_state = new_state.replace(params=gather_params(new_state.params, self._dims,
+                                                         cfg.split_axes, cfg.algorithm))
     new_residuals = residuals
     if residuals is not None and ctx.new_residuals is not None:
       new_residuals = ctx.new_residuals
@@ -292,7 +292,7 @@ class TrainStep:
     if cfg.shard == "params":
       shapes = tuple(sharding.full_shape(x.shape, d, p) for x, d in zip(leaves, dims))
       return ShardedParams(treedef, dims, shapes, None), state
-    index = lax.axis_index(cfg.axis_name)
+    index = lax.axis_index(cfg.split_axis_name)
     blocks = [sharding.local_block(x, d, p, index) for x, d in zip(leaves, dims)]
     view = state.replace(params=jax.tree_util.tree_unflatten(treedef, blocks))
     return ShardedParams(treedef, dims, tuple(x.shape for x in leaves), tuple(leaves)), view
@@ -365,7 +365,8 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
                compression: Any = None, error_feedback: bool = True,
                bucket_bytes: int | str = 25 << 20,
                overlap: bool = True, donate: bool = True, precision: Any = None,
-               momentum: float | None = None, nesterov: bool = False, shard: str = "none"):
+               momentum: float | None = None, nesterov: bool = False, shard: str = "none",
+               hpz: bool = False):
   """Turns a per-replica ``step(state, batch) -> (state, metrics)`` into a data-parallel step.
 
   Args:
@@ -397,6 +398,10 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       forward and backward passes use them). The step function is the same; inside it
       ``state.params`` are this replica's blocks, which ``jaxring.value_and_grad`` gathers. The
       optimizer must work coordinate by coordinate (checked): jaxring._src.train.sharding.
+    hpz: with ``shard="params"`` and a hierarchical ``axis_name`` such as ``("node", "local")``,
+      keep between the two passes each gathered bucket's piece for this device's node (1/local
+      of the bucket, ZeRO++'s secondary partition), so the backward pass all-gathers over the
+      last axis only, within the node, instead of across every node again.
 
   Returns:
     A decorator producing a :class:`TrainStep`.
@@ -419,6 +424,10 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
     raise ValueError(f"train_step: shard={shard!r} reduce-scatters inside the backward pass and "
                      "keeps no velocity; it takes neither momentum= nor overlap=False")
   axes = axis_names(axis_name)
+  if hpz and (shard != "params" or len(axes) < 2):
+    raise ValueError(f"train_step: hpz=True keeps a node-local copy of the gathered parameters: "
+                     f"it needs shard='params' and a hierarchical axis_name such as ('node', "
+                     f"'local'); got shard={shard!r}, axis_name={axis_name!r}")
   if mesh is not None and not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "
                      f"{mesh.axis_names}")
@@ -430,7 +439,7 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
   config = ReduceConfig(axes, algorithm, compression, error_feedback,
                         _validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
                         momentum=momentum, nesterov=bool(nesterov), shard=shard,
-                        param_compression=param_compression)
+                        param_compression=param_compression, hpz=bool(hpz))
 
   def decorate(fn: Callable) -> TrainStep:
     return TrainStep(fn, mesh, config, donate)

@@ -8,7 +8,8 @@ state and error-feedback residuals, and the compiled step's peak, for ``shard="n
 ``collectives`` and ``train`` (the emulated cluster; root): jaxring's all-gather and
 reduce-scatter against gloo's ``lax.all_gather`` / ``lax.psum_scatter`` on the same links,
 uncompressed and with each codec on the node level; one FSDP step of an MLP uncompressed and with
-int8 weights + int8 gradients, beside its compute alone. JAX shape: one process per node.
+int8 weights + int8 gradients, each with and without hpZ (``hpz=True``: the backward pass
+gathers within the node), beside its compute alone. JAX shape: one process per node.
 
 ``accuracy`` (this machine): test accuracy on the harder generated image task, replicated and
 fully sharded, uncompressed and with int8 weights + int8 gradients.

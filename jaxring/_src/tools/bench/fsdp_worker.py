@@ -114,9 +114,9 @@ def _train(args, mesh, me):
     logits = apply_fn({"params": p}, b["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
-  def make_step(compression):
+  def make_step(compression, hpz):
     @jt.train_step(mesh, axis_name=AXES, shard="params", algorithm=args.algorithm,
-                   compression=compression)
+                   compression=compression, hpz=hpz)
     def step(state, b):
       loss, grads = jt.value_and_grad(lambda p: loss_fn(p, b, state.apply_fn))(state.params)
       return state.apply_gradients(grads=grads), {"loss": loss}
@@ -124,9 +124,12 @@ def _train(args, mesh, me):
 
   int8 = {"node": jaxring.codecs.int8()}
   ready = []
-  for label, comp in (("fsdp uncompressed", None),
-                      ("fsdp int8 weights + int8 grads", {"params": int8, "grads": int8})):
-    step = make_step(comp)
+  both = {"params": int8, "grads": int8}
+  for label, comp, hpz in (("fsdp uncompressed", None, False),
+                           ("fsdp int8 weights + int8 grads", both, False),
+                           ("fsdp hpz uncompressed", None, True),
+                           ("fsdp hpz int8 weights + int8 grads", both, True)):
+    step = make_step(comp, hpz)
     holder = {"state": step.prepare(jt.TrainState.create(apply_fn=model.apply, params=params,
                                                          tx=optax.sgd(1e-3, momentum=0.9)))}
 
