@@ -26,7 +26,7 @@ def _free_port():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("shard", ["none", "params"])
+@pytest.mark.parametrize("shard", ["none", "params", "params-hpz"])
 def test_two_processes_match_one_process_with_the_same_devices(tmp_path, shard):
   """Also fully sharded: the parameters split over both processes' devices, gathered and
   reduce-scattered across processes, give the one-process replicated result."""

@@ -1,5 +1,6 @@
 """Worker for tests/test_train_multiprocess.py: one of N processes of a data-parallel fit
-(``--shard params``: the parameters split over every process's devices).
+(``--shard params``: the parameters split over every process's devices; ``params-hpz``: the
+same on a (process, local) mesh, hierarchical, with hpZ).
 
 Every process feeds only its own slice of each global batch (BatchIterator's default process
 split) and all write to the same metrics file, which only process 0 may touch. Process 0 saves the
@@ -42,7 +43,15 @@ def run(num_steps: int, metrics_path: str | None, shard: str = "none"):
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))["params"]
   state = jt.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-  @jt.train_step(bucket_bytes=256, shard=shard)
+  kw = dict(shard=shard)
+  if shard == "params-hpz":  # one mesh row per process: the node level crosses processes, the
+    # local level meets in shared memory (the in-process custom calls, under FSDP's remat)
+    from jax.sharding import Mesh
+    mesh = Mesh(np.asarray(jax.devices()).reshape(jax.process_count(), -1), ("node", "local"))
+    kw = dict(mesh=mesh, axis_name=("node", "local"), algorithm="hierarchical", shard="params",
+              hpz=True)
+
+  @jt.train_step(bucket_bytes=256, **kw)
   def step(state, batch):
     loss, grads = jt.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
@@ -67,8 +76,13 @@ def main() -> int:
   import jax
   jax.config.update("jax_num_cpu_devices", args.local_devices)
   jax.config.update("jax_numpy_dtype_promotion", "strict")
-  jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                             process_id=args.process_id)
+  if args.shard == "params-hpz":  # jaxring's topology: "local" is one process's devices
+    import jaxring.distributed
+    jaxring.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+                                   process_id=args.process_id)
+  else:
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id)
   step, state = run(args.steps, args.metrics, args.shard)
   assert step.num_replicas == args.num_processes * args.local_devices
   from jax.experimental import multihost_utils

@@ -63,8 +63,10 @@ def _call(target: str, result, x, group: Group):
   axes = tuple(sorted(vma.varying_axes(x) | vma.varying_axes(member), key=str))
   x, member = vma.pvary(x, axes), vma.pvary(member, axes)
   timeout_ms = int(float(os.environ.get(ENV_TIMEOUT) or 60) * 1000)
-  out = jax.ffi.ffi_call(f"jaxring_{target}", result, vmap_method="sequential",
-                         has_side_effect=True)(
+  # No side effect declared: jax.checkpoint refuses effects (FSDP rematerializes its loss), and
+  # none is needed. Every device of the process runs the same program, so XLA keeps, drops or
+  # orders a call alike on all of them; each call site has its own ``site``, so no two are merged.
+  out = jax.ffi.ffi_call(f"jaxring_{target}", result, vmap_method="sequential")(
       x, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms)
   return vma.pvary(out, axes)
 
