@@ -177,7 +177,7 @@ def test_step_validation_adds_each_reduction_to_the_computation_less_the_token_b
   import jax
 
   from jaxring._src.tools.bench import tta
-  from jaxring._src.tools.bench.convergence import init_resnet
+  from jaxring._src.tools.bench.models import init_resnet
   from jaxring._src.tools.simulate import calibrated, validate
   model = calibrated.Calibrated((2, 4), {**dict.fromkeys(calibrated.NAMES, 0.0),
                                          "alpha_native": 0.01, "link_native": 1.0,

@@ -9,7 +9,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxring.train as jt
-from jaxring._src.tools.bench import convergence, tta
+from jaxring._src.tools.bench import models, tta
 
 
 def test_time_to_target_is_the_first_evaluation_at_or_above_it():
@@ -45,7 +45,7 @@ def test_each_member_walks_its_shard_as_the_convergence_benchmark_does():
 @pytest.mark.slow   # compiles the ResNet's step three times (~30 s on 2 cores)
 def test_hand_written_and_train_step_take_momentum_sgds_step_on_the_global_batch():
   mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
-  params = convergence.init_resnet(jax.random.key(1))
+  params = models.init_resnet(jax.random.key(1))
   params = jax.tree.map(lambda p: p + 0.01 * jax.random.normal(jax.random.key(2), p.shape),
                         params)   # the zero-initialized convolutions get gradients too
   rng = np.random.RandomState(0)

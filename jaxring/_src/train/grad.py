@@ -17,11 +17,8 @@ Outside a train_step these functions are ``jax.value_and_grad`` / ``jax.grad``.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import sys
-import threading
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +26,6 @@ from jax import lax
 
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
-from jaxring._src.collectives import is_lossy
 from jaxring._src.error_feedback import next_residual
 from jaxring._src.optim.momentum import corrected_mean
 from jaxring._src.train.buckets import (
@@ -38,107 +34,16 @@ from jaxring._src.train.buckets import (
   make_buckets,
   use_order,
 )
+from jaxring._src.train.context import (
+  ReduceConfig,
+  ShardedParams,
+  StepContext,
+  current_context,
+  replica_count,
+)
 from jaxring._src.train.fsdp import gather_params, regather_policy, sharded_identity
 from jaxring._src.train.loss_check import check_output
 from jaxring._src.train.precision import Policy
-
-
-@dataclasses.dataclass(frozen=True)
-class ReduceConfig:
-  """How a train_step reduces gradients (the decorator's arguments)."""
-
-  axes: tuple
-  algorithm: Any = "auto"
-  compression: Any = None
-  error_feedback: bool = True
-  bucket_bytes: int | str = 25 << 20   # or "auto" (buckets.auto_bucket_bytes)
-  overlap: bool = True
-  policy: Policy | None = None
-  momentum: float | None = None   # momentum correction in the reduction (jaxring._src.optim)
-  nesterov: bool = False
-  shard: str = "none"             # "none" | "optimizer" | "params" (jaxring._src.train.sharding)
-  param_compression: Any = None   # the parameters' all-gather codec (shard="params")
-  hpz: bool = False               # shard="params": the backward pass gathers within the node
-
-  @property
-  def axis_name(self):
-    return self.axes if len(self.axes) > 1 else self.axes[0]
-
-  @property
-  def split_axes(self) -> tuple:
-    """The order of the replicas' blocks of a split leaf: ``axes``, or with ``hpz`` the node's
-    axis first, so that a node's devices hold contiguous pieces of each leaf once they have
-    gathered over the outer axes (jaxring._src.train.fsdp)."""
-    return (self.axes[-1],) + self.axes[:-1] if self.hpz else self.axes
-
-  @property
-  def split_axis_name(self):
-    return self.split_axes if len(self.split_axes) > 1 else self.split_axes[0]
-
-  @property
-  def uses_residuals(self) -> bool:
-    """Error feedback is kept only where something is lost on the wire (or a velocity is kept)."""
-    return self.error_feedback and (is_lossy(self.compression) or self.corrects_momentum)
-
-  @property
-  def corrects_momentum(self) -> bool:
-    """Whether each replica keeps a velocity beside its residual (then each residual leaf is
-    ``(2, *shape)``: the residual, then the velocity)."""
-    return self.error_feedback and bool(self.momentum)
-
-
-@dataclasses.dataclass(eq=False)
-class StepContext:
-  """What the decorator hands to ``value_and_grad`` during one trace of the step, and gets back."""
-
-  config: ReduceConfig
-  residuals: Any = None     # this replica's residuals, shaped like the parameters, or None
-  loss_scale: Any = None    # f32 scalar when the policy scales the loss
-  new_residuals: Any = None
-  finite: Any = None        # agreed on by every replica
-  buckets: list[Bucket] | None = None
-  calls: int = 0
-  shard: ShardedParams | None = None  # with shard="optimizer"/"params": how the params are split
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardedParams:
-  """What value_and_grad needs of a sharded step's parameters (flattened like state.params)."""
-
-  treedef: Any
-  dims: tuple            # each leaf's split dimension, or None (whole)
-  shapes: tuple          # each leaf's full shape
-  full: tuple | None     # shard="optimizer": the replicated leaves (nothing to gather)
-
-  @property
-  def remat(self) -> bool:
-    """Gather again in the backward pass rather than keep the full leaves (shard="params")."""
-    return self.full is None
-
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def step_context(ctx: StepContext):
-  stack = _local.__dict__.setdefault("stack", [])
-  stack.append(ctx)
-  try:
-    yield ctx
-  finally:
-    stack.pop()
-
-
-def current_context() -> StepContext | None:
-  stack = getattr(_local, "stack", None)
-  return stack[-1] if stack else None
-
-
-def replica_count(axes: tuple) -> int:
-  n = 1
-  for a in axes:
-    n *= int(lax.axis_size(a))
-  return n
 
 
 def _all_reduce(flat, dtype, cfg: ReduceConfig, want_error: bool):

@@ -26,7 +26,7 @@ from flax import struct
 from flax.training import train_state
 from jax import lax
 
-from jaxring._src.train.grad import current_context
+from jaxring._src.train.context import current_context
 from jaxring._src.train.precision import DynamicLossScale
 
 

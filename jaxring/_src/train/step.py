@@ -34,13 +34,13 @@ from jaxring._src.collectives import axis_names, validate_compression
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
 from jaxring._src.train import sharding
-from jaxring._src.train.fsdp import gather_params
-from jaxring._src.train.grad import (
+from jaxring._src.train.context import (
   ReduceConfig,
   ShardedParams,
   StepContext,
   step_context,
 )
+from jaxring._src.train.fsdp import gather_params
 from jaxring._src.train.precision import DynamicLossScale, as_policy, select_tree
 from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
 

@@ -80,7 +80,8 @@ def _accuracy(args) -> list[dict]:
   import jaxring
   import jaxring.train as jt
   from jaxring._src.data.hard_shapes import hard_shapes
-  from jaxring._src.tools.bench.convergence import MODELS, TASKS
+  from jaxring._src.tools.bench.convergence import TASKS
+  from jaxring._src.tools.bench.models import MODELS
   xtr, ytr, xte, yte = hard_shapes()
   init, logits_fn = MODELS[args.model]
   n = jax.device_count()

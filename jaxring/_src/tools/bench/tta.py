@@ -50,7 +50,7 @@ MOMENTUM = 0.9
 def _loss(params, batch):
   import optax
 
-  from jaxring._src.tools.bench.convergence import resnet_logits
+  from jaxring._src.tools.bench.models import resnet_logits
   logits = resnet_logits(params, batch["x"])
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
@@ -127,7 +127,7 @@ def accuracy(params, xte, yte) -> float:
   import numpy as np
   from jax.experimental import multihost_utils
 
-  from jaxring._src.tools.bench.convergence import resnet_logits
+  from jaxring._src.tools.bench.models import resnet_logits
   local = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
   acc = float((np.asarray(_eval(resnet_logits)(local, xte)).argmax(1) == yte).mean() * 100)
   return float(multihost_utils.broadcast_one_to_all(np.float32(acc)))
@@ -189,7 +189,7 @@ def worker(args) -> int:
   import jaxring.train as jt
   from jaxring._src.data.hard_shapes import hard_shapes
   from jaxring._src.tools.bench import cluster_worker
-  from jaxring._src.tools.bench.convergence import init_resnet
+  from jaxring._src.tools.bench.models import init_resnet
 
   me = jax.process_index()
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

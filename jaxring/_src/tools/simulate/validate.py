@@ -148,7 +148,7 @@ def predict_tta_steps(tta_result: dict, fitted: dict) -> list[dict]:
   """
   import jax
 
-  from jaxring._src.tools.bench.convergence import init_resnet
+  from jaxring._src.tools.bench.models import init_resnet
   from jaxring._src.tools.cluster import netns
   args = tta_result["args"]
   link = netns.rate_bytes_per_second(tta_result["link"])
