@@ -93,11 +93,11 @@ def test_a_member_that_never_arrives_is_named(monkeypatch):
 
 @pytest.mark.parametrize("codec", [jaxring.codecs.int8(block_size=64), jaxring.codecs.bf16()],
                          ids=["int8", "bf16"])
-def test_hierarchical_all_reduce_decodes_before_the_shared_memory_gather_to_the_same_bits(codec):
-  """With check_vma=False the all-gather phase's local level runs in shared memory, where each
-  member decodes its share before the gather; with check_vma=True the encoded payload is
-  gathered and decoded at the end. Same reduce-scatter, same node ring: the same bits, on every
-  device, and within the codec's error of the exact sum."""
+def test_hierarchical_all_reduce_gathers_in_shared_memory_to_the_same_bits(codec):
+  """With check_vma=False the all-gather phase's local level runs in shared memory; with
+  check_vma=True a native collective gathers (it types the result invariant). Same
+  reduce-scatter, same node ring, the payload decoded at the end either way: the same bits, on
+  every device, and within the codec's error of the exact sum."""
   x = np.random.RandomState(7).randn(8 * 4096).astype(np.float32)
 
   def f(v):

@@ -42,13 +42,6 @@ def _slow_level_all_reduce(x, group, codec, algo, dtype, transport, want_error, 
   return payload, codec, err
 
 
-class _Decoded(Codec):
-  """The carrier of values already decoded into the accumulator dtype (no second decode)."""
-
-  def decode(self, payload: tuple, dtype):
-    return payload[0]
-
-
 def _passes_through(codec: Codec) -> bool:
   """Whether a level's all-gather may carry a slower level's payload as it is: its own codec is
   the identity, so decoding once after the gather gives what decoding before it would have."""
@@ -86,17 +79,10 @@ def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str],
     err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offsets[-1],), (e.shape[0],)) + e,
                                    (offsets[-1],))
   # The all-gathers keep the slow level's encoding through identity-codec levels and decode once
-  # at the end: same values, and the fast levels move the narrow payload (int8: a quarter). A
-  # level in shared memory moves no bytes on a wire, only copies: there each member decodes its
-  # own share first (1/size of the whole, where decoding at the end would have every member of
-  # the process decode all of it), unless the payload is sparse (decoding it is mostly zeros).
+  # at the end: same values, and the fast levels move the narrow payload (int8: a quarter).
   replicas = groups[-1].size
   for depth in range(len(groups) - 2, -1, -1):
     g, cd = groups[depth], codecs[depth]
-    shm = algos[depth] == "shm" and not vma.is_varying(payload[0], g.axes)
-    if (shm and carrier is not None and not carrier.sparsifying and _passes_through(cd)
-        and not isinstance(carrier, _Decoded)):
-      payload, carrier = (carrier.decode(payload, dtype),), _Decoded()
     if carrier is None or not _passes_through(cd):
       x = payload[0] if carrier is None else carrier.decode(payload, dtype)
       payload, carrier = cd.encode(x, dtype), cd
@@ -105,7 +91,7 @@ def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str],
         err = lax.dynamic_update_slice(
             err, lax.dynamic_slice(err, (offsets[depth + 1],), (e.shape[0],)) + e.astype(err.dtype),
             (offsets[depth + 1],))
-    if shm:
+    if algos[depth] == "shm" and not vma.is_varying(payload[0], g.axes):
       # shared memory where nothing needs typing invariant (check_vma=False, pmap); otherwise
       # only a native collective can type the result invariant
       payload = inprocess.all_gather(payload, g)
