@@ -327,6 +327,35 @@ def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_dev
   _run(step4, on4, batches[3:4])  # and it trains there
 
 
+def test_an_hpz_checkpoint_restores_into_a_flat_step_and_back(tmp_path):
+  """hpZ orders the blocks local-major (spec ("local", "node")); a checkpoint holds the global
+  arrays, so a step without hpZ on a flat 8-device mesh restores them as saved, trains, and its
+  checkpoint restores into the hpZ step again."""
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
+  hpz = _mlp_step(mesh=mesh, axis_name=("node", "local"), shard="params", hpz=True)
+  flat = _mlp_step(shard="params")
+  batches = _data(3, shape=(16,), classes=8)
+  state, _ = _run(hpz, _mlp_state(optax.adam(1e-2)), batches[:2])
+  assert state.params["Dense_0"]["kernel"].sharding.spec[1] == ("local", "node")
+  saved = jax.device_get((state.params, state.opt_state))
+  with jt.Checkpointer(tmp_path / "a") as ckpt:
+    ckpt.save(state, step=2)
+    ckpt.wait_until_finished()
+  with jt.Checkpointer(tmp_path / "a") as ckpt, jax.numpy_dtype_promotion("standard"):
+    on_flat, _ = ckpt.restore(flat.prepare(_mlp_state(optax.adam(1e-2))))
+  assert on_flat.params["Dense_0"]["kernel"].sharding.spec[1] == "data"
+  _assert_trees_close((on_flat.params, on_flat.opt_state), saved, rtol=0, atol=0)
+  on_flat, _ = _run(flat, on_flat, batches[2:])
+  trained = jax.device_get((on_flat.params, on_flat.opt_state))
+  with jt.Checkpointer(tmp_path / "b") as ckpt:
+    ckpt.save(on_flat, step=3)
+    ckpt.wait_until_finished()
+  with jt.Checkpointer(tmp_path / "b") as ckpt, jax.numpy_dtype_promotion("standard"):
+    back, _ = ckpt.restore(hpz.prepare(_mlp_state(optax.adam(1e-2))))
+  assert back.params["Dense_0"]["kernel"].sharding.spec[1] == ("local", "node")
+  _assert_trees_close((back.params, back.opt_state), trained, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_full_params_inside_the_step_is_the_whole_updated_model(shard):
   """A metric of the updated model computed in the step (jt.full_params gathers the blocks)
