@@ -53,6 +53,7 @@ class Config:
   bucket_mib: float = 25.0
   shard: str = "none"                # "none", "optimizer" (ZeRO-1/2), "params" (FSDP / ZeRO-3)
   param_compression: str = "none"    # shard="params": the parameters' all-gather codec
+  hpz: bool = False                  # shard="params", mesh="hierarchical": regather in the node
   error_feedback: bool = True
   # bookkeeping
   workdir: str = ""                  # checkpoints and metrics.jsonl ("": none)

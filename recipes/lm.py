@@ -72,6 +72,7 @@ class LMConfig:
   bucket_mib: float = 25.0
   shard: str = "none"
   param_compression: str = "none"
+  hpz: bool = False
   error_feedback: bool = True
   # bookkeeping
   workdir: str = ""
@@ -221,7 +222,8 @@ def make_train_step(config: LMConfig, schedule: optax.Schedule, mesh=None) -> jt
   return jt.train_step(mesh if mesh is not None else jt.default_mesh(axis), axis_name=axis,
                        algorithm=config.algorithm, compression=train.step_compression(config),
                        error_feedback=config.error_feedback,
-                       bucket_bytes=int(config.bucket_mib * (1 << 20)), shard=config.shard)(step)
+                       bucket_bytes=int(config.bucket_mib * (1 << 20)), shard=config.shard,
+                       hpz=config.hpz)(step)
 
 
 def make_evaluate(config: LMConfig, model: GPT, tokens: np.ndarray):

@@ -146,7 +146,7 @@ def make_train_step(config: Config, schedule: optax.Schedule, mesh=None,
       axis_name=axis_name(config), algorithm=config.algorithm, compression=codec,
       error_feedback=config.error_feedback, bucket_bytes=int(config.bucket_mib * (1 << 20)),
       momentum=config.momentum if in_step else None, nesterov=in_step and config.nesterov,
-      shard=config.shard)(train_step_fn(schedule, config.label_smoothing))
+      shard=config.shard, hpz=config.hpz)(train_step_fn(schedule, config.label_smoothing))
 
 
 def make_eval_step(mesh, axis) -> Callable:

@@ -195,6 +195,10 @@ def test_small_config_trains_fully_sharded_with_int8_weights(tiny_config, tmp_pa
   with pytest.raises(ValueError, match="param_compression"):
     train.make_train_step(dataclasses.replace(tiny_config, param_compression="int8"),
                           lambda s: 0.1)
+  hpz = dataclasses.replace(tiny_config, shard="params", mesh="hierarchical", hpz=True)
+  assert train.make_train_step(hpz, lambda s: 0.1).config.split_axes == ("local", "node")
+  with pytest.raises(ValueError, match="hierarchical axis_name"):
+    train.make_train_step(dataclasses.replace(hpz, mesh="flat"), lambda s: 0.1)
 
 
 def test_demo_report_has_its_fields(tiny_config):
