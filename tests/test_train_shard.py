@@ -130,6 +130,41 @@ def test_sharded_step_equals_the_replicated_step_after_10_steps(shard, tx):
              for m in mu)
 
 
+def _frozen_head(params):
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: "frozen" if "Dense_0" in jax.tree_util.keystr(path) else "train", params)
+
+
+MASKED_TXS = {
+    # MaskedNode stands in the moments for the parameters a transform does not own
+    "multi_transform": lambda labels: optax.multi_transform(
+        {"train": optax.adam(3e-3), "frozen": optax.set_to_zero()}, labels),
+    "masked": lambda labels: optax.chain(
+        optax.masked(optax.sgd(0.05, momentum=0.9),
+                     jax.tree_util.tree_map(lambda l: l == "train", labels)),
+        optax.masked(optax.sgd(0.01), jax.tree_util.tree_map(lambda l: l == "frozen", labels))),
+}
+
+
+@pytest.mark.parametrize("tx", sorted(MASKED_TXS))
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_masked_optimizer_state_is_split_like_the_parameters_it_owns(shard, tx):
+  labels = _frozen_head(_cnn_state(optax.sgd(0.1)).params)
+  make = lambda: MASKED_TXS[tx](labels)  # noqa: E731
+  batches = _data(4)
+  want, _ = _run(_cnn_step(), _cnn_state(make()), batches)
+  got, _ = _run(_cnn_step(shard=shard), _cnn_state(make()), batches)
+  _assert_trees_close(got.params, want.params)
+  _assert_trees_close(got.opt_state, want.opt_state)
+  # the moment of the (3, 3, 8, 16) kernel is split; the frozen head kept its initial values
+  split = [x for x in jax.tree.leaves(got.opt_state)
+           if np.shape(x) == (3, 3, 8, 16) and "data" in str(x.sharding.spec)]
+  assert split, "the optimizer state of a masked transform was not split"
+  start = _cnn_state(make()).params["Dense_0"]
+  if tx == "multi_transform":
+    _assert_trees_close(got.params["Dense_0"], start, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("hpz", [False, True], ids=["flat-blocks", "hpz"])
 def test_hierarchical_mesh_with_a_ring_per_level_equals_the_replicated_step(hpz):
   mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))

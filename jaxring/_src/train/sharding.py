@@ -101,23 +101,41 @@ def specs_like(params, dims, axis_name):
 
 def opt_state_specs(opt_state, params, specs):
   """PartitionSpecs of an optimizer state: every subtree shaped like the parameters (momentum,
-  Adam's moments) is split like them, the rest (step counts, schedules' state) replicated."""
+  Adam's moments) is split like them, the rest (step counts, schedules' state) replicated.
+
+  A subtree is shaped like the parameters when it has their tree structure down to each
+  parameter's position and holds there either an array of that parameter's shape or nothing at
+  all (``optax.masked`` and ``optax.multi_transform`` put an empty ``MaskedNode`` where a
+  parameter is not theirs).
+  """
   pdef = jax.tree_util.tree_structure(params)
   shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
   spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
 
-  def like_params(x) -> bool:
+  def positions(x):
+    """``x``'s subtrees at the parameters' positions, or None where ``x`` is not like them."""
     try:
-      if jax.tree_util.tree_structure(x) != pdef:
-        return False
-    except Exception:  # noqa: BLE001 (a node jax cannot flatten is not a parameter tree)
-      return False
-    return [np.shape(l) for l in jax.tree_util.tree_leaves(x)] == shapes
+      subs = pdef.flatten_up_to(x)
+    except Exception:  # noqa: BLE001 (another structure, or a node jax cannot flatten)
+      return None
+    found = False
+    for sub, shape in zip(subs, shapes):
+      if not jax.tree_util.tree_leaves(sub):
+        continue
+      if not hasattr(sub, "shape") or np.shape(sub) != shape:
+        return None
+      found = True
+    return subs if found else None
+
+  def like_params(x) -> bool:
+    return positions(x) is not None
 
   def spec_of(x):
-    if like_params(x) and jax.tree_util.tree_leaves(x):
-      return jax.tree_util.tree_unflatten(pdef, spec_leaves)
-    return jax.tree_util.tree_map(lambda _: P(), x)
+    subs = positions(x)
+    if subs is None:
+      return jax.tree_util.tree_map(lambda _: P(), x)
+    return jax.tree_util.tree_unflatten(pdef, [
+        spec if jax.tree_util.tree_leaves(sub) else sub for sub, spec in zip(subs, spec_leaves)])
 
   return jax.tree_util.tree_map(spec_of, opt_state, is_leaf=like_params)
 
