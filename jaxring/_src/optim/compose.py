@@ -57,7 +57,8 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
                          warmup_steps: int = 0, warmup_density: float = 0.25,
                          adam_warmup_steps: int = 100,
                          adam_variance_every: int = 5,
-                         clip_norm: float | None = None) -> optax.GradientTransformation:
+                         clip_norm: float | None = None,
+                         masking: str = "flush") -> optax.GradientTransformation:
   """A data-parallel optimizer that reduces its gradients over ``axis_name`` and converges.
 
   The composition is chosen by the codec (module docstring): over no codec or a dense one,
@@ -83,6 +84,7 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
     adam_variance_every: compressed Adam refreshes the variance exactly every this many steps
       (0: frozen).
     clip_norm: momentum correction's local gradient clipping (None: none).
+    masking: momentum correction's treatment of sent chunks (see its docstring).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -104,7 +106,7 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
       return optax.chain(*decay, momentum_correction(
           axis_name, compression=compression, momentum=mom, nesterov=name == "nesterov",
           algorithm=algorithm, clip_norm=clip_norm, warmup_steps=warmup_steps,
-          warmup_density=warmup_density),
+          warmup_density=warmup_density, masking=masking),
           optax.sgd(learning_rate))
     return optax.chain(*decay, reduce_gradients(axis_name, algorithm=algorithm,
                                                 compression=compression,

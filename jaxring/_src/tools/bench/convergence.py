@@ -75,7 +75,7 @@ def naive_optimizer(name, lr, axis, codec, error_feedback: bool):
 
 def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_warmup: int = 100,
                         adam_variance_every: int = 5, clip_norm: float | None = None,
-                        warmup_density: float = 0.25):
+                        warmup_density: float = 0.25, masking: str = "flush"):
   """The composition jaxring supports for optimizer ``name`` over ``codec`` (see the README)."""
   import jaxring as jr
   return jr.compressed_optimizer(name, lr, axis, compression=codec, algorithm=ALGORITHM,
@@ -83,7 +83,8 @@ def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_wa
                                  weight_decay=WEIGHT_DECAY if name in ("adamw", "lamb") else 0.0,
                                  warmup_steps=warmup_steps, warmup_density=warmup_density,
                                  adam_warmup_steps=adam_warmup,
-                                 adam_variance_every=adam_variance_every, clip_norm=clip_norm)
+                                 adam_variance_every=adam_variance_every, clip_norm=clip_norm,
+                                 masking=masking)
 
 
 def lamb_candidate(lr, axis, codec, adam_warmup: int, adam_variance_every: int):
@@ -269,7 +270,7 @@ MODEL_RATES = {("shapes", "resnet"): {"momentum": 0.03, "nesterov": 0.03}}
 def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int,
         adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF"),
         model: str = "resnet", clip_norm: float | None = None, lr_override: float | None = None,
-        warmup_density: float = 0.25) -> list[dict]:
+        warmup_density: float = 0.25, masking: str = "flush") -> list[dict]:
   import numpy as np
   if task == "digits":
     data = digits()
@@ -302,7 +303,7 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
         row[f"{cname} supported"] = measure(lambda: supported_optimizer(
             name, lr, "d", codec, warmup_steps=warmup_steps, adam_warmup=adam_warmup,
             adam_variance_every=adam_variance_every, clip_norm=clip_norm,
-            warmup_density=warmup_density))
+            warmup_density=warmup_density, masking=masking))
       except ValueError as e:   # refused (LAMB over top-k): measure the candidate it refuses
         row[f"{cname} supported"] = None
         row[f"{cname} refused candidate"] = measure(lambda: lamb_candidate(
@@ -342,6 +343,9 @@ def main(argv=None) -> int:
                       help="compressed Adam's exact variance refresh interval (0: frozen)")
   parser.add_argument("--modes", default="EF,no EF",
                       help="naive compositions to run besides the supported one")
+  parser.add_argument("--masking", default="flush",
+                      choices=("flush", "zero", "none"),
+                      help="momentum correction's rule for the velocity of sent chunks")
   parser.add_argument("--seeds", type=int, default=1, help="average over this many inits")
   parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
   args = parser.parse_args(argv)
@@ -362,7 +366,8 @@ def main(argv=None) -> int:
         flush=True)
   rows = run(args.task, optimizers, codecs, steps, chunk, args.warmup_steps, adam_warmup,
              args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm or None,
-             lr_override=args.lr or None, warmup_density=args.warmup_density)
+             lr_override=args.lr or None, warmup_density=args.warmup_density,
+             masking=args.masking)
   cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
   for c in codecs:
     cols += [(f"{c} {m}", f"{c} {m}", ".2f") for m in modes]
@@ -371,7 +376,7 @@ def main(argv=None) -> int:
   path = common.write_json("convergence", {
       "benchmark": "convergence", "task": args.task, "steps": steps, "chunk_size": chunk,
       "model": args.model if args.task == "shapes" else "mlp", "clip_norm": args.clip_norm,
-      "warmup_steps": args.warmup_steps, "adam_warmup": adam_warmup,
+      "warmup_steps": args.warmup_steps, "masking": args.masking, "adam_warmup": adam_warmup,
       "adam_variance_every": args.adam_variance_every, "seeds": args.seeds, "rows": rows,
       "machine": common.machine()}, args.out)
   print(f"wrote {path}")
