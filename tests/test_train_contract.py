@@ -106,3 +106,68 @@ def test_auto_bucket_bytes_without_a_profile_buckets_as_the_default(tmp_path, mo
   assert buckets["auto"] == buckets[25 << 20]
   with pytest.raises(TypeError, match="or 'auto'"):
     jt.train_step(bucket_bytes="fast")
+
+
+def _mse(params, batch):
+  return jnp.mean((batch["x"] @ params["w"]) ** 2)
+
+
+def _grad_step(reduce=None, shard="none"):
+  @jt.train_step(donate=False, shard=shard)
+  def step(state, batch):
+    grads = jax.grad(_mse)(state.params, batch)   # jax's, not jaxring's
+    if reduce is not None:
+      grads = reduce(grads)
+    return state.apply_gradients(grads=grads), {}
+  return step
+
+
+def _state():
+  return jt.TrainState.create(apply_fn=None, params={"w": jnp.ones((4, 8))}, tx=optax.sgd(0.1))
+
+
+def test_gradients_from_jax_grad_that_are_never_averaged_are_refused():
+  # they are each replica's own: the replicas used to drift apart under a replicated sharding
+  with pytest.raises(ValueError, match="never averaged over the replicas"):
+    _grad_step()(_state(), BATCH)
+
+
+def test_gradients_averaged_by_hand_with_lax_pmean_are_the_users_choice():
+  got, _ = _grad_step(lambda g: jax.lax.pmean(g, "data"))(_state(), BATCH)
+
+  @jt.train_step(donate=False)
+  def step(state, batch):
+    grads = jt.grad(_mse)(state.params, batch)
+    return state.apply_gradients(grads=grads), {}
+  want, _ = step(_state(), BATCH)
+  np.testing.assert_allclose(np.asarray(got.params["w"]), np.asarray(want.params["w"]),
+                             rtol=1e-6)
+
+
+def test_a_step_that_leaves_the_parameters_alone_needs_no_gradients():
+  @jt.train_step(donate=False)
+  def evaluate(state, batch):
+    return state, {"loss": _mse(state.params, batch)}
+  _, metrics = evaluate(_state(), BATCH)
+  want = np.mean((BATCH["x"] @ np.ones((4, 8))) ** 2)
+  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-6)
+
+
+def test_jax_grad_on_the_blocks_of_a_fully_sharded_step_says_they_are_blocks():
+  state = jt.TrainState.create(apply_fn=None, params={"w": jnp.ones((8, 4))}, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError) as info:   # x @ (one row of w): jax's shape error, and a note
+    _grad_step(shard="params")(state, {"x": np.ones((8, 8), np.float32)})
+  assert "this replica's blocks" in "".join(getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("batch, named", [
+    ({"x": np.ones((60, 4), np.float32)}, r"batch\['x'\] has shape \(60, 4\): 60 is not a multiple of 8"),
+    ({"x": np.ones((8, 4), np.float32), "scale": 2.0}, r"batch\['scale'\] has shape \(\): a scalar"),
+])
+def test_a_batch_that_cannot_be_split_over_the_replicas_is_named(batch, named):
+  @jt.train_step(donate=False)
+  def step(state, batch):
+    loss, grads = jt.value_and_grad(_mse)(state.params, batch)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+  with pytest.raises(ValueError, match=named):
+    step(_state(), batch)

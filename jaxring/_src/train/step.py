@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 from typing import Any, Callable
 
 import jax
@@ -33,7 +32,7 @@ from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import axis_names, validate_compression
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
-from jaxring._src.train import sharding
+from jaxring._src.train import guards, sharding
 from jaxring._src.train.context import (
   ReduceConfig,
   ShardedParams,
@@ -183,15 +182,24 @@ class TrainStep:
       >>> batch = step.shard_batch({"x": images, "y": labels})  # leading axis = examples
     """
     split = NamedSharding(self.mesh, P(self.config.axis_name))
+    n = self.num_replicas // jax.process_count()   # the replicas this process's part feeds
 
-    def put(x):
+    def put(path, x):
       if isinstance(x, jax.Array) and x.sharding == split:
         return x
+      shape = np.shape(x)
+      global_array = isinstance(x, jax.Array) and not x.is_fully_addressable
+      if not global_array and (not shape or shape[0] % max(n, 1)):
+        raise ValueError(
+            f"train_step: the batch is split along its leading axis over {n} replicas, but "
+            f"batch{jax.tree_util.keystr(path)} has shape {shape}: "
+            + ("a scalar has no leading axis (close over constants, or keep them in the state)"
+               if not shape else f"{shape[0]} is not a multiple of {n}"))
       if jax.process_count() > 1 and not (isinstance(x, jax.Array)
                                           and not x.is_fully_addressable):
         return jax.make_array_from_process_local_data(split, np.asarray(x))
       return jax.device_put(x, split)
-    return jax.tree_util.tree_map(put, batch)
+    return jax.tree_util.tree_map_with_path(put, batch)
 
   def _needs_prepare(self, state) -> bool:
     cfg = self.config
@@ -216,7 +224,7 @@ class TrainStep:
       state = self.prepare(state)
     residuals = residual_tree(state)
     if residuals is not None:
-      _check_residuals(state)
+      guards.check_residuals(state)
     new_state, residuals, metrics = self._jitted(_without_residuals(state), residuals,
                                                  self.shard_batch(batch))
     self._pace((metrics, new_state))
@@ -263,7 +271,14 @@ class TrainStep:
     if cfg.shard != "none":
       ctx.shard, user_state = self._sharded_view(state)
     with step_context(ctx):
-      new_state, metrics = self._fn(user_state, batch)
+      try:
+        new_state, metrics = self._fn(user_state, batch)
+      except Exception as e:
+        if cfg.shard == "params" and not ctx.calls:
+          guards.add_blocks_hint(e)
+        raise
+    if not ctx.calls:
+      guards.check_gradients_reduced(self._fn, user_state, batch, new_state)
     self.buckets = ctx.buckets
     new_state = _without_residuals(new_state)
     if cfg.shard == "optimizer":  # each replica updated its blocks: gather the whole, exactly
@@ -323,28 +338,6 @@ def _without_residuals(state):
   if getattr(state, "residuals", None) is None:
     return state
   return state.replace(residuals=None)
-
-
-def _check_residuals(state) -> None:
-  """Fails loudly, before the step runs, where the residuals are not this state's own."""
-  res = state.residuals
-  if any(isinstance(r, jax.Array) and r.is_deleted() for r in jax.tree_util.tree_leaves(res)):
-    raise RuntimeError(
-        "train_step: state.residuals were already consumed (donated) by an earlier step: this "
-        "state is stale. Carry on with the state the last step returned. (The residuals are "
-        "static metadata of the state, not leaves, so a jax.jit function that returns the state "
-        "returns the residuals it was traced with; give its result the current ones with "
-        "`out.replace(residuals=state.residuals)`.)")
-  if isinstance(res, Residuals) and res.fresh and (step := int(jax.device_get(state.step))) > 0:
-    warnings.warn(
-        f"train_step: the state is at step {step} but its error-feedback residuals are zeros: "
-        "the residuals it trained with were lost. They are per replica and kept out of the "
-        "state's pytree leaves (so that code written for replicated states, such as "
-        "jax.pmap(eval_step, in_axes=(None, 0)), works), so orbax or flax.training.checkpoints "
-        "saving the state's leaves does not save them: jaxring.train.Checkpointer does (or save "
-        "jaxring._src.train.state.residual_tree(state) beside the state and restore it with "
-        "jaxring._src.train.state.with_residual_tree).", stacklevel=3)
-    state.residuals.fresh = False  # warned once
 
 
 def _validate_bucket_bytes(bucket_bytes) -> int | str:

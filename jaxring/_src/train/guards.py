@@ -1,0 +1,89 @@
+"""What ``@jaxring.train_step`` refuses before it runs a step that would be silently wrong.
+
+- gradients from ``jax.grad`` / ``jax.value_and_grad`` that are never averaged: the step runs
+  with pmap's semantics (a gradient is this replica's own), so the replicas would drift apart
+  while the state still claims to be replicated;
+- a state whose error-feedback residuals were consumed by an earlier step, or lost.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+
+from jaxring._src.train.state import Residuals
+
+# the primitives of jax.lax's collectives (under check_vma=True and False) and mpi4jax's
+COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather",
+                         "all_gather_invariant", "reduce_scatter", "ppermute", "all_to_all",
+                         "ragged_all_to_all"})
+
+UNREDUCED = (
+    "train_step: the step updates the parameters, but its gradients are never averaged over the "
+    "replicas: it calls neither jaxring.value_and_grad (or jaxring.grad) nor any collective. "
+    "Gradients from jax.grad / jax.value_and_grad are each replica's own inside the step, so the "
+    "replicas would silently drift apart. Use `loss, grads = jaxring.value_and_grad(loss_fn)"
+    "(state.params, batch)`.")
+
+BLOCKS_HINT = (
+    "train_step(shard='params'): inside the step, state.params are this replica's blocks of each "
+    "parameter. jaxring.value_and_grad gathers them for the loss; jax.grad and direct use do not "
+    "(jaxring.train.full_params(state.params) gathers them for anything else).")
+
+
+def _has_collective(jaxpr) -> bool:
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in COLLECTIVES or "mpi" in name:
+      return True
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns") and _has_collective(inner):
+          return True
+  return False
+
+
+def check_gradients_reduced(fn, user_state, batch, new_state) -> None:
+  """Raises ValueError where ``fn`` (traced without a ``jaxring.value_and_grad`` call) changed
+  the parameters and reduced nothing over any axis.
+
+  The parameters count as changed when a leaf of ``new_state.params`` is not the very traced
+  value the step received; ``fn`` is then traced once more, to look for a collective (a step
+  that reduces its gradients itself with ``lax.pmean`` is the user's business).
+  """
+  before = jax.tree_util.tree_leaves(getattr(user_state, "params", None))
+  after = jax.tree_util.tree_leaves(getattr(new_state, "params", None))
+  if len(before) == len(after) and all(a is b for a, b in zip(after, before)):
+    return
+  if not _has_collective(jax.make_jaxpr(fn)(user_state, batch).jaxpr):
+    raise ValueError(UNREDUCED)
+
+
+def add_blocks_hint(error: BaseException) -> None:
+  """Says, on an error raised while tracing a ``shard="params"`` step that never reached
+  ``jaxring.value_and_grad``, that ``state.params`` are blocks (e.g. a shape error in a matmul)."""
+  if hasattr(error, "add_note"):
+    error.add_note(BLOCKS_HINT)
+
+
+def check_residuals(state) -> None:
+  """Fails loudly, before the step runs, where the residuals are not this state's own."""
+  res = state.residuals
+  if any(isinstance(r, jax.Array) and r.is_deleted() for r in jax.tree_util.tree_leaves(res)):
+    raise RuntimeError(
+        "train_step: state.residuals were already consumed (donated) by an earlier step: this "
+        "state is stale. Carry on with the state the last step returned. (The residuals are "
+        "static metadata of the state, not leaves, so a jax.jit function that returns the state "
+        "returns the residuals it was traced with; give its result the current ones with "
+        "`out.replace(residuals=state.residuals)`.)")
+  if isinstance(res, Residuals) and res.fresh and (step := int(jax.device_get(state.step))) > 0:
+    warnings.warn(
+        f"train_step: the state is at step {step} but its error-feedback residuals are zeros: "
+        "the residuals it trained with were lost. They are per replica and kept out of the "
+        "state's pytree leaves (so that code written for replicated states, such as "
+        "jax.pmap(eval_step, in_axes=(None, 0)), works), so orbax or flax.training.checkpoints "
+        "saving the state's leaves does not save them: jaxring.train.Checkpointer does (or save "
+        "jaxring._src.train.state.residual_tree(state) beside the state and restore it with "
+        "jaxring._src.train.state.with_residual_tree).", stacklevel=4)
+    state.residuals.fresh = False  # warned once
