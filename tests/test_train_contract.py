@@ -171,3 +171,20 @@ def test_a_batch_that_cannot_be_split_over_the_replicas_is_named(batch, named):
     return state.apply_gradients(grads=grads), {"loss": loss}
   with pytest.raises(ValueError, match=named):
     step(_state(), batch)
+
+
+def test_arguments_after_the_batch_reach_every_replica_whole():
+  # e.g. a dropout key: each replica folds in its own index, as under pmap(in_axes=(0, 0, None))
+  @jt.train_step(donate=False)
+  def step(state, batch, key, scale):
+    def loss_fn(params):
+      noise = jax.random.normal(jax.random.fold_in(key, jax.lax.axis_index("data")), (4, 8))
+      return _mse({"w": params["w"] * scale + 0.0 * noise}, batch)
+    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss, "scale": scale}
+
+  got, metrics = step(_state(), BATCH, jax.random.key(3), jnp.float32(2.0))
+  x, w = BATCH["x"].astype(np.float64), np.ones((4, 8))
+  grad = 2 * x.T @ (x @ (2 * w)) * 2 / (x.shape[0] * 8)   # d/dw mean((x @ 2w)^2)
+  np.testing.assert_allclose(np.asarray(got.params["w"]), w - 0.1 * grad, rtol=1e-5)
+  assert float(metrics["scale"]) == 2.0

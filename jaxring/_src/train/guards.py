@@ -3,10 +3,13 @@
 - gradients from ``jax.grad`` / ``jax.value_and_grad`` that are never averaged: the step runs
   with pmap's semantics (a gradient is this replica's own), so the replicas would drift apart
   while the state still claims to be replicated;
-- a state whose error-feedback residuals were consumed by an earlier step, or lost.
+- a state whose error-feedback residuals were consumed by an earlier step, or lost;
+- a ``bucket_bytes`` that is not a byte count.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 
 import jax
@@ -44,25 +47,26 @@ def _has_collective(jaxpr) -> bool:
   return False
 
 
-def check_gradients_reduced(fn, user_state, batch, new_state) -> None:
-  """Raises ValueError where ``fn`` (traced without a ``jaxring.value_and_grad`` call) changed
-  the parameters and reduced nothing over any axis.
+def check_gradients_reduced(fn, args: tuple, new_state) -> None:
+  """Raises ValueError where ``fn(*args)`` (``args``: the state, the batch and the step's other
+  arguments; traced without a ``jaxring.value_and_grad`` call) changed the parameters and
+  reduced nothing over any axis.
 
   The parameters count as changed when a leaf of ``new_state.params`` is not the very traced
   value the step received; ``fn`` is then traced once more, to look for a collective (a step
   that reduces its gradients itself with ``lax.pmean`` is the user's business).
   """
-  before = jax.tree_util.tree_leaves(getattr(user_state, "params", None))
+  before = jax.tree_util.tree_leaves(getattr(args[0], "params", None))
   after = jax.tree_util.tree_leaves(getattr(new_state, "params", None))
   if len(before) == len(after) and all(a is b for a, b in zip(after, before)):
     return
-  if not _has_collective(jax.make_jaxpr(fn)(user_state, batch).jaxpr):
+  if not _has_collective(jax.make_jaxpr(fn)(*args).jaxpr):
     raise ValueError(UNREDUCED)
 
 
 def add_blocks_hint(error: BaseException) -> None:
-  """Says, on an error raised while tracing a ``shard="params"`` step that never reached
-  ``jaxring.value_and_grad``, that ``state.params`` are blocks (e.g. a shape error in a matmul)."""
+  """Says, on an error raised while tracing a ``shard="params"`` step, that ``state.params`` are
+  blocks (e.g. a shape error in a matmul given a block for the whole weight)."""
   if hasattr(error, "add_note"):
     error.add_note(BLOCKS_HINT)
 
@@ -87,3 +91,17 @@ def check_residuals(state) -> None:
         "jaxring._src.train.state.residual_tree(state) beside the state and restore it with "
         "jaxring._src.train.state.with_residual_tree).", stacklevel=4)
     state.residuals.fresh = False  # warned once
+
+
+def validate_bucket_bytes(bucket_bytes) -> int | str:
+  if bucket_bytes == "auto":
+    return bucket_bytes
+  # a float such as 25e6 is a byte count too; a bool is not, though Python calls it an int
+  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Real):
+    raise TypeError(f"train_step: bucket_bytes must be a number of bytes (an int such as "
+                    f"25 << 20) or 'auto', got {bucket_bytes!r} of type "
+                    f"{type(bucket_bytes).__name__}")
+  if not math.isfinite(bucket_bytes) or bucket_bytes < 1:
+    raise ValueError(f"train_step: bucket_bytes must be a positive number of bytes, got "
+                     f"{bucket_bytes!r}")
+  return int(bucket_bytes)

@@ -16,8 +16,6 @@ insert a native ``psum`` of every gradient behind jaxring's back.)
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 from typing import Any, Callable
 
 import jax
@@ -58,7 +56,9 @@ MAX_STEPS_IN_FLIGHT = 8
 
 
 class TrainStep:
-  """A data-parallel train step; made by :func:`train_step`. Call it as ``step(state, batch)``.
+  """A data-parallel train step; made by :func:`train_step`. Call it as ``step(state, batch)``
+  (or ``step(state, batch, *args)``: each of ``args``, e.g. a PRNG key, reaches every replica
+  whole).
 
   Attributes:
     mesh: the device mesh (built on first use when none was given).
@@ -155,14 +155,14 @@ class TrainStep:
                                self.num_replicas, cfg.shard)
     self._checked_tx = tx
 
-  def memory(self, state, batch) -> dict:
+  def memory(self, state, batch, *args) -> dict:
     """Bytes per device of the state's parts, and the compiled step's own (``memory_analysis``).
 
     Example:
       >>> step.memory(state, batch)["opt_state"]  # one device's share of the optimizer state
     """
     state = self.prepare(state)
-    compiled = self.lower(state, batch).compile()
+    compiled = self.lower(state, batch, *args).compile()
     return sharding.memory_report(state, residual_tree(state), compiled)
 
   def _zero_residuals(self, params):
@@ -219,14 +219,14 @@ class TrainStep:
                                  and isinstance(leaves[0].sharding, NamedSharding)
                                  and leaves[0].sharding.mesh == self.mesh)
 
-  def __call__(self, state, batch):
+  def __call__(self, state, batch, *args):
     if self._needs_prepare(state):
       state = self.prepare(state)
     residuals = residual_tree(state)
     if residuals is not None:
       guards.check_residuals(state)
     new_state, residuals, metrics = self._jitted(_without_residuals(state), residuals,
-                                                 self.shard_batch(batch))
+                                                 self.shard_batch(batch), args)
     self._pace((metrics, new_state))
     return with_residual_tree(new_state, residuals), metrics
 
@@ -243,24 +243,26 @@ class TrainStep:
     if self._calls % MAX_STEPS_IN_FLIGHT == 0:
       jax.block_until_ready(jax.tree_util.tree_leaves(outputs)[:1])
 
-  def lower(self, state, batch):
+  def lower(self, state, batch, *args):
     """``jax.jit(...).lower`` of the SPMD step (e.g. to read its compiled HLO)."""
     state = self.prepare(state)
     return self._jitted.lower(_without_residuals(state), residual_tree(state),
-                              self.shard_batch(batch))
+                              self.shard_batch(batch), args)
 
-  def _spmd(self, state, residuals, batch):
+  def _spmd(self, state, residuals, batch, args):
     cfg = self.config
     data = P(cfg.axis_name)
     specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
     if cfg.shard != "none":
       self._dims = sharding.param_dims(state.params, self.num_replicas)
     res_specs = jax.tree_util.tree_map(lambda _: data, residuals)
-    body = jax.shard_map(self._per_replica, mesh=self.mesh, in_specs=(specs, res_specs, data),
+    whole = jax.tree_util.tree_map(lambda _: P(), args)
+    body = jax.shard_map(self._per_replica, mesh=self.mesh,
+                         in_specs=(specs, res_specs, data, whole),
                          out_specs=(specs, res_specs, P()), check_vma=False)
-    return body(state, residuals, batch)
+    return body(state, residuals, batch, args)
 
-  def _per_replica(self, state, residuals, batch):
+  def _per_replica(self, state, residuals, batch, args):
     cfg = self.config
     if residuals is not None:  # this replica's row of every (replicas, *shape) residual
       residuals = jax.tree_util.tree_map(lambda r: r[0], residuals)
@@ -272,13 +274,13 @@ class TrainStep:
       ctx.shard, user_state = self._sharded_view(state)
     with step_context(ctx):
       try:
-        new_state, metrics = self._fn(user_state, batch)
+        new_state, metrics = self._fn(user_state, batch, *args)
       except Exception as e:
-        if cfg.shard == "params" and not ctx.calls:
+        if cfg.shard == "params":
           guards.add_blocks_hint(e)
         raise
     if not ctx.calls:
-      guards.check_gradients_reduced(self._fn, user_state, batch, new_state)
+      guards.check_gradients_reduced(self._fn, (user_state, batch, *args), new_state)
     self.buckets = ctx.buckets
     new_state = _without_residuals(new_state)
     if cfg.shard == "optimizer":  # each replica updated its blocks: gather the whole, exactly
@@ -340,20 +342,6 @@ def _without_residuals(state):
   return state.replace(residuals=None)
 
 
-def _validate_bucket_bytes(bucket_bytes) -> int | str:
-  if bucket_bytes == "auto":
-    return bucket_bytes
-  # a float such as 25e6 is a byte count too; a bool is not, though Python calls it an int
-  if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Real):
-    raise TypeError(f"train_step: bucket_bytes must be a number of bytes (an int such as "
-                    f"25 << 20) or 'auto', got {bucket_bytes!r} of type "
-                    f"{type(bucket_bytes).__name__}")
-  if not math.isfinite(bucket_bytes) or bucket_bytes < 1:
-    raise ValueError(f"train_step: bucket_bytes must be a positive number of bytes, got "
-                     f"{bucket_bytes!r}")
-  return int(bucket_bytes)
-
-
 def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: Any = "auto",
                compression: Any = None, error_feedback: bool = True,
                bucket_bytes: int | str = 25 << 20,
@@ -361,6 +349,11 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
                momentum: float | None = None, nesterov: bool = False, shard: str = "none",
                hpz: bool = False):
   """Turns a per-replica ``step(state, batch) -> (state, metrics)`` into a data-parallel step.
+
+  The batch is split over the replicas along its leading axis; arguments after it
+  (``step(state, batch, key)``) reach every replica whole. Gradients must come from
+  :func:`jaxring.value_and_grad` (or a collective of your own): a step that updates the
+  parameters with unreduced ``jax.grad`` gradients is refused.
 
   Args:
     mesh: device mesh with axis/axes ``axis_name`` (default: all devices of all processes).
@@ -430,7 +423,7 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
     raise ValueError("train_step: momentum= keeps each replica's velocity with its error-feedback "
                      "residual; it needs error_feedback=True")
   config = ReduceConfig(axes, algorithm, compression, error_feedback,
-                        _validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
+                        guards.validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
                         momentum=momentum, nesterov=bool(nesterov), shard=shard,
                         param_compression=param_compression, hpz=bool(hpz))
 
