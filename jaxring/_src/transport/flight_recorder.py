@@ -12,6 +12,8 @@ first sequence number at which the processes' records differ or one process has 
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -79,9 +81,27 @@ def dump(directory=None, reason: str = "requested") -> pathlib.Path:
   return path
 
 
+@contextlib.contextmanager
+def _folder_lock(folder: pathlib.Path):
+  """Serializes the processes' summaries: each writes its own file, then merges under the lock,
+  so the last merge reads every file written before it (without the lock a merge that read one
+  file could overwrite a later merge that read both)."""
+  with open(folder / ".lock", "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def summarize(directory) -> dict:
   """Merges the folder's ``flight-*.json`` into ``summary.json``: the first divergence."""
   folder = _folder(directory)
+  with _folder_lock(folder):
+    return _summarize(folder)
+
+
+def _summarize(folder: pathlib.Path) -> dict:
   records = {}
   for f in sorted(folder.glob("flight-*.json")):
     try:
@@ -104,7 +124,9 @@ def summarize(directory) -> dict:
           "by_process": {p: ({k: e.get(k) for k in _COMPARED} if e else None)
                          for p, e in have.items()}}
       break
-  (folder / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+  tmp = folder / f"summary.json.tmp{os.getpid()}"
+  tmp.write_text(json.dumps(summary, indent=1, default=str))
+  os.replace(tmp, folder / "summary.json")
   return summary
 
 
