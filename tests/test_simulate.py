@@ -224,6 +224,23 @@ def test_gradientflow_reproduction_orders_the_plans_as_the_paper_builds_them_up(
   assert at[(512, "per tensor, after backward, f32")]["speedup"] < 0.25 * lazy["speedup"]
 
 
+def test_blueconnect_reproduction_hides_what_the_flat_rings_latencies_expose():
+  from jaxring._src import cost_model
+  from jaxring._src.tools.simulate import cli
+  result = cli.blueconnect()
+  rows = result["rows"]
+  assert len(rows) == 2 * len(cli.BLUECONNECT_LATENCIES_US)
+  for r in rows:   # the hierarchy never exposes more than the flat ring
+    assert r["hierarchical_exposed_ms"] <= r["flat_exposed_ms"]
+  per_blob = [r for r in rows if r["reductions"] == "every blob by itself"]
+  # the flat ring's 2 (p - 1) latencies per blob: its exposed time grows with the latency
+  assert [r["flat_exposed_ms"] for r in per_blob] == sorted(r["flat_exposed_ms"] for r in per_blob)
+  assert all(r["reduction"] >= 0.8 for r in per_blob)
+  # one blob alone, by the formula the timeline uses: 382 latencies of the flat ring
+  lat = cli.BLUECONNECT_LATENCIES_US[-1] * 1e-6
+  assert cost_model.ring_all_reduce(4.0, 192, lat, 12.5e9) == pytest.approx(382 * lat, rel=1e-3)
+
+
 def test_any_flax_model_by_module_and_function(tmp_path, monkeypatch):
   import json
 
