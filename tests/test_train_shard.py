@@ -245,6 +245,23 @@ def test_an_optimizer_that_reduces_over_leaves_is_refused_naming_it():
     step(_mlp_state(tx), _data(1, shape=(16,), classes=8)[0])
 
 
+def test_an_optimizer_with_state_per_dimension_is_refused_not_crashed():
+  # SM3 keeps one accumulator per dimension of a leaf: no replica's block fits it
+  step = _mlp_step(shard="params")
+  with pytest.raises(ValueError, match="cannot update a replica's block.*shard='none'"):
+    step(_mlp_state(optax.sm3(0.1)), _data(1, shape=(16,), classes=8)[0])
+
+
+def test_a_prng_key_in_the_optimizer_state_is_not_taken_for_a_moment():
+  # optax.noisy_sgd keeps a typed key; replicated it trains, sharded its noise differs per block
+  batches = _data(1, shape=(16,), classes=8)
+  tx = lambda: optax.noisy_sgd(0.01, key=jax.random.key(0))  # noqa: E731
+  state, metrics = _run(_mlp_step(), _mlp_state(tx()), batches)   # (float ** int inside)
+  assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
+  with pytest.raises(ValueError, match="differs when each replica updates its block alone"):
+    _run(_mlp_step(shard="params"), _mlp_state(tx()), batches)
+
+
 def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="shard must be one of"):
     jt.train_step(shard="zero3")

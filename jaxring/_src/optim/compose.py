@@ -45,7 +45,7 @@ def has_per_parameter_state(opt_state, params) -> bool:
   shapes = {np.shape(p) for p in jax.tree_util.tree_leaves(params) if np.size(p) > 1}
   for leaf in jax.tree_util.tree_leaves(opt_state):
     dtype = getattr(leaf, "dtype", None)
-    if (dtype is not None and np.issubdtype(np.dtype(dtype), np.floating)
+    if (dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating)
         and np.shape(leaf) in shapes):
       return True
   return False

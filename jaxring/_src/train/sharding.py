@@ -272,7 +272,15 @@ def check_elementwise(tx, params, opt_state, mesh, axis_name, p: int, shard: str
     return [(jnp.max(jnp.abs(x - y)), jnp.max(jnp.abs(x)))
             for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
 
-  for (diff, scale), path in zip(compare(opt_state, params), _paths(params)):
+  try:
+    measured = compare(opt_state, params)
+  except (TypeError, ValueError) as e:   # e.g. state shaped per dimension (SM3): no block fits
+    raise ValueError(
+        f"train_step(shard={shard!r}): the optimizer cannot update a replica's block of the "
+        f"parameters alone ({type(e).__name__}: {str(e).splitlines()[0][:200]}). A sharded step "
+        "needs a coordinate-wise optimizer (sgd, momentum, adam, adamw, rmsprop, ...); use "
+        "shard='none' for this one") from e
+  for (diff, scale), path in zip(measured, _paths(params)):
     diff, scale = (float(np.asarray(v.addressable_data(0))) for v in (diff, scale))
     if not diff <= 1e-4 * scale + 1e-7:
       raise ValueError(
