@@ -86,6 +86,35 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(step, tmp_path):
   assert any(np.abs(r).max() > 0 for r in jax.tree.leaves(jax.device_get(resumed.residuals)))
 
 
+def test_a_fresh_state_is_a_template_for_a_trained_one_residuals_included(step, tmp_path):
+  # the restart a script writes: create the state afresh (step=0, a Python int, no residuals)
+  # and restore into it; the saved step is an int32 array and the residuals are per replica
+  batches = _batches()
+  straight = _fresh_state()
+  for _ in range(5):
+    straight, _ = step(straight, next(batches))
+  ckpt = jt.Checkpointer(tmp_path / "ckpt", async_save=False)
+  partial, batches = _fresh_state(), _batches()
+  for _ in range(3):
+    partial, _ = step(partial, next(batches))
+  ckpt.save(partial)
+  resumed, _ = jt.Checkpointer(tmp_path / "ckpt").restore(_fresh_state())
+  assert int(resumed.step) == 3 and resumed.residuals is not None
+  for _ in range(2):
+    resumed, _ = step(resumed, next(batches))
+  for g, w in zip(_leaves(resumed), _leaves(straight)):
+    np.testing.assert_array_equal(g, w)
+
+
+def test_residuals_of_another_replica_count_need_the_prepared_template(step, tmp_path):
+  state, _ = step(_fresh_state(), next(_batches()))
+  from jaxring._src.train.state import Residuals
+  state = state.replace(residuals=Residuals(jax.tree.map(lambda r: np.asarray(r)[:4],
+                                                            jax.device_get(state.residuals))))
+  with pytest.raises(ValueError, match="residuals are for 4 replicas, this step has 8"):
+    step(state, next(_batches()))
+
+
 def test_sigkill_in_the_middle_of_a_save_keeps_the_last_commit(tmp_path):
   directory, expected = tmp_path / "ckpt", tmp_path / "expected.npz"
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}

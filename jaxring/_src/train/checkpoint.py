@@ -70,6 +70,37 @@ def _abstract(x):
   return x
 
 
+def _scalars_as_saved(template, saved: dict):
+  """``template`` with each scalar leaf in the form it was saved in: a fresh
+  ``TrainState.create(...)`` holds ``step=0`` as a Python int, a trained state an int32 array,
+  and either may be the template for the other's checkpoint."""
+  def convert(path, leaf):
+    entry = saved.get(jax.tree_util.keystr(path))
+    if entry is None:
+      return leaf
+    python = isinstance(leaf, (bool, int, float, np.generic))
+    if python and entry["dtype"] != "scalar" and entry["shape"] == []:
+      return jax.numpy.asarray(leaf, entry["dtype"])
+    if (not python and entry["dtype"] == "scalar" and isinstance(leaf, jax.Array)
+        and leaf.shape == ()):
+      return leaf.item()
+    return leaf
+  return jax.tree_util.tree_map_with_path(convert, template)
+
+
+def _host_residuals(params, saved: dict):
+  """Empty host arrays shaped like the residuals recorded for ``params`` (None where none were
+  saved, or they do not match the parameters' tree)."""
+  if params is None or not saved:
+    return None
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  entries = [saved.get(jax.tree_util.keystr(path)) for path, _ in leaves]
+  if len(entries) != len(saved) or any(e is None or e["dtype"] == "scalar" for e in entries):
+    return None
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [
+      np.empty(e["shape"], jax.numpy.dtype(e["dtype"])) for e in entries])
+
+
 def _replicated_like(a, shape) -> jax.ShapeDtypeStruct:
   from jax.sharding import NamedSharding, PartitionSpec
   return jax.ShapeDtypeStruct(shape, a.dtype, sharding=NamedSharding(a.sharding.mesh,
@@ -124,7 +155,13 @@ class Checkpointer:
   Example:
     >>> ckpt = jaxring.train.Checkpointer("/tmp/run1", max_to_keep=3)
     >>> ckpt.save(state, data_state=batches.get_state())
-    >>> state, data_state = ckpt.restore(step.prepare(fresh_state))  # the latest step
+    >>> state, data_state = ckpt.restore(fresh_state)  # the latest step, residuals too
+    >>> state, data_state = ckpt.restore(step.prepare(fresh_state))  # restored on the devices
+
+  A fresh ``TrainState.create(...)`` is a template for a trained state (its ``step=0`` is a
+  Python int where the trained one holds an array; the residuals are read to the host and placed
+  by the step's first call). Resuming on another device count needs the prepared template,
+  whose residuals tell how many replicas to remap them to.
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
@@ -195,13 +232,20 @@ class Checkpointer:
       step = self.latest_step
     if step is None:
       raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
-    abstract = jax.tree_util.tree_map(_abstract, template)
     recorded = self._has_record(step)
+    if recorded:
+      template = _scalars_as_saved(template, self._read_record(step)["arrays"])
+    abstract = jax.tree_util.tree_map(_abstract, template)
     ocp = _ocp()
     items = dict(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
     if recorded:
       items[_CHECKSUMS] = ocp.args.JsonRestore()
     residuals = residual_tree(template)
+    if residuals is None and recorded and hasattr(template, "residuals"):
+      # a template the step has not prepared (a fresh TrainState.create): read them to the host,
+      # as saved; the step places them on its first call
+      residuals = _host_residuals(getattr(template, "params", None),
+                                  self._read_record(step).get(_RESIDUALS, {}))
     abstract_residuals = remap_to = None
     if residuals is not None and os.path.isdir(os.path.join(self.step_path(step), _RESIDUALS)):
       abstract_residuals = jax.tree_util.tree_map(_abstract, residuals)

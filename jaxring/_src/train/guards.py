@@ -71,6 +71,19 @@ def add_blocks_hint(error: BaseException) -> None:
     error.add_note(BLOCKS_HINT)
 
 
+def check_residual_replicas(residuals, replicas: int) -> None:
+  """Raises ValueError where residuals hold another replica count's rows (restored outside
+  ``jaxring.train.Checkpointer``'s remapping, which needs the step's prepared state)."""
+  for leaf in jax.tree_util.tree_leaves(residuals):
+    rows = getattr(leaf, "shape", (replicas,))[:1]
+    if rows != (replicas,):
+      raise ValueError(
+          f"train_step: the state's error-feedback residuals are for {rows[0] if rows else 0} "
+          f"replicas, this step has {replicas}. To resume on another device count, restore into "
+          "the step's prepared state: `ckpt.restore(step.prepare(fresh_state))` (the residuals "
+          "are then remapped)")
+
+
 def check_residuals(state) -> None:
   """Fails loudly, before the step runs, where the residuals are not this state's own."""
   res = state.residuals

@@ -114,6 +114,7 @@ class TrainStep:
         raise TypeError("train_step: fp16 loss scaling keeps the scale in the state; use "
                         "jaxring.TrainState")
       state = state.replace(loss_scale=DynamicLossScale.create())
+    guards.check_residual_replicas(residuals, self.num_replicas)
     state = _without_residuals(state)
     self._check_sharded_optimizer(state)
     specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
