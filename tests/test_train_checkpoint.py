@@ -106,6 +106,33 @@ def test_a_fresh_state_is_a_template_for_a_trained_one_residuals_included(step, 
     np.testing.assert_array_equal(g, w)
 
 
+def test_an_fp16_state_restores_into_a_fresh_template_by_orbax_or_flax(tmp_path):
+  # the fresh state has no loss scale yet (the step makes one); the saved state has one
+  import flax.serialization
+
+  @jt.train_step(precision="fp16", donate=False)
+  def fp16_step(state, batch):
+    def loss_fn(params):
+      x = batch["x"].astype(jax.tree.leaves(params)[0].dtype)   # fp16 like the parameters
+      logits = state.apply_fn({"params": params}, x, train=False)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  batches = _batches()
+  trained, _ = fp16_step(_fresh_state(), next(batches))
+  want, _ = fp16_step(trained, next(_batches()))
+  ckpt = jt.Checkpointer(tmp_path / "ckpt", async_save=False)
+  ckpt.save(trained)
+  by_orbax, _ = ckpt.restore(_fresh_state())
+  by_flax = flax.serialization.from_bytes(_fresh_state(), flax.serialization.to_bytes(trained))
+  for restored in (by_orbax, by_flax):
+    got, _ = fp16_step(restored, next(_batches()))
+    assert float(got.loss_scale.scale) == float(want.loss_scale.scale)
+    for g, w in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params)):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_residuals_of_another_replica_count_need_the_prepared_template(step, tmp_path):
   state, _ = step(_fresh_state(), next(_batches()))
   from jaxring._src.train.state import Residuals

@@ -70,6 +70,16 @@ def _abstract(x):
   return x
 
 
+def _with_saved_loss_scale(template, record: dict):
+  """A fresh template's ``loss_scale`` is None until the step prepares it: give it one where
+  the checkpoint holds one (fp16 training)."""
+  if (getattr(template, "loss_scale", 0) is None
+      and any(p.startswith(".loss_scale.") for p in record["arrays"])):
+    from jaxring._src.train.precision import DynamicLossScale
+    return template.replace(loss_scale=DynamicLossScale.create())
+  return template
+
+
 def _scalars_as_saved(template, saved: dict):
   """``template`` with each scalar leaf in the form it was saved in: a fresh
   ``TrainState.create(...)`` holds ``step=0`` as a Python int, a trained state an int32 array,
@@ -233,8 +243,9 @@ class Checkpointer:
     if step is None:
       raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
     recorded = self._has_record(step)
-    if recorded:
-      template = _scalars_as_saved(template, self._read_record(step)["arrays"])
+    record = self._read_record(step) if recorded else None
+    if recorded:   # a fresh TrainState.create(...) is a template for a trained state
+      template = _scalars_as_saved(_with_saved_loss_scale(template, record), record["arrays"])
     abstract = jax.tree_util.tree_map(_abstract, template)
     ocp = _ocp()
     items = dict(state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore())
@@ -244,8 +255,7 @@ class Checkpointer:
     if residuals is None and recorded and hasattr(template, "residuals"):
       # a template the step has not prepared (a fresh TrainState.create): read them to the host,
       # as saved; the step places them on its first call
-      residuals = _host_residuals(getattr(template, "params", None),
-                                  self._read_record(step).get(_RESIDUALS, {}))
+      residuals = _host_residuals(getattr(template, "params", None), record.get(_RESIDUALS, {}))
     abstract_residuals = remap_to = None
     if residuals is not None and os.path.isdir(os.path.join(self.step_path(step), _RESIDUALS)):
       abstract_residuals = jax.tree_util.tree_map(_abstract, residuals)
@@ -259,7 +269,7 @@ class Checkpointer:
     except Exception as exc:  # noqa: BLE001 - orbax/tensorstore raise many kinds
       if not recorded:
         raise  # nothing recorded: a damaged file and a template mismatch look alike
-      self._raise_mismatch(step, abstract, abstract_residuals, self._read_record(step))
+      self._raise_mismatch(step, abstract, abstract_residuals, record)
       raise CheckpointCorruptError(step, self.step_path(step), self._explain(step, exc)) from exc
     state, data = restored["state"], dict(restored["data"] or {})
     if recorded:

@@ -87,6 +87,13 @@ class DynamicLossScale:
     return cls(scale=jnp.asarray(initial_scale, jnp.float32),
                good_steps=jnp.zeros((), jnp.int32), **kwargs)
 
+  @classmethod
+  def from_state_dict(cls, d: dict) -> DynamicLossScale:
+    """The scale from its serialized leaves (``flax.serialization`` restores a field whose
+    template was None as a dict); the growth settings are the defaults."""
+    return cls(scale=jnp.asarray(d["scale"], jnp.float32),
+               good_steps=jnp.asarray(d["good_steps"], jnp.int32))
+
   def adjust(self, finite) -> DynamicLossScale:
     """The scale for the next step, given whether this step's gradients were all finite."""
     grown = self.good_steps + 1 >= self.growth_interval

@@ -108,6 +108,8 @@ class TrainStep:
             " Any = flax.struct.field(pytree_node=False, default=None, kw_only=True)` (or pass "
             "error_feedback=False)")
       residuals, fresh = self._zero_residuals(state.params), True
+    if isinstance(getattr(state, "loss_scale", None), dict):   # flax.serialization.from_bytes
+      state = state.replace(loss_scale=DynamicLossScale.from_state_dict(state.loss_scale))
     if cfg.policy is not None and cfg.policy.loss_scaling and getattr(state, "loss_scale",
                                                                       None) is None:
       if not hasattr(state, "loss_scale"):
@@ -208,7 +210,7 @@ class TrainStep:
     if cfg.uses_residuals and residuals is None:
       return True
     if (cfg.policy is not None and cfg.policy.loss_scaling
-        and getattr(state, "loss_scale", None) is None):
+        and not isinstance(getattr(state, "loss_scale", None), DynamicLossScale)):
       return True
     # Equivalent, not equal: on one device jit hands back P() for the residuals' P("data").
     if any(not (isinstance(r, jax.Array)
