@@ -16,7 +16,8 @@ import jax
 
 from jaxring._src.train.state import Residuals
 
-# the primitives of jax.lax's collectives (under check_vma=True and False) and mpi4jax's
+# the primitives of jax.lax's collectives (under check_vma=True and False), mpi4jax's, and
+# jaxring's in-process custom calls
 COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather",
                          "all_gather_invariant", "reduce_scatter", "ppermute", "all_to_all",
                          "ragged_all_to_all"})
@@ -39,6 +40,8 @@ def _has_collective(jaxpr) -> bool:
     name = eqn.primitive.name
     if name in COLLECTIVES or "mpi" in name:
       return True
+    if name == "ffi_call" and str(eqn.params.get("target_name", "")).startswith("jaxring_local"):
+      return True   # the in-process level's custom calls (jaxring._src.transport.inprocess)
     for value in eqn.params.values():
       for sub in value if isinstance(value, (list, tuple)) else (value,):
         inner = getattr(sub, "jaxpr", sub)
