@@ -52,3 +52,19 @@ def test_sigusr1_dumps(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "flight-0.json").read_text())["reason"] == "SIGUSR1"
   finally:
     signal.signal(signal.SIGUSR1, old)
+
+
+def test_launched_processes_keep_where_to_write_but_not_who_they_are(monkeypatch, tmp_path):
+  # `jaxring cluster run` and `bench faults` used to drop every JAXRING_* setting, so their
+  # processes dumped flight records into the working directory (the checkout, under pytest)
+  from jaxring._src.tools.bench import fault_jobs
+  from jaxring._src.tools.cluster import launch
+  monkeypatch.setenv("JAXRING_FLIGHT_DIR", str(tmp_path / "flight"))
+  monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setenv("JAXRING_PROCESS_ID", "3")
+  monkeypatch.setenv("JAXRING_COORDINATOR", "10.0.0.1:1234")
+  for env in (launch.child_env(), fault_jobs.child_env()):
+    assert env["JAXRING_FLIGHT_DIR"] == str(tmp_path / "flight")
+    assert env["JAXRING_CACHE_DIR"] == str(tmp_path / "cache")
+    assert "JAXRING_PROCESS_ID" not in env and "JAXRING_COORDINATOR" not in env
+    assert "--xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", "")

@@ -11,6 +11,8 @@ import sys
 import tempfile
 import time
 
+from jaxring._src.tools.cluster.launch import USER_SETTINGS
+
 WORKER = "jaxring._src.tools.bench.fault_worker"
 
 
@@ -32,7 +34,7 @@ def free_port() -> int:
 
 def child_env(**extra) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JAXRING_", "JAX_", "XLA_", "PMI_", "OMPI_"))}
+         if not k.startswith(("JAXRING_", "JAX_", "XLA_", "PMI_", "OMPI_")) or k in USER_SETTINGS}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
   env.update({k: str(v) for k, v in extra.items()})
   return env

@@ -38,10 +38,19 @@ class Rank:
   env: dict[str, str]
 
 
+# jaxring settings a launched process keeps from its caller: where it writes and reads, not who
+# it is (its rank, coordinator and devices are the launcher's to set)
+USER_SETTINGS = ("JAXRING_FLIGHT_DIR", "JAXRING_FLIGHT_RECORDER", "JAXRING_CACHE_DIR",
+                 "JAXRING_PROFILE", "JAXRING_KERNELS", "JAXRING_KERNEL_CHOICE",
+                 "JAXRING_CPU_THREADS", "JAXRING_NO_TCMALLOC")
+
+
 def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
-  """The caller's environment without settings that would give a process the wrong devices."""
+  """The caller's environment without settings that would give a process the wrong devices or
+  the wrong identity (``USER_SETTINGS`` stay)."""
   env = dict(os.environ if base is None else base)
-  for key in [k for k in env if k.startswith(("JAXRING_", "PMI_", "OMPI_"))]:
+  for key in [k for k in env if k.startswith(("JAXRING_", "PMI_", "OMPI_"))
+              and k not in USER_SETTINGS]:
     del env[key]
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if not f.startswith("--xla_force_host_platform_device_count")]
