@@ -188,3 +188,14 @@ def test_arguments_after_the_batch_reach_every_replica_whole():
   grad = 2 * x.T @ (x @ (2 * w)) * 2 / (x.shape[0] * 8)   # d/dw mean((x @ 2w)^2)
   np.testing.assert_allclose(np.asarray(got.params["w"]), w - 0.1 * grad, rtol=1e-5)
   assert float(metrics["scale"]) == 2.0
+
+
+@pytest.mark.parametrize("returns", ["state", "triple", "swapped"])
+def test_a_step_that_does_not_return_state_and_metrics_is_named(returns):
+  @jt.train_step(donate=False)
+  def step(state, batch):
+    loss, grads = jt.value_and_grad(_mse)(state.params, batch)
+    new = state.apply_gradients(grads=grads)
+    return {"state": new, "triple": (new, {}, loss), "swapped": ({"loss": loss}, new)}[returns]
+  with pytest.raises(TypeError, match=r"must return \(state, metrics\)"):
+    step(_state(), BATCH)

@@ -50,6 +50,17 @@ def _has_collective(jaxpr) -> bool:
   return False
 
 
+def state_and_metrics(out, state_type) -> tuple:
+  """The step function's ``(state, metrics)``; a TypeError naming what it returned instead."""
+  if (not isinstance(out, (tuple, list)) or len(out) != 2
+      or not isinstance(out[0], state_type)):
+    got = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list))
+           else f"a {type(out).__name__}")
+    raise TypeError(f"train_step: the step function must return (state, metrics), a new "
+                    f"{state_type.__name__} and a pytree of metrics; it returned {got}")
+  return out[0], out[1]
+
+
 def check_gradients_reduced(fn, args: tuple, new_state) -> None:
   """Raises ValueError where ``fn(*args)`` (``args``: the state, the batch and the step's other
   arguments; traced without a ``jaxring.value_and_grad`` call) changed the parameters and

@@ -277,7 +277,8 @@ class TrainStep:
       ctx.shard, user_state = self._sharded_view(state)
     with step_context(ctx):
       try:
-        new_state, metrics = self._fn(user_state, batch, *args)
+        new_state, metrics = guards.state_and_metrics(self._fn(user_state, batch, *args),
+                                                      type(state))
       except Exception as e:
         if cfg.shard == "params":
           guards.add_blocks_hint(e)
