@@ -8,6 +8,7 @@ whose exact warm-up ends (a ``lax.cond`` on the count) inside the run.
 import jax
 import numpy as np
 import optax
+import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -74,3 +75,12 @@ def test_groupnorm_resnet_normalizes_and_starts_as_its_shortcuts():
   np.testing.assert_allclose(np.asarray(logits(bumped, x)), y, rtol=1e-5, atol=1e-6)
   trained = dict(params, a2_g=params["a2_g"] + 1.0)
   assert np.max(np.abs(np.asarray(logits(trained, x)) - y)) > 1e-3
+
+
+def test_cosine_schedule_starts_at_the_peak_and_ends_at_zero():
+  assert bench.learning_rate(0.05, "constant", 100) == 0.05
+  lr = bench.learning_rate(0.05, "cosine", 100)
+  np.testing.assert_allclose([lr(0), lr(50), lr(100)], [0.05, 0.025, 0.0], atol=1e-7)
+  assert float(lr(25)) > float(lr(75))
+  with pytest.raises(ValueError, match="unknown schedule 'linear'"):
+    bench.learning_rate(0.05, "linear", 100)

@@ -267,10 +267,29 @@ TASKS = {
 MODEL_RATES = {("shapes", "resnet"): {"momentum": 0.03, "nesterov": 0.03}}
 
 
+SCHEDULES = ("constant", "cosine")
+
+
+def learning_rate(peak: float, schedule: str, steps: int):
+  """``peak`` held (``constant``) or decayed to 0 along a cosine over ``steps`` (``cosine``).
+
+  A constant rate leaves the shapes task's models mid-climb at the end of the budget: test
+  accuracy still moves by points from one 100 steps to the next, and the step at which a
+  model leaves its initial plateau (a few hundred steps, seed-dependent) shifts the end point
+  by as much. A cosine to 0 ends on a flat stretch, where a 1-point gap can be read."""
+  import optax
+  if schedule == "constant":
+    return peak
+  if schedule == "cosine":
+    return optax.cosine_decay_schedule(peak, steps)
+  raise ValueError(f"unknown schedule {schedule!r}; one of {SCHEDULES}")
+
+
 def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int,
         adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF"),
         model: str = "resnet", clip_norm: float | None = None, lr_override: float | None = None,
-        warmup_density: float = 0.25, masking: str = "flush") -> list[dict]:
+        warmup_density: float = 0.25, masking: str = "flush",
+        schedule: str = "constant") -> list[dict]:
   import numpy as np
   if task == "digits":
     data = digits()
@@ -289,9 +308,10 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
     return float(np.mean(runs))
 
   for name in optimizers:
-    lr = rates[name] if lr_override is None else lr_override
+    peak = rates[name] if lr_override is None else lr_override
+    lr = learning_rate(peak, schedule, steps)
     t0 = time.perf_counter()
-    row = {"optimizer": name, "lr": lr,
+    row = {"optimizer": name, "lr": peak, "schedule": schedule,
            "none": measure(lambda: supported_optimizer(name, lr, "d", None))}
     for cname in codecs:
       codec = codec_of(cname, chunk_size)
@@ -346,6 +366,8 @@ def main(argv=None) -> int:
   parser.add_argument("--masking", default="flush",
                       choices=("flush", "zero", "none"),
                       help="momentum correction's rule for the velocity of sent chunks")
+  parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
+                      help="the learning rate over the run: held, or a cosine decay to 0")
   parser.add_argument("--seeds", type=int, default=1, help="average over this many inits")
   parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
   args = parser.parse_args(argv)
@@ -361,13 +383,13 @@ def main(argv=None) -> int:
   modes = [m.strip() for m in args.modes.split(",") if m.strip()]
   what = ("digits MLP, full batch" if args.task == "digits"
           else f"hard_shapes small {args.model}, 16 images per member")
-  print(f"{what}, 8 members, {steps} steps; top-k: 1% of {chunk}-value chunks; compressed Adam: "
-        f"{adam_warmup} exact steps, variance every {args.adam_variance_every}; test accuracy (%)",
-        flush=True)
+  print(f"{what}, 8 members, {steps} steps, {args.schedule} learning rate; top-k: 1% of "
+        f"{chunk}-value chunks; compressed Adam: {adam_warmup} exact steps, variance every "
+        f"{args.adam_variance_every}; test accuracy (%)", flush=True)
   rows = run(args.task, optimizers, codecs, steps, chunk, args.warmup_steps, adam_warmup,
              args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm or None,
              lr_override=args.lr or None, warmup_density=args.warmup_density,
-             masking=args.masking)
+             masking=args.masking, schedule=args.schedule)
   cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
   for c in codecs:
     cols += [(f"{c} {m}", f"{c} {m}", ".2f") for m in modes]
@@ -377,7 +399,8 @@ def main(argv=None) -> int:
       "benchmark": "convergence", "task": args.task, "steps": steps, "chunk_size": chunk,
       "model": args.model if args.task == "shapes" else "mlp", "clip_norm": args.clip_norm,
       "warmup_steps": args.warmup_steps, "masking": args.masking, "adam_warmup": adam_warmup,
-      "adam_variance_every": args.adam_variance_every, "seeds": args.seeds, "rows": rows,
+      "adam_variance_every": args.adam_variance_every, "seeds": args.seeds,
+      "schedule": args.schedule, "rows": rows,
       "machine": common.machine()}, args.out)
   print(f"wrote {path}")
   return 0
