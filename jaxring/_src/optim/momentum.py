@@ -115,8 +115,8 @@ def momentum_correction(axis_name, *, compression=None, momentum: float = 0.9,
 
   Measured: on full-batch digits within 1 point of uncompressed momentum SGD; on minibatch
   ``hard_shapes`` with a small ResNet without normalization it diverged at every setting tried;
-  with GroupNorm and a cosine schedule it trains, but 3.9 points under uncompressed on the
-  better of 2 seeds (docs/benchmarks.md, "Convergence with compression"). On such tasks use
+  with GroupNorm and a cosine schedule it trains, but 2.6 points under uncompressed over 4
+  seeds (docs/benchmarks.md, "Convergence with compression"). On such tasks use
   int8, or Adam over top-k (:func:`jaxring.compressed_adam`).
 
   Args:
