@@ -82,3 +82,21 @@ def test_contenders_are_the_four_of_the_issue():
   assert not any(np.shape(leaf) == (64,) for leaf in jax.tree.leaves(state))
   assert any(np.shape(leaf) == (64,) for leaf in jax.tree.leaves(
       optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(64)})))
+
+
+def test_cosine_schedule_reaches_every_contenders_optimizer():
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+  steps = tta.contenders(mesh, 0.1, 1 << 20, 16, model="resnet_gn", schedule="cosine", steps=2)
+  rates = [0.1, 0.05]   # optax.cosine_decay_schedule(0.1, 2) at counts 0 and 1
+  for name, (_, tx) in steps.items():
+    params, g = {"w": jnp.zeros(3)}, {"w": jnp.ones(3)}
+    state = tx.init(params)
+    momentum = name != tta.TOPK   # top-k's momentum runs inside the reduction
+    v, want = 0.0, 0.0
+    for rate in rates:
+      with jax.numpy_dtype_promotion("standard"):   # optax's cosine mixes int32 and float
+        updates, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, updates)
+      v = 0.9 * v + 1.0 if momentum else 1.0
+      want -= rate * v
+    np.testing.assert_allclose(np.asarray(params["w"]), want, rtol=1e-6, err_msg=name)

@@ -5,7 +5,10 @@ What a user buys: wall-clock time until the model is good enough. One process pe
 does); the task is the convergence benchmark's harder one (``hard_shapes``, 16 classes, label
 noise) trained by its small ResNet (``jaxring._src.tools.bench.convergence``), 16 images per
 member a step, momentum SGD (0.9, lr 0.03: from 0.05 up this ResNet diverges), each member
-walking its shard of the training set as the convergence benchmark's members do. Contenders:
+walking its shard of the training set as the convergence benchmark's members do. With
+``--model resnet_gn --schedule cosine --lr 0.05`` it is the same ResNet with GroupNorm and the
+rate decayed to 0 along a cosine over ``--steps``, where top-k with momentum correction trains
+(the convergence benchmark's hard task). Contenders:
 
 * ``hand-written jit(shard_map)+pmean``: ``jax.grad`` and ``lax.pmean`` of the gradients;
 * ``train_step none``: ``@jaxring.train_step`` uncompressed (``auto``);
@@ -29,6 +32,7 @@ against training time beside it.
 Example:
   jaxring bench tta --full                   # 4 nodes x 2 devices, 10mbit links, target 75%
   jaxring bench tta --link 20mbit --target 50 --steps 600
+  jaxring bench tta --full --model resnet_gn --schedule cosine --lr 0.05 --steps 1500 --target 80
 """
 from __future__ import annotations
 
@@ -47,22 +51,25 @@ TOPK = "train_step top-k 1% + momentum correction"
 MOMENTUM = 0.9
 
 
-def _loss(params, batch):
+def _loss(params, batch, model: str = "resnet"):
   import optax
 
-  from jaxring._src.tools.bench.models import resnet_logits
-  logits = resnet_logits(params, batch["x"])
+  from jaxring._src.tools.bench.models import MODELS
+  logits = MODELS[model][1](params, batch["x"])
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-def hand_written(mesh):
+def hand_written(mesh, model: str = "resnet"):
   """``jit(shard_map(step))`` with ``lax.pmean`` of the gradients (the pmap-era idiom)."""
+  import functools
+
   import jax
   from jax import lax
   from jax.sharding import PartitionSpec as P
+  loss_fn = functools.partial(_loss, model=model)
 
   def step(state, batch):
-    loss, grads = jax.value_and_grad(_loss)(state.params, batch)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
     state = state.apply_gradients(grads=lax.pmean(grads, "data"))
     return state, {"loss": lax.pmean(loss, "data")}
 
@@ -70,31 +77,38 @@ def hand_written(mesh):
                                check_vma=False), donate_argnums=(0,))
 
 
-def decorated(mesh, **kwargs):
+def decorated(mesh, model: str = "resnet", **kwargs):
   """The single-device step under ``@jaxring.train_step(mesh, **kwargs)``."""
+  import functools
+
   import jaxring.train as jt
+  loss_fn = functools.partial(_loss, model=model)
 
   @jt.train_step(mesh, **kwargs)
   def step(state, batch):
-    loss, grads = jt.value_and_grad(_loss)(state.params, batch)
+    loss, grads = jt.value_and_grad(loss_fn)(state.params, batch)
     return state.apply_gradients(grads=grads), {"loss": loss}
   return step
 
 
-def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int) -> dict:
-  """name -> (step, optimizer) for each contender."""
+def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int, model: str = "resnet",
+               schedule: str = "constant", steps: int = 1000) -> dict:
+  """name -> (step, optimizer) for each contender: momentum SGD at ``lr`` (held, or decayed
+  along a cosine over ``steps``: ``convergence.learning_rate``) on ``model`` (``MODELS``)."""
   import optax
 
   import jaxring
-  momentum_sgd = optax.sgd(lr, momentum=MOMENTUM)
+  from jaxring._src.tools.bench.convergence import learning_rate
+  rate = learning_rate(lr, schedule, steps)
+  momentum_sgd = optax.sgd(rate, momentum=MOMENTUM)
   topk = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size)
   return {
-      HAND: (hand_written(mesh), momentum_sgd),
-      BASE: (decorated(mesh, bucket_bytes=bucket_bytes), momentum_sgd),
-      INT8: (decorated(mesh, bucket_bytes=bucket_bytes,
+      HAND: (hand_written(mesh, model), momentum_sgd),
+      BASE: (decorated(mesh, model, bucket_bytes=bucket_bytes), momentum_sgd),
+      INT8: (decorated(mesh, model, bucket_bytes=bucket_bytes,
                        compression={"node": jaxring.codecs.int8()}), momentum_sgd),
-      TOPK: (decorated(mesh, bucket_bytes=bucket_bytes, compression={"node": topk},
-                       momentum=MOMENTUM), optax.sgd(lr)),
+      TOPK: (decorated(mesh, model, bucket_bytes=bucket_bytes, compression={"node": topk},
+                       momentum=MOMENTUM), optax.sgd(rate)),
   }
 
 
@@ -120,16 +134,16 @@ class Batches:
             for k, v in self.local(t).items()}
 
 
-def accuracy(params, xte, yte) -> float:
+def accuracy(params, xte, yte, model: str = "resnet") -> float:
   """Test accuracy (%) of replicated ``params``, from this process's copy; process 0's figure,
   so that every process stops a contender at the same step."""
   import jax
   import numpy as np
   from jax.experimental import multihost_utils
 
-  from jaxring._src.tools.bench.models import resnet_logits
+  from jaxring._src.tools.bench.models import MODELS
   local = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), params)
-  acc = float((np.asarray(_eval(resnet_logits)(local, xte)).argmax(1) == yte).mean() * 100)
+  acc = float((np.asarray(_eval(MODELS[model][1])(local, xte)).argmax(1) == yte).mean() * 100)
   return float(multihost_utils.broadcast_one_to_all(np.float32(acc)))
 
 
@@ -160,7 +174,7 @@ def compute_share(params, batch_of, args) -> float:
   local = Mesh(np.asarray(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
 
   def alone(state, batch):
-    loss, grads = jax.value_and_grad(_loss)(state.params, batch)
+    loss, grads = jax.value_and_grad(_loss)(state.params, batch, args.model)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   step = jax.jit(jax.shard_map(alone, mesh=local, in_specs=(P(), P("data")),
@@ -189,7 +203,7 @@ def worker(args) -> int:
   import jaxring.train as jt
   from jaxring._src.data.hard_shapes import hard_shapes
   from jaxring._src.tools.bench import cluster_worker
-  from jaxring._src.tools.bench.models import init_resnet
+  from jaxring._src.tools.bench.models import MODELS
 
   me = jax.process_index()
   devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -198,13 +212,15 @@ def worker(args) -> int:
   xtr, ytr, xte, yte = hard_shapes()
   batch_of = Batches(xtr, ytr, len(devices), args.batch_per_device, members,
                      NamedSharding(mesh, P("data")))
-  params = init_resnet(jax.random.key(args.seed))
+  params = MODELS[args.model][0](jax.random.key(args.seed))
   n_params = sum(int(np.size(p)) for p in jax.tree.leaves(params))
   compute = compute_share(params, batch_of, args)
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
-  steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size)
+  steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size,
+                        args.model, args.schedule, args.steps)
   names = [n for n in steps_of if not args.only or n in args.only.split(",")]
-  states, curves, left = {}, {n: [(0.0, 0, accuracy(params, xte, yte))] for n in names}, set(names)
+  start = accuracy(params, xte, yte, args.model)
+  states, curves, left = {}, {n: [(0.0, 0, start)] for n in names}, set(names)
   done = {n: 0 for n in names}
   tx_bytes = {n: 0 for n in names}
   for name in names:
@@ -233,7 +249,7 @@ def worker(args) -> int:
       tx_bytes[name] += cluster_worker.tx_bytes(iface) - b0
       done[name] = t + 1
       states[name] = state
-      acc = accuracy(state.params, xte, yte)
+      acc = accuracy(state.params, xte, yte, args.model)
       curves[name].append((curves[name][-1][0] + seconds, done[name], acc))
       if me == 0:
         print(f"  {name}: step {done[name]}, {curves[name][-1][0]:.1f} s, {acc:.2f}%", flush=True)
@@ -311,8 +327,13 @@ def _parser() -> argparse.ArgumentParser:
                   help="node link rate: at 10mbit the uncompressed step is link-bound ~3:1")
   ap.add_argument("--devices-per-node", type=int, default=2)
   ap.add_argument("--batch-per-device", type=int, default=16)
+  ap.add_argument("--model", default="resnet", choices=("resnet", "resnet_gn"),
+                  help="the small ResNet, or it with GroupNorm (trains at 0.05 with a cosine)")
   ap.add_argument("--lr", type=float, default=0.03,
-                  help="momentum SGD (0.9); 0.05 and above diverge on this ResNet")
+                  help="momentum SGD (0.9), the peak with --schedule cosine; 0.05 and above "
+                  "diverge on the ResNet without normalization")
+  ap.add_argument("--schedule", default="constant", choices=("constant", "cosine"),
+                  help="the learning rate held, or decayed to 0 along a cosine over --steps")
   ap.add_argument("--target", type=float, default=75.0, help="test accuracy (%%) to reach")
   ap.add_argument("--steps", type=int, default=1000, help="at most this many steps each")
   ap.add_argument("--eval-every", type=int, default=50)
@@ -364,9 +385,10 @@ def main(argv: list[str] | None = None) -> int:
   first = next(r for r in recs if r["node"] == 0)
   compute = max(r["compute_s"] for r in recs)
   base = next((r for r in rows if r["contender"] == BASE), rows[0])
-  print(f"\nsmall ResNet ({first['params']:,} params = {common.fmt_bytes(4 * first['params'])} of "
+  print(f"\n{args.model} ({first['params']:,} params = {common.fmt_bytes(4 * first['params'])} of "
         f"f32 gradients) on hard_shapes, {args.nodes} nodes x {args.devices_per_node} devices x "
-        f"{args.batch_per_device} images, momentum SGD lr {args.lr}, links {state.rate}, "
+        f"{args.batch_per_device} images, momentum SGD lr {args.lr} ({args.schedule}), links "
+        f"{state.rate}, "
         f"target {args.target:g}%")
   print(f"compute/communication split: a step on one node's devices alone (no link) "
         f"{compute * 1e3:.0f} ms; '{base['contender']}' {base['s_per_step'] * 1e3:.0f} ms a step, "
