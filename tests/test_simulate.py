@@ -173,22 +173,26 @@ def test_validation_predicts_bench_cluster_rows_by_hand():
   assert validate.plan_of("jaxring hierarchical topk (MPI transport)") == ("hierarchical", "topk")
 
 
-def test_step_validation_adds_each_reduction_to_the_computation_less_the_token_bucket():
+@pytest.mark.parametrize("net", [None, "resnet_gn"], ids=["before-model-arg", "resnet_gn"])
+def test_step_validation_adds_each_reduction_to_the_computation_less_the_token_bucket(net):
   import jax
 
   from jaxring._src.tools.bench import tta
-  from jaxring._src.tools.bench.models import init_resnet
+  from jaxring._src.tools.bench.models import MODELS
   from jaxring._src.tools.simulate import calibrated, validate
   model = calibrated.Calibrated((2, 4), {**dict.fromkeys(calibrated.NAMES, 0.0),
                                          "alpha_native": 0.01, "link_native": 1.0,
                                          "alpha_node": 1e-3, "kappa_int8": 4e-9})
   result = {"bench": "tta", "link": "10mbit", "compute_s": 0.05,
-            "args": {"seed": 0, "bucket_mib": 1.0, "chunk_size": 16},
+            "args": {"seed": 0, "bucket_mib": 1.0, "chunk_size": 16,
+                     **({"model": net} if net else {})},
             "rows": [{"contender": tta.HAND, "s_per_step": 0.5},
                      {"contender": tta.BASE, "s_per_step": 0.3},
                      {"contender": tta.INT8, "s_per_step": 0.1}]}
   rows = {r["contender"]: r for r in validate.predict_tta_steps(result, {"jax": model})}
-  leaves = [4 * x.size for x in jax.tree.leaves(jax.eval_shape(init_resnet, jax.random.key(0)))]
+  init = MODELS[net or "resnet"][0]             # the network the run trained: its leaves
+  leaves = [4 * x.size for x in jax.tree.leaves(jax.eval_shape(init, jax.random.key(0)))]
+  assert len(leaves) == (24 if net else 17)
   rate, total = 1.25e6, sum(leaves)
   ring = lambda n: 2 * 7 / 8 * n / rate              # noqa: E731
 

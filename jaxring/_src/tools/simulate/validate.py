@@ -148,11 +148,12 @@ def predict_tta_steps(tta_result: dict, fitted: dict) -> list[dict]:
   """
   import jax
 
-  from jaxring._src.tools.bench.models import init_resnet
+  from jaxring._src.tools.bench.models import MODELS
   from jaxring._src.tools.cluster import netns
   args = tta_result["args"]
   link = netns.rate_bytes_per_second(tta_result["link"])
-  shapes = jax.eval_shape(init_resnet, jax.random.key(int(args.get("seed", 0))))
+  init = MODELS[args.get("model", "resnet")][0]   # runs before --model existed trained "resnet"
+  shapes = jax.eval_shape(init, jax.random.key(int(args.get("seed", 0))))
   leaf_bytes = [4 * int(s.size) for s in jax.tree.leaves(shapes)]
   model = fitted.get("jax")
   rows = []
