@@ -112,6 +112,95 @@ def test_local_clipping_bounds_each_members_gradient():
   np.testing.assert_allclose(applied[0], want, rtol=1e-5, atol=1e-7)
 
 
+def test_quotas_share_the_global_count_between_tensors_by_size():
+  tk = codecs.topk_chunks(0.1, 4)        # a pool needs 10 chunks (40 values) to earn one
+  # chunks start at 0, 4, ...: the 2-value tensor's only chunk starts in the first tensor
+  assert tk.quotas(400, [42, 2, 236, 120]) == [(0, 11, 1), (11, 70, 6), (70, 100, 3)]
+  assert sum(q for *_, q in tk.quotas(1003, [1, 1, 1001])) == tk.num_selected(1003) == 26
+  assert tk.quotas(36, [20, 16]) == [(0, 9, 1)]            # too small to split: one pool
+  with pytest.raises(ValueError, match="summing to the buffer's 36 values"):
+    tk.quotas(36, [20, 15])
+
+
+def _per_tensor_reference(g: dict, codec) -> np.ndarray:
+  """The chunks a per-tensor top-k sends for members' gradients ``g`` (name -> [8, size]),
+  flattened in key order: per pool, those with the largest sum over members of their norm."""
+  names = sorted(g)
+  flat = np.concatenate([np.asarray(g[k], np.float64) for k in names], axis=1)
+  norms = np.linalg.norm(flat.reshape(8, -1, codec.chunk_size), axis=2).sum(0)
+  want = []
+  for a, b, q in codec.quotas(flat.shape[1], [g[k].shape[1] for k in names]):
+    want += list(a + np.argsort(-norms[a:b], kind="stable")[:q])
+  return np.sort(want)
+
+
+def _sent_chunks(tree: dict, cs: int) -> np.ndarray:
+  flat = np.concatenate([np.asarray(tree[k], np.float64).ravel() for k in sorted(tree)])
+  return np.flatnonzero(np.abs(flat.reshape(-1, cs)).max(1) > 0)
+
+
+def _two_tensors(seed):
+  """Gradients of a tensor of 200 chunks of 8 and one of 100 whose values are 1000x smaller."""
+  rng = np.random.RandomState(seed)
+  return {"a_big": rng.randn(8, 1600), "b_small": rng.randn(8, 800) * 1e-3}
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
+def test_per_tensor_top_k_sends_each_tensors_largest_chunks(nesterov):
+  """One step of momentum correction from zero state: the chunks sent are, per pool of tensors,
+  those with the largest sum over members of their norm (float64), so the tensor of small
+  gradients that the global selection starves gets its share (a third of the 15)."""
+  g = _two_tensors(5)
+
+  def sent_by(codec):
+    tx = jaxring.momentum_correction("d", algorithm="ring", compression=codec, momentum=0.9,
+                                     nesterov=nesterov)
+
+    def body(gs):
+      gs = jax.tree.map(lambda v: v[0], gs)
+      upd, _ = tx.update(gs, tx.init(jax.tree.map(jnp.zeros_like, gs)))
+      return jax.tree.map(lambda v: v[None], upd)
+
+    f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P("d"), out_specs=P("d")))
+    upd = f(jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), g))
+    return _sent_chunks({k: v[0] for k, v in upd.items()}, 8)
+
+  per_tensor = codecs.topk_chunks(0.05, 8, per_tensor=True)
+  want = _per_tensor_reference(g, per_tensor)
+  assert len(want) == per_tensor.num_selected(2400) == 15 and (want >= 200).sum() == 5
+  np.testing.assert_array_equal(sent_by(per_tensor), want)
+  assert (sent_by(codecs.topk_chunks(0.05, 8)) < 200).all()     # global: all to a_big
+
+
+@pytest.mark.parametrize("where", ["psum", "reduce_gradients"])
+def test_per_tensor_top_k_in_psum_and_reduce_gradients(where):
+  """The same selection where the engine fuses a pytree's leaves; the chunks sent carry the
+  exact float64 sum over members."""
+  g = _two_tensors(6)
+  codec = codecs.topk_chunks(0.05, 8, per_tensor=True)
+
+  def body(gs):
+    gs = jax.tree.map(lambda v: v[0], gs)
+    if where == "psum":
+      out = jaxring.psum(gs, "d", algorithm="ring", compression=codec)
+    else:
+      tx = jaxring.reduce_gradients("d", algorithm="ring", compression=codec,
+                                    plain_sgd_after=True)
+      out, _ = tx.update(gs, tx.init(gs))
+    return jax.tree.map(lambda v: v[None], out)
+
+  f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P("d"), out_specs=P("d")))
+  out = f(jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), g))
+  out = {k: np.asarray(v[0], np.float64) for k, v in out.items()}
+  want = _per_tensor_reference(g, codec)
+  np.testing.assert_array_equal(_sent_chunks(out, 8), want)
+  scale = 1.0 if where == "psum" else 8.0                   # reduce_gradients: the mean
+  total = np.concatenate([g[k].sum(0) for k in sorted(g)]).reshape(-1, 8)
+  got = np.concatenate([out[k] for k in sorted(out)]).reshape(-1, 8)
+  bound = np.concatenate([np.abs(g[k]).sum(0) for k in sorted(g)]).reshape(-1, 8) * 1e-6
+  assert (np.abs(got[want] * scale - total[want]) <= bound[want]).all()   # f32 rounding only
+
+
 def test_state_resumes_bit_for_bit_from_an_orbax_checkpoint(tmp_path):
   n, steps = 2000, 8
   g = gradients(4, steps, n)
@@ -223,6 +312,8 @@ def test_bad_arguments():
     jaxring.momentum_correction("d", momentum=1.0)
   with pytest.raises(ValueError, match="masking must be one of"):
     jaxring.momentum_correction("d", masking="half")
+  with pytest.raises(ValueError, match="per_tensor must be True or False"):
+    codecs.topk_chunks(0.01, per_tensor="yes")
   with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
     jaxring.compressed_adam("d", warmup_steps=0)
 

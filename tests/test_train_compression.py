@@ -36,7 +36,35 @@ CONFIGS = {
                               compression={"node": jaxring.codecs.int8(block_size=64)}),
     "topk-ring": dict(mesh_shape=(8,), axis_name="data", algorithm="ring",
                       compression=jaxring.codecs.topk_chunks(density=0.25, chunk_size=64)),
+    "topk-per-tensor-ring": dict(mesh_shape=(8,), axis_name="data", algorithm="ring",
+                                 compression=jaxring.codecs.topk_chunks(
+                                     density=0.25, chunk_size=64, per_tensor=True)),
 }
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["global", "per-tensor"])
+def test_per_tensor_top_k_gives_a_bucket_tensor_of_small_gradients_its_share(per_tensor):
+  """One step of plain SGD: a tensor whose gradients are 1000x smaller than its bucket
+  neighbour's gets at least its share (5 of 100 chunks at 5%) per tensor, nothing globally."""
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+  params = {"a_big": jnp.zeros(1600), "b_small": jnp.zeros(800)}
+  state = jt.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(1.0))
+  codec = jaxring.codecs.topk_chunks(0.05, chunk_size=8, per_tensor=per_tensor)
+
+  @jt.train_step(mesh, algorithm="ring", compression=codec)
+  def step(state, batch):
+    loss, grads = jt.value_and_grad(lambda p: sum(
+        jnp.sum(p[k] * batch[k].mean(0)) for k in p))(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  rng = np.random.RandomState(7)
+  batch = {"a_big": rng.randn(8, 1600).astype(np.float32),
+           "b_small": (rng.randn(8, 800) * 1e-3).astype(np.float32)}
+  state, _ = step(step.prepare(state), batch)
+  moved = {k: int((np.abs(np.asarray(v)).reshape(-1, 8).max(1) > 0).sum())
+           for k, v in state.params.items()}
+  assert moved["a_big"] + moved["b_small"] == codec.num_selected(2401)   # and the loss token
+  assert (moved["b_small"] >= 5) if per_tensor else (moved["b_small"] == 0)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

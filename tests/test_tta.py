@@ -73,13 +73,16 @@ def test_hand_written_and_train_step_take_momentum_sgds_step_on_the_global_batch
       np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_contenders_are_the_four_of_the_issue():
+def test_contenders_are_the_four_of_the_issue_and_per_tensor_top_k():
   mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
   steps = tta.contenders(mesh, 0.1, 1 << 20, 16)
-  assert list(steps) == [tta.HAND, tta.BASE, tta.INT8, tta.TOPK]
-  # top-k runs the momentum inside the reduction: its optimizer has no momentum of its own
-  state = jax.eval_shape(steps[tta.TOPK][1].init, {"w": jnp.zeros(64)})
-  assert not any(np.shape(leaf) == (64,) for leaf in jax.tree.leaves(state))
+  assert list(steps) == [tta.HAND, tta.BASE, tta.INT8, tta.TOPK, tta.TOPK_PT]
+  for name in (tta.TOPK, tta.TOPK_PT):
+    # top-k runs the momentum inside the reduction: its optimizer has no momentum of its own
+    state = jax.eval_shape(steps[name][1].init, {"w": jnp.zeros(64)})
+    assert not any(np.shape(leaf) == (64,) for leaf in jax.tree.leaves(state))
+    codec = steps[name][0].config.compression["node"]
+    assert codec.per_tensor == (name == tta.TOPK_PT)
   assert any(np.shape(leaf) == (64,) for leaf in jax.tree.leaves(
       optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(64)})))
 
@@ -91,7 +94,7 @@ def test_cosine_schedule_reaches_every_contenders_optimizer():
   for name, (_, tx) in steps.items():
     params, g = {"w": jnp.zeros(3)}, {"w": jnp.ones(3)}
     state = tx.init(params)
-    momentum = name != tta.TOPK   # top-k's momentum runs inside the reduction
+    momentum = name not in (tta.TOPK, tta.TOPK_PT)   # top-k's momentum is in the reduction
     v, want = 0.0, 0.0
     for rate in rates:
       with jax.numpy_dtype_promotion("standard"):   # optax's cosine mixes int32 and float

@@ -136,7 +136,8 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
     flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) + jnp.ravel(res_leaves[i]).astype(acc)
                             for i in idxs])
     total, err = engine.all_reduce_flat(flat, dtype, binding, algorithm, compression,
-                                        want_error=True)
+                                        want_error=True,
+                                        segments=tuple(int(np.size(leaves[i])) for i in idxs))
     mean = total / jnp.asarray(p, acc)
     out = mean.astype(dtype)
     # an exact reduction reports no error; the residual stays this member's (typed varying)

@@ -89,8 +89,11 @@ def _check_block_order(plan: Plan, binding, op: str) -> None:
 # --- all-reduce ----------------------------------------------------------------------------------
 
 
-def _all_reduce_planned(flat, dtype, axes: tuple, plan: Plan, want_error: bool):
-  """Reduces a flat accumulator-dtype buffer by a ring or hierarchical plan: (sum, error)."""
+def _all_reduce_planned(flat, dtype, axes: tuple, plan: Plan, want_error: bool, segments=None):
+  """Reduces a flat accumulator-dtype buffer by a ring or hierarchical plan: (sum, error).
+
+  ``segments``: the sizes of the tensors fused into ``flat`` (a per-tensor top-k chooses within
+  them), or None."""
   wrapper = next((c for c in plan.codecs if not c.per_hop), None)
   if wrapper is not None:  # topk_chunks: chooses what to send, then runs the plan on that
     dense = dataclasses.replace(plan, codecs=tuple(
@@ -98,7 +101,7 @@ def _all_reduce_planned(flat, dtype, axes: tuple, plan: Plan, want_error: bool):
     return wrapper.all_reduce(
         flat, dtype, reduce_norms=lambda v: _native_all_reduce(v, axes, plan),
         reduce_dense=lambda buf, err: _all_reduce_planned(buf, dtype, axes, dense, err),
-        want_error=want_error)
+        want_error=want_error, segments=segments)
   n = flat.shape[0]
   buf = _pad_to(flat, plan.size * plan.align)
   out, err = base.get(plan.kind).all_reduce(buf, plan, dtype, want_error=want_error)
@@ -111,7 +114,8 @@ def _all_reduce_planned(flat, dtype, axes: tuple, plan: Plan, want_error: bool):
   return out, (None if err is None else err[:n])
 
 
-def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error: bool = False):
+def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error: bool = False,
+                    segments=None):
   """Sum of a flat accumulator-dtype buffer over ``binding``, by the planned algorithm.
 
   Args:
@@ -121,6 +125,8 @@ def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error:
     algorithm: as in :func:`jaxring.psum`.
     compression: as in :func:`jaxring.psum`.
     want_error: also return this member's compression error, laid out like ``flat``.
+    segments: the sizes of the tensors fused into ``flat``, or None (one tensor): a per-tensor
+      ``topk_chunks`` shares its chunks between them.
 
   Returns:
     ``(sum, error)``; ``error`` is None unless asked for, and None after a native all-reduce
@@ -135,7 +141,7 @@ def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error:
   _fingerprint("all_reduce", binding, flat.shape, dtype, algorithm, plan)
   if plan.kind == "xla" or binding.size == 1:  # one member: exact, nothing travels or compresses
     return _native_all_reduce(flat, binding.axes, plan), None
-  return _all_reduce_planned(flat, dtype, binding.axes, plan, want_error)
+  return _all_reduce_planned(flat, dtype, binding.axes, plan, want_error, segments)
 
 
 def all_reduce(leaves: list, binding, algorithm, compression) -> list:
@@ -172,8 +178,9 @@ def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
       continue
     acc = accum_dtype(dtype)
     flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in idxs])
-    reduce = lambda v, plan=plan, dtype=dtype: _all_reduce_planned(v, dtype, binding.axes, plan,
-                                                                   False)[0]
+    sizes = tuple(int(np.size(leaves[i])) for i in idxs)
+    reduce = lambda v, plan=plan, dtype=dtype, sizes=sizes: _all_reduce_planned(
+        v, dtype, binding.axes, plan, False, sizes)[0]
     if binding.lax_bound and linear.differentiable(dtype):
       reduce = linear.psum(reduce, binding.axes)  # over MPI the inputs carry no tangents
     total = reduce(flat)

@@ -133,9 +133,10 @@ def parse(spec: str | Codec | None) -> Codec | None:
 
   The one spelling of codecs as strings (benchmarks, the cluster worker, the recipes and the demo
   all read it here): ``none`` (None: no compression), ``bf16``, ``fp16[:block_size]``,
-  ``int8[:block_size[:stochastic]]`` and ``topk[:density[:chunk_size]]`` (``topk_chunks``, 1% by
-  default), optionally ``+<codec>`` for the chosen chunks' per-hop codec. A ``Codec`` or None is
-  returned as it is. Each codec module registers its own spelling (:func:`spelling`).
+  ``int8[:block_size[:stochastic]]`` and ``topk[:density[:chunk_size[:per_tensor]]]``
+  (``topk_chunks``, 1% by default; the word ``per_tensor`` chooses chunks per tensor), optionally
+  ``+<codec>`` for the chosen chunks' per-hop codec. A ``Codec`` or None is returned as it is.
+  Each codec module registers its own spelling (:func:`spelling`).
 
   Args:
     spec: the codec's name and arguments, colon-separated.

@@ -56,11 +56,15 @@ class TopKChunks(Codec):
     density: fraction of chunks sent, in (0, 1]; at least one chunk is always sent.
     chunk_size: values per chunk, an integer in [1, 2**31 - 1].
     inner: per-hop codec of the dense buffer of chosen chunks (None: its own dtype, lossless).
+    per_tensor: where several tensors are fused into one reduction, give each its share of the
+      chunks (:meth:`quotas`) instead of the largest of the whole buffer. Not in the repr: the
+      wire, and so a calibration profile's entry for the codec, is the same either way.
   """
 
   density: float = 0.01
   chunk_size: int = 4096
   inner: Codec | None = None
+  per_tensor: bool = dataclasses.field(default=False, repr=False)
 
   name = "topk_chunks"
   lossy = True
@@ -85,6 +89,9 @@ class TopKChunks(Codec):
     if self.inner is not None and (not isinstance(self.inner, Codec) or not self.inner.per_hop):
       raise ValueError(f"topk_chunks: inner must be None or a per-hop codec (none, bf16, fp16, "
                        f"int8), got {self.inner!r}")
+    if not isinstance(self.per_tensor, (bool, np.bool_)):
+      raise ValueError(f"topk_chunks: per_tensor must be True or False, got {self.per_tensor!r}")
+    object.__setattr__(self, "per_tensor", bool(self.per_tensor))
     object.__setattr__(self, "density", float(density))
     object.__setattr__(self, "chunk_size", cs)
 
@@ -118,16 +125,64 @@ class TopKChunks(Codec):
 
   decode = hop = last_hop = encode  # type: ignore[assignment]
 
-  def select(self, flat, reduce_norms):
-    """Indices (ascending, int32, identical on all members) of the chunks to send."""
+  def quotas(self, n: int, segments) -> list[tuple[int, int, int]]:
+    """How :meth:`select` shares its chunks between the ``segments`` of a buffer of ``n`` values.
+
+    ``segments`` are the sizes of consecutive pieces of the buffer (the tensors fused into it).
+    A chunk belongs to the piece its first value is in; runs of pieces too small to earn a chunk
+    of their own (fewer than ``1 / density`` chunks) are pooled with the next. Each pool gets
+    ``floor(density * its chunks)`` and the rest of :meth:`num_selected` goes by largest
+    remainder, so the total sent, and the wire bytes, are those of the global selection.
+
+    Returns:
+      ``(first chunk, end chunk, chunks to send)`` per pool, in buffer order.
+    """
+    sizes = [int(s) for s in segments]
+    if sum(sizes) != n or min(sizes, default=0) < 0:
+      raise ValueError(f"topk_chunks: segments must be sizes summing to the buffer's {n} values, "
+                       f"got {sizes}")
+    cs, chunks = self.chunk_size, self.num_chunks(n)
+    least = math.ceil(1.0 / self.density - 1e-9)
+    bounds, start, offset = [], 0, 0
+    for size in sizes:
+      offset += size
+      end = -(-offset // cs)      # chunks starting before the piece's end
+      if end - start >= least:
+        bounds.append((start, end))
+        start = end
+    if start < chunks:            # a short tail joins the last pool
+      bounds = bounds[:-1] + [(bounds[-1][0] if bounds else 0, chunks)]
+    exact = [self.density * (b - a) for a, b in bounds]
+    quota = [int(math.floor(e + 1e-9)) for e in exact]
+    spare = self.num_selected(n) - sum(quota)
+    for i in sorted(range(len(bounds)), key=lambda i: (quota[i] - exact[i], i))[:spare]:
+      quota[i] += 1
+    return [(a, b, q) for (a, b), q in zip(bounds, quota)]
+
+  def select(self, flat, reduce_norms, segments=None):
+    """Indices (ascending, int32, identical on all members) of the chunks to send.
+
+    Args:
+      flat: this member's flat buffer.
+      reduce_norms: sums an f32 vector over the members, identically on every member.
+      segments: None, or the sizes of the tensors fused into ``flat``. With ``per_tensor``, each
+        pool of them gets its share of the chunks, the largest within it (:meth:`quotas`), so a
+        tensor whose gradients are small is not starved by the others; otherwise ignored.
+    """
     ops = _chunk_ops(flat.dtype)
     norms = ops.chunk_norms(flat, self.chunk_size).astype(_F32)
     total = reduce_norms(norms)
     total = jnp.where(jnp.isnan(total), jnp.float32(jnp.inf), total)
-    _, idx = lax.top_k(total, self.num_selected(flat.shape[0]))
+    use = self.per_tensor and segments is not None
+    pools = self.quotas(flat.shape[0], segments) if use else []
+    if len(pools) <= 1:
+      _, idx = lax.top_k(total, self.num_selected(flat.shape[0]))
+    else:
+      idx = jnp.concatenate([lax.top_k(total[a:b], q)[1] + a for a, b, q in pools if q])
     return jnp.sort(idx).astype(jnp.int32)
 
-  def all_reduce(self, flat, dtype, *, reduce_norms, reduce_dense, want_error=False):
+  def all_reduce(self, flat, dtype, *, reduce_norms, reduce_dense, want_error=False,
+                 segments=None):
     """Sum of ``flat`` over the members, chosen chunks only; returns ``(sum, error or None)``.
 
     Args:
@@ -137,8 +192,9 @@ class TopKChunks(Codec):
       reduce_dense: ``(buffer, want_error) -> (sum, error or None)``, the dense all-reduce.
       want_error: also return this member's error laid out like ``flat``: its values in the
         chunks not sent, plus its share of the inner codec's error in the chunks sent.
+      segments: the sizes of the tensors fused into ``flat`` (:meth:`select`), or None.
     """
-    idx = self.select(flat, reduce_norms)
+    idx = self.select(flat, reduce_norms, segments)
     return self.reduce_selected(flat, idx, reduce_dense=reduce_dense, want_error=want_error)
 
   def reduce_selected(self, flat, idx, *, reduce_dense, want_error=False):
@@ -168,8 +224,8 @@ class TopKChunks(Codec):
                       * self.chunk_size)[:n]
 
 
-def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | None = None
-                ) -> TopKChunks:
+def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | None = None,
+                per_tensor: bool = False) -> TopKChunks:
   """Top-k chunks by summed norm, reduced densely on the ring; the rest waits (error feedback).
 
   Args:
@@ -178,26 +234,33 @@ def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | No
       vector small (4096 f32 values: 16 KiB chunks, one norm per 16 KiB).
     inner: per-hop codec for the chosen chunks (e.g. ``jaxring.codecs.int8()``); None sends them
       in their own dtype.
+    per_tensor: where jaxring fuses several tensors into one reduction (``psum`` of a pytree,
+      ``reduce_gradients``, ``momentum_correction``, ``compressed_adam``, a ``train_step``
+      bucket), give each tensor its share of the chunks, the largest within it, instead of the
+      largest of the whole buffer (DGC's per-layer selection, at chunk granularity). Same chunk
+      count and bytes. A tensor too small to earn one chunk is pooled with its neighbours.
 
   Returns:
     The codec, for ``compression=`` of ``psum``/``pmean`` and ``jaxring.reduce_gradients``.
 
   Raises:
     ValueError: ``density`` not a number in (0, 1] (nan, inf and bools included), ``chunk_size``
-      not an integer in [1, 2**31 - 1], or ``inner`` not a per-hop codec.
+      not an integer in [1, 2**31 - 1], ``inner`` not a per-hop codec, or ``per_tensor`` not a
+      bool.
 
   Example:
     >>> tx = jaxring.momentum_correction("data", compression=jaxring.codecs.topk_chunks(0.01))
     >>> jaxring.codecs.topk_chunks(0.01).compression_ratio()  # 1% of chunks + the norms
     0.011962890625
   """
-  return TopKChunks(density, chunk_size, inner)
+  return TopKChunks(density, chunk_size, inner, per_tensor)
 
 
-@spelling("topk[:density[:chunk_size]][+bf16|+fp16|+int8...]", "topk", "topk_chunks")
+@spelling("topk[:density[:chunk_size[:per_tensor]]][+bf16|+fp16|+int8...]", "topk",
+          "topk_chunks")
 def _read_topk(args, inner) -> TopKChunks:
-  if len(args) > 2:
-    raise ValueError("topk takes a density and a chunk size")
+  if len(args) > 3 or (len(args) == 3 and args[2] != "per_tensor"):
+    raise ValueError("topk takes a density, a chunk size and the word per_tensor")
   density = float(args[0]) if args else 0.01
   chunk_size = int(args[1]) if len(args) > 1 else 4096
-  return topk_chunks(density, chunk_size, inner)
+  return topk_chunks(density, chunk_size, inner, per_tensor=len(args) == 3)

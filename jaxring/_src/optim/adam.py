@@ -155,7 +155,7 @@ def compressed_adam(axis_name, *, compression=None, b1: float = 0.9, b2: float =
         u = jnp.where(state.count == warm, mu[d] / (1 - b1 ** warm), vel[d])
         mean, new_vel[d], new_res[d] = corrected_mean(
             u, (1 - b1) * gd, res[d], d, binding, algorithm, compression, momentum=b1,
-            nesterov=False, masking=masking)
+            nesterov=False, masking=masking, segments=groups.sizes(d))
         out[d] = mean * pre
       return out, (mu, new_nu, new_vel, new_res)
 

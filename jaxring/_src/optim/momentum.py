@@ -73,11 +73,13 @@ MASKINGS = ("flush", "zero", "none")
 
 
 def corrected_mean(u, g, r, dtype, binding, algorithm, compression, *, momentum: float,
-                   nesterov: bool, masking: str, schedule=None):
+                   nesterov: bool, masking: str, schedule=None, segments=None):
   """One member's step of momentum correction on flat buffers: ``(mean, velocity, residual)``.
 
   ``u`` is the velocity, ``g`` this step's gradient (already scaled as the velocity takes it),
   ``r`` the residual. ``schedule(reduce)`` runs ``reduce(density)`` (the density warm-up).
+  ``segments``: the sizes of the tensors fused into the buffers (a per-tensor top-k chooses
+  within them), or None.
   """
   m = momentum
   u = m * u + g
@@ -93,7 +95,8 @@ def corrected_mean(u, g, r, dtype, binding, algorithm, compression, *, momentum:
   if binding.size <= 1:
     mean, err, sent = buf, None, None
   else:
-    reduce = lambda d: sparse.mean_and_sent(buf, dtype, binding, algorithm, compression, d)
+    reduce = lambda d: sparse.mean_and_sent(buf, dtype, binding, algorithm, compression, d,
+                                            segments)
     mean, err, sent = reduce(None) if schedule is None else schedule(reduce)
   if sent is not None and masking != "none":
     u = jnp.where(sent, jnp.zeros_like(u), u)
@@ -115,9 +118,9 @@ def momentum_correction(axis_name, *, compression=None, momentum: float = 0.9,
 
   Measured: on full-batch digits within 1 point of uncompressed momentum SGD; on minibatch
   ``hard_shapes`` with a small ResNet without normalization it diverged at every setting tried;
-  with GroupNorm and a cosine schedule it trains, but 2.6 points under uncompressed over 4
-  seeds (docs/benchmarks.md, "Convergence with compression"). On such tasks use
-  int8, or Adam over top-k (:func:`jaxring.compressed_adam`).
+  with GroupNorm and a cosine schedule it trains, but 5.5 points under uncompressed over 4
+  seeds, 2.8 with ``topk_chunks(..., per_tensor=True)`` (docs/benchmarks.md, "Convergence with
+  compression"). On such tasks use int8, or Adam over top-k (:func:`jaxring.compressed_adam`).
 
   Args:
     axis_name: mapped axis name or tuple of names to average over.
@@ -172,7 +175,7 @@ def momentum_correction(axis_name, *, compression=None, momentum: float = 0.9,
       means[dtype], velocity[dtype], residual[dtype] = corrected_mean(
           groups.flat(state.velocity, dtype), g, groups.flat(state.residual, dtype), dtype,
           binding, algorithm, compression, momentum=m, nesterov=nesterov, masking=masking,
-          schedule=reduce)
+          schedule=reduce, segments=groups.sizes(dtype))
     leaves = groups.leaves
     others = [pmean(leaves[i], axis_name, algorithm="xla") if i in groups.others() else None
               for i in range(len(leaves))]

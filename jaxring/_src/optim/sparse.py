@@ -43,12 +43,14 @@ def _dense_part(compression):
   return compression.inner if isinstance(compression, TopKChunks) else compression
 
 
-def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float | None = None):
+def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float | None = None,
+                  segments=None):
   """``(mean, error, sent)`` of one member's flat accumulator-dtype buffer.
 
   ``error`` is this member's share of what the reduction left out (None: nothing); ``sent`` is a
   boolean mask of the values that were sent (None for a dense codec: all of them).
-  ``density`` overrides the sparsifying codec's (the warm-up).
+  ``density`` overrides the sparsifying codec's (the warm-up); ``segments`` are the sizes of the
+  tensors fused into ``flat`` (or None), for a per-tensor codec (``TopKChunks.select``).
   """
   p = binding.size
   codec = sparsifier(compression)
@@ -61,7 +63,8 @@ def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float |
   if density is not None:
     codec = dataclasses.replace(codec, density=density)
   dense = _dense_part(compression)
-  idx = codec.select(flat, lambda v: engine.all_reduce_flat(v, v.dtype, binding, "xla", None)[0])
+  idx = codec.select(flat, lambda v: engine.all_reduce_flat(v, v.dtype, binding, "xla", None)[0],
+                     segments)
   total, err = codec.reduce_selected(
       flat, idx, want_error=True,
       reduce_dense=lambda buf, want: engine.all_reduce_flat(buf, dtype, binding, algorithm, dense,
@@ -126,6 +129,10 @@ class Groups:
     leaves = self.treedef.flatten_up_to(tree)
     acc = accum_dtype(dtype)
     return jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in self.by_dtype[dtype]])
+
+  def sizes(self, dtype) -> tuple[int, ...]:
+    """The sizes of the leaves fused into ``flat(tree, dtype)``, in order."""
+    return tuple(int(np.size(self.leaves[i])) for i in self.by_dtype[dtype])
 
   def others(self) -> list[int]:
     floats = {i for idxs in self.by_dtype.values() for i in idxs}

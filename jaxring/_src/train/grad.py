@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxring._src.algorithms import engine
@@ -46,9 +47,10 @@ from jaxring._src.train.loss_check import check_output
 from jaxring._src.train.precision import Policy
 
 
-def _all_reduce(flat, dtype, cfg: ReduceConfig, want_error: bool):
+def _all_reduce(flat, dtype, cfg: ReduceConfig, want_error: bool, segments=None):
   return engine.all_reduce_flat(flat, dtype, engine.bind(cfg.axes, "value_and_grad"),
-                                cfg.algorithm, cfg.compression, want_error=want_error)
+                                cfg.algorithm, cfg.compression, want_error=want_error,
+                                segments=segments)
 
 
 def _split(flat, like: Sequence, dtype=None):
@@ -78,12 +80,18 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
   if residuals is not None:
     flat = flat + jnp.concatenate([jnp.ravel(r).astype(acc) for r in residuals])
   flat = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
-  total, err = _all_reduce(flat, dtype, cfg, want_error=residuals is not None)
+  total, err = _all_reduce(flat, dtype, cfg, want_error=residuals is not None,
+                           segments=_segments(cts))
   mean = total[:-1] / replica_count(cfg.axes)
   new_res = None
   if residuals is not None:
     new_res = _split(next_residual(mean, None if err is None else err[:-1], dtype), residuals)
   return _split(mean, cts), new_res, total[-1].astype(jnp.float32), nonfinite
+
+
+def _segments(cts: Sequence) -> tuple[int, ...]:
+  """The sizes of a bucket's tensors in its flat buffer, and the token after them."""
+  return tuple(int(np.size(c)) for c in cts) + (1,)
 
 
 def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residuals, tok, dtype):
@@ -97,7 +105,7 @@ def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residua
   binding = engine.bind(cfg.axes, "value_and_grad")
   mean, u, r = corrected_mean(u, g, r, dtype, binding, cfg.algorithm, cfg.compression,
                               momentum=float(cfg.momentum), nesterov=cfg.nesterov,
-                              masking="flush")
+                              masking="flush", segments=_segments(cts))
   like = [x[0] for x in residuals]
   new_res = [jnp.stack([a, b]) for a, b in zip(_split(r[:-1], like), _split(u[:-1], like))]
   return _split(mean[:-1], cts), new_res, (mean[-1] * replica_count(cfg.axes)).astype(jnp.float32)

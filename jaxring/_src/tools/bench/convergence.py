@@ -39,12 +39,12 @@ MOMENTUM = 0.9
 ALGORITHM = "ring"    # the codecs' ring, also where "auto" would pick XLA's all-reduce (no codec)
 
 
-def codec_of(name: str, chunk_size: int):
+def codec_of(name: str, chunk_size: int, per_tensor: bool = False):
   from jaxring import codecs
   if name in ("none", ""):
     return None
   if name == "topk":
-    return codecs.topk_chunks(0.01, chunk_size=chunk_size)
+    return codecs.topk_chunks(0.01, chunk_size=chunk_size, per_tensor=per_tensor)
   return codecs.parse(name)
 
 
@@ -290,7 +290,8 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
         adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF"),
         model: str = "resnet", clip_norm: float | None = None, lr_override: float | None = None,
         warmup_density: float = 0.25, masking: str = "flush",
-        schedule: str = "constant") -> list[dict]:
+        schedule: str = "constant", per_tensor: bool = False,
+        first_seed: int = 0) -> list[dict]:
   import numpy as np
   if task == "digits":
     data = digits()
@@ -303,7 +304,7 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
   rows = []
 
   def measure(make):
-    runs = [train(make(), seed) for seed in range(seeds)]
+    runs = [train(make(), seed) for seed in range(first_seed, first_seed + seeds)]
     if seeds > 1:   # the spread between seeds is the scale any gap is read against
       print("    seeds: " + ", ".join(f"{a:.2f}" for a in runs), flush=True)
     return float(np.mean(runs))
@@ -315,7 +316,7 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
     row = {"optimizer": name, "lr": peak, "schedule": schedule,
            "none": measure(lambda: supported_optimizer(name, lr, "d", None))}
     for cname in codecs:
-      codec = codec_of(cname, chunk_size)
+      codec = codec_of(cname, chunk_size, per_tensor)
       if "EF" in modes:
         row[f"{cname} EF"] = measure(lambda: naive_optimizer(name, lr, "d", codec, True))
       if "no EF" in modes:
@@ -367,9 +368,12 @@ def main(argv=None) -> int:
   parser.add_argument("--masking", default="flush",
                       choices=("flush", "zero", "none"),
                       help="momentum correction's rule for the velocity of sent chunks")
+  parser.add_argument("--per-tensor", action="store_true",
+                      help="top-k: each tensor's share of the chunks (topk_chunks(per_tensor=))")
   parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
                       help="the learning rate over the run: held, or a cosine decay to 0")
   parser.add_argument("--seeds", type=int, default=1, help="average over this many inits")
+  parser.add_argument("--first-seed", type=int, default=0, help="the first of --seeds seeds")
   parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
   args = parser.parse_args(argv)
 
@@ -390,7 +394,8 @@ def main(argv=None) -> int:
   rows = run(args.task, optimizers, codecs, steps, chunk, args.warmup_steps, adam_warmup,
              args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm or None,
              lr_override=args.lr or None, warmup_density=args.warmup_density,
-             masking=args.masking, schedule=args.schedule)
+             masking=args.masking, schedule=args.schedule, per_tensor=args.per_tensor,
+             first_seed=args.first_seed)
   cols = [("optimizer", "optimizer", "s"), ("none", "none", ".2f")]
   for c in codecs:
     cols += [(f"{c} {m}", f"{c} {m}", ".2f") for m in modes]
@@ -401,6 +406,7 @@ def main(argv=None) -> int:
       "model": args.model if args.task == "shapes" else "mlp", "clip_norm": args.clip_norm,
       "warmup_steps": args.warmup_steps, "masking": args.masking, "adam_warmup": adam_warmup,
       "adam_variance_every": args.adam_variance_every, "seeds": args.seeds,
+      "first_seed": args.first_seed, "per_tensor": args.per_tensor,
       "schedule": args.schedule, "rows": rows,
       "machine": common.machine()}, args.out)
   print(f"wrote {path}")

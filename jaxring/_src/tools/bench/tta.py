@@ -48,6 +48,7 @@ HAND = "hand-written jit(shard_map)+pmean"
 BASE = "train_step none"
 INT8 = "train_step int8+EF"
 TOPK = "train_step top-k 1% + momentum correction"
+TOPK_PT = "train_step top-k 1% per tensor + momentum correction"
 MOMENTUM = 0.9
 
 
@@ -102,6 +103,7 @@ def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int, model: str =
   rate = learning_rate(lr, schedule, steps)
   momentum_sgd = optax.sgd(rate, momentum=MOMENTUM)
   topk = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size)
+  per_tensor = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size, per_tensor=True)
   return {
       HAND: (hand_written(mesh, model), momentum_sgd),
       BASE: (decorated(mesh, model, bucket_bytes=bucket_bytes), momentum_sgd),
@@ -109,6 +111,8 @@ def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int, model: str =
                        compression={"node": jaxring.codecs.int8()}), momentum_sgd),
       TOPK: (decorated(mesh, model, bucket_bytes=bucket_bytes, compression={"node": topk},
                        momentum=MOMENTUM), optax.sgd(rate)),
+      TOPK_PT: (decorated(mesh, model, bucket_bytes=bucket_bytes,
+                          compression={"node": per_tensor}, momentum=MOMENTUM), optax.sgd(rate)),
   }
 
 

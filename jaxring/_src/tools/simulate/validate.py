@@ -129,7 +129,7 @@ def tta_reductions(contender: str, leaf_bytes: list[int], bucket_bytes: int, chu
   if contender == tta.INT8:
     return [("hierarchical", "int8", "Int8(block_size=256, stochastic=False)", b)
             for b in buckets] + scalar
-  if contender == tta.TOPK:
+  if contender in (tta.TOPK, tta.TOPK_PT):   # the same chunks and bytes, chosen differently
     text = f"TopKChunks(density=0.01, chunk_size={chunk_size}, inner=None)"
     return [("hierarchical", "topk", text, b) for b in buckets] + scalar
   return None
