@@ -141,6 +141,58 @@ def test_calibrated_fit_recovers_the_coefficients_and_moves_to_another_link_rate
           truth.all_reduce_seconds(*plan, 8 << 20, rate), rel=1e-6)
 
 
+def test_link_bytes_of_small_calls_come_from_the_probe_and_reach_each_call_of_a_plan():
+  from jaxring._src.tools.simulate import calibrated, validate
+  sizes, rate = (2, 4), 1.25e6
+  ring = lambda n: 2 * 7 / 8 * n                      # noqa: E731 - gloo: one ring of 8
+  hier = lambda n: 2 * 3 / 4 * (n / 2) * 2            # noqa: E731 - 2 rings of n/2 per link
+  probe = [{"algorithm": "xla", "codec": "none", "nbytes": 4, "tx_per_call": ring(4) + 500},
+           {"algorithm": "xla", "codec": "none", "nbytes": 1024, "tx_per_call": ring(1024) + 10e3},
+           {"algorithm": "xla", "codec": "none", "nbytes": 16384,
+            "tx_per_call": ring(16384) + 12e3},
+           {"algorithm": "hierarchical", "codec": "none", "nbytes": 64,
+            "tx_per_call": hier(64) + 9e3},
+           {"algorithm": "hierarchical", "codec": "none", "nbytes": 1 << 20,
+            "tx_per_call": hier(1 << 20) - 5e3}]    # under the formula: counted as 0
+  extra = calibrated.LinkBytes.measured(probe, {}, sizes, rate)
+  assert extra("xla", "none", 1024) == pytest.approx(10e3)
+  assert extra("xla", "none", 4096) == pytest.approx(11e3)     # halfway in log size
+  assert extra("xla", "none", 1) == pytest.approx(500)          # the nearest size outside
+  assert extra("xla", "none", 1 << 30) == pytest.approx(12e3)
+  assert extra("hierarchical", "none", 1 << 20) == 0
+  assert extra("ring", "int8", 4096) == 0                        # never probed: nothing added
+  coef = {**dict.fromkeys(calibrated.NAMES, 0.0), "link_native": 1.0}
+  model = calibrated.Calibrated(sizes, coef, extra=extra)
+  plain = calibrated.Calibrated(sizes, coef)
+  # the native all-reduce: its extra bytes at the link rate, beside the ring's bytes
+  link, _ = model.split("xla", "none", 1024, rate)
+  assert link == pytest.approx((ring(1024) + 10e3) / rate)
+  # top-k: the chunk norms' native all-reduce and the dense plan on the chunks, each its own call
+  topk = calibrated.Wire(density=0.01, chunk_bytes=64)
+  n = 168 << 10
+  norms, packed = 4 * n // 64, topk.packed(n)
+  got = model.with_wire("topk", topk).split("hierarchical", "topk", n, rate)[0]
+  want = plain.with_wire("topk", topk).split("hierarchical", "topk", n, rate)[0]
+  assert got - want == pytest.approx((extra("xla", "none", norms)
+                                      + extra("hierarchical", "none", packed)) / rate)
+  # from a bench cluster result: only the JAX job's model gets the probe
+  result = {"args": {"devices_per_node": 2}, "nodes": 4, "bandwidth_bytes_per_s": rate,
+            "link_probe": probe,
+            "calibration": [{"job": job, "profile": _profile(plain, sizes, rate, PLANS)}
+                            for job in ("jax", "mpi")]}
+  fitted = validate.models(result)
+  assert fitted["jax"].extra == extra and fitted["mpi"].extra == calibrated.LinkBytes()
+
+
+def test_probe_rows_average_the_nodes():
+  from jaxring._src.tools.bench import cluster
+  recs = [{"algorithm": "xla", "codec": "none", "nbytes": n, "tx_per_call": t}
+          for n, t in ((4, 500.0), (4, 700.0), (64, 9e3))]
+  assert cluster.probe_rows(recs) == [
+      {"algorithm": "xla", "codec": "none", "nbytes": 4, "tx_per_call": 600.0, "nodes": 2},
+      {"algorithm": "xla", "codec": "none", "nbytes": 64, "tx_per_call": 9e3, "nodes": 1}]
+
+
 def test_validation_predicts_bench_cluster_rows_by_hand():
   from jaxring._src.tools.simulate import calibrated, validate
   n, bw = 32 << 20, 125e6

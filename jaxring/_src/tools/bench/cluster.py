@@ -96,6 +96,21 @@ def parse_records(text: str) -> list[dict]:
   return recs
 
 
+def probe_rows(recs: list[dict]) -> list[dict]:
+  """The small calls' link bytes (``cluster_worker.probe_link``), the mean over the nodes.
+
+  Example:
+    >>> probe_rows([{"algorithm": "xla", "codec": "none", "nbytes": 64, "tx_per_call": 900.0},
+    ...             {"algorithm": "xla", "codec": "none", "nbytes": 64, "tx_per_call": 1100.0}])
+    [{'algorithm': 'xla', 'codec': 'none', 'nbytes': 64, 'tx_per_call': 1000.0, 'nodes': 2}]
+  """
+  by: dict[tuple, list[float]] = {}
+  for r in recs:
+    by.setdefault((r["algorithm"], r["codec"], r["nbytes"]), []).append(r["tx_per_call"])
+  return [{"algorithm": a, "codec": c, "nbytes": n, "tx_per_call": sum(v) / len(v),
+           "nodes": len(v)} for (a, c, n), v in by.items()]
+
+
 def _wire_ratio(codec_name: str) -> float:
   """The codec's own wire-size arithmetic (``compression_ratio`` of its ``wire_bytes``)."""
   import jax.numpy as jnp
@@ -174,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
   nbytes = args.mib * (1 << 20)
   calibration = [r for r in recs if r.get("calibration")]
-  recs = [r for r in recs if not r.get("calibration")]
+  link_probe = probe_rows([r for r in recs if r.get("probe")])
+  recs = [r for r in recs if not r.get("calibration") and not r.get("probe")]
   order: list[str] = []
   by: dict[str, list[dict]] = {}
   for r in recs:
@@ -233,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
       ("vs_best_baseline", "vs best(gloo,MPI)", ".3f"), ("plan", "auto chose", ""),
       ("auto_vs_best", "auto vs best", ".3f"), ("choice_vs_best", "its plan's row vs best", ".3f"),
       ("rel_err", "rel err", ".1e")])
+  if link_probe:
+    print("link bytes per call of small all-reduces (JAX shape; node link, mean of the nodes):")
+    common.print_table(link_probe, [("algorithm", "algorithm", ""), ("codec", "codec", ""),
+                                    ("nbytes", "bytes per device", "d"),
+                                    ("tx_per_call", "link bytes per call", ".0f")])
   for job in dict.fromkeys(c.get("job") for c in calibration):
     took = max(c["seconds"] for c in calibration if c.get("job") == job)
     print(f"calibration ({job} job, jaxring.calibrate before the auto rows): {took:.1f} s")
@@ -243,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
   payload = {"bench": "cluster", "args": vars(args), "nodes": nodes, "link": link_rate,
              "bandwidth_bytes_per_s": bandwidth, "bytes_per_device": nbytes,
              "allocator": common.allocator(), "jax": jax.__version__, "cpu_count": os.cpu_count(),
-             "calibration": calibration,
+             "calibration": calibration, "link_probe": link_probe,
              "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "job_exit": rcs, "rows": rows,
              "raw": recs,
              "log_tails": {k: v[-4000:] for k, v in logs.items()}}

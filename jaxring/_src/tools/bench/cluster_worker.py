@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from jaxring._src.tools.bench import common
+
 MARK = "JRB "
 
 
@@ -122,8 +124,44 @@ def run_jax(args) -> int:
   for label, times, tx, extra in time_rounds(ready, args, barrier, iface):
     emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
          tx_per_call=tx, **extra)
+  sizes = [common.parse_size(s) for s in args.probe_sizes.split(",") if s]
+  dense = [c for c in codecs if c != "topk"]   # top-k is the native all-reduce + a dense plan
+  for algorithm, codec_name, nbytes, tx in probe_link(mesh, axes, sizes, dense,
+                                                      args.algorithms.split(","), barrier, iface):
+    emit(probe=True, node=me, algorithm=algorithm, codec=codec_name, nbytes=nbytes,
+         tx_per_call=tx)
   jaxring.distributed.barrier("done", timeout_s=120)
   return 0
+
+
+def probe_link(mesh, axes, sizes, codecs, algorithms, barrier, iface, calls: int = 5):
+  """Bytes this node puts on its link per call of small all-reduces, beyond what the timed rows
+  show at 32 MiB: every call costs link bytes of its own (gloo's messages), which at a slow
+  link rate and with many small reductions a step (one per gradient tensor) decide the step
+  time. Yields ``(algorithm, codec, bytes per device, tx bytes per call)``; ``xla`` is
+  ``lax.psum`` (gloo)."""
+  import jax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxring
+  plans = [("xla", "none")] + [(a, c) for a in algorithms for c in codecs]
+  per_proc = mesh.shape["local"]
+  for algorithm, codec_name in plans:
+    codec = jaxring.codecs.parse(codec_name)
+    comp = None if codec is None else {"node": codec}
+    body = ((lambda v: jax.lax.psum(v, axes)) if algorithm == "xla" else
+            (lambda v, a=algorithm, c=comp: jaxring.psum(v, axes, algorithm=a, compression=c)))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P()))
+    for nbytes in sizes:
+      x = jax.make_array_from_process_local_data(
+          NamedSharding(mesh, P(axes)), np.ones((per_proc, max(1, nbytes // 4)), np.float32))
+      jax.block_until_ready(f(x))
+      barrier(f"probe-{algorithm}-{codec_name}-{nbytes}")
+      b0 = tx_bytes(iface)
+      for _ in range(calls):
+        jax.block_until_ready(f(x))
+      yield algorithm, codec_name, nbytes, (tx_bytes(iface) - b0) / calls
 
 
 def time_rounds(ready, args, barrier, iface):
@@ -243,6 +281,9 @@ def main(argv=None) -> int:
   ap.add_argument("--no-auto", dest="auto", action="store_false",
                   help="jax mode: skip calibrating and timing algorithm='auto'")
   ap.add_argument("--procs-per-node", type=int, default=1)
+  ap.add_argument("--probe-sizes", default="4,64,1KiB,16KiB,256KiB",
+                  help="jax mode: bytes per device of the small calls whose link bytes are "
+                  "counted (empty: none)")
   ap.add_argument("--node-pieces", type=int, default=1,
                   help="sub-chunks per node-level ring hop (mpi mode)")
   args = ap.parse_args(argv)

@@ -83,28 +83,32 @@ def wire_of(text: str) -> Wire:
 
 
 def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[int, int],
-          link_bytes_per_s: float) -> tuple[float, dict[str, float]]:
+          link_bytes_per_s: float, extra=None) -> tuple[float, dict[str, float]]:
   """``(link seconds, {coefficient: its multiplier})`` of one all-reduce of ``nbytes`` per member.
 
-  ``sizes`` are the members per level, fast to slow; ``link_bytes_per_s`` is one node's link.
+  ``sizes`` are the members per level, fast to slow; ``link_bytes_per_s`` is one node's link;
+  ``extra(algorithm, codec, nbytes)``: the link bytes a call costs beyond its payload
+  (:class:`LinkBytes`), or None (none).
   """
   f = dict.fromkeys(NAMES, 0.0)
   if codec == "topk":
     # the chunk norms' native all-reduce (one f32 per chunk), then the dense plan on the chunks
-    _, norms = terms("xla", "none", Wire(), 4 * math.ceil(nbytes / wire.chunk_bytes), sizes,
-                     link_bytes_per_s)
-    link, f = terms(algorithm, "none", Wire(), wire.packed(nbytes), sizes, link_bytes_per_s)
+    norms_link, norms = terms("xla", "none", Wire(), 4 * math.ceil(nbytes / wire.chunk_bytes),
+                              sizes, link_bytes_per_s, extra)
+    link, f = terms(algorithm, "none", Wire(), wire.packed(nbytes), sizes, link_bytes_per_s,
+                    extra)
     f = {k: v + norms[k] for k, v in f.items()}
     f["kappa_topk"] += nbytes
     f["gamma_topk"] += 1.0
-    return link, f
+    return link + norms_link, f
   local, nodes = sizes
   p = local * nodes
   unit = 1.0                                # the formulas at unit latency or bandwidth
+  beyond = 0.0 if extra is None else extra(algorithm, codec, nbytes) / link_bytes_per_s
   if algorithm == "xla":
     f["alpha_native"] += 1.0
     f["link_native"] += cost_model.ring_all_reduce(nbytes, p, 0.0, link_bytes_per_s)
-    return 0.0, f
+    return beyond, f
   if algorithm == "ring":                   # one ring through every member, node by node
     f["alpha_node"] += cost_model.ring_all_reduce(0.0, p, unit, math.inf)
     f["beta_node"] += cost_model.ring_all_reduce(nbytes, p, 0.0, unit, wire.ratio)
@@ -125,7 +129,47 @@ def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[in
   if codec != "none":
     f[f"kappa_{codec}"] += coded
     f[f"gamma_{codec}"] += 1.0
-  return link, f
+  return link + beyond, f
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkBytes:
+  """What a call puts on a node's link beyond its payload, by plan and size, as measured
+  (``jaxring bench cluster``'s ``link_probe``: the tx counter around small calls).
+
+  Each call of a collective costs link bytes of its own: on the emulated cluster about 0.8 KB
+  per gloo message, ~11 KB per native all-reduce of 8 devices (from 16 values up; a 4-byte one
+  takes another path and ~0.6 KB). Next to 32 MiB that is nothing; for a step of 25 small
+  all-reduces over a 10 Mbit/s link it is half the step. ``points``: ``{(algorithm, codec):
+  ((bytes per member, extra link bytes), ...)}``, sizes ascending; between two sizes the extra
+  is interpolated in log size, outside them it is the nearest one's.
+  """
+  points: dict = dataclasses.field(default_factory=dict)
+
+  def __call__(self, algorithm: str, codec: str, nbytes: float) -> float:
+    pts = self.points.get((algorithm, codec))
+    if not pts:
+      return 0.0
+    x = np.log2([max(n, 1) for n, _ in pts])
+    return float(np.interp(math.log2(max(nbytes, 1)), x, [b for _, b in pts]))
+
+  @classmethod
+  def measured(cls, probe: list[dict], wires: dict, sizes: tuple[int, int],
+               link_bytes_per_s: float) -> LinkBytes:
+    """From ``link_probe`` records: each call's tx bytes less the payload the formulas put on
+    the link (the ring's bytes for the native all-reduce: gloo's is a ring), at least 0."""
+    points: dict = {}
+    for r in sorted(probe, key=lambda r: r["nbytes"]):
+      algorithm, codec, n = r["algorithm"], r["codec"], r["nbytes"]
+      link, f = terms(algorithm, codec, wires.get(codec) or _wire(codec), n, sizes,
+                      link_bytes_per_s)
+      payload = (link + f["link_native"]) * link_bytes_per_s
+      points.setdefault((algorithm, codec), []).append((n, max(0.0, r["tx_per_call"] - payload)))
+    return cls({k: tuple(v) for k, v in points.items()})
+
+
+def _wire(codec: str) -> Wire:
+  return Wire() if codec == "none" else wire_of(_DEFAULT[codec])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +180,7 @@ class Calibrated:
   coef: dict
   wires: dict = dataclasses.field(default_factory=dict)   # codec spelling -> Wire, as profiled
   points: int = 0
+  extra: LinkBytes = LinkBytes()          # link bytes per call beyond the payload, measured
 
   def with_wire(self, codec: str, wire: Wire) -> Calibrated:
     """The same machine with ``codec`` configured otherwise (e.g. top-k with other chunks)."""
@@ -145,8 +190,8 @@ class Calibrated:
             link_bytes_per_s: float) -> tuple[float, float]:
     """``(seconds on the slow link, seconds of everything else)`` of one all-reduce (the
     native all-reduce's link share is inside its fitted multiple: counted as link)."""
-    wire = self.wires.get(codec) or (Wire() if codec == "none" else wire_of(_DEFAULT[codec]))
-    link, f = terms(algorithm, codec, wire, nbytes, self.sizes, link_bytes_per_s)
+    wire = self.wires.get(codec) or _wire(codec)
+    link, f = terms(algorithm, codec, wire, nbytes, self.sizes, link_bytes_per_s, self.extra)
     native_link = self.coef["link_native"] * f["link_native"]
     other = sum(self.coef[k] * v for k, v in f.items()) - native_link
     return link + native_link, other
@@ -160,8 +205,11 @@ _DEFAULT = {"bf16": "Bf16()", "int8": "Int8(block_size=256, stochastic=False)",
             "topk": "TopKChunks(density=0.01, chunk_size=4096, inner=None)"}
 
 
-def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float) -> Calibrated:
-  """Fits the coefficients to a profile's timed points (``Profile.to_json``'s dict).
+def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
+        link_probe: list[dict] | None = None) -> Calibrated:
+  """Fits the coefficients to a profile's timed points (``Profile.to_json``'s dict); the link
+  bytes each call costs beyond its payload come from ``link_probe`` (``bench cluster``'s
+  records), counted as link time before the fit.
 
   Example:
     >>> model = fit(json.load(open(path)), (2, 4), 125e6)  # doctest: +SKIP
@@ -169,12 +217,14 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float) -> Calib
   """
   from scipy.optimize import nnls
 
-  rows, rhs, wires = [], [], {}
+  wires = {codec_spelling(f["codecs"][-1]): wire_of(f["codecs"][-1]) for f in profile["fits"]}
+  extra = LinkBytes.measured(link_probe or [], wires, sizes, link_bytes_per_s)
+  rows, rhs = [], []
   for fit_ in profile["fits"]:
     codec = codec_spelling(fit_["codecs"][-1])
-    wires[codec] = wire_of(fit_["codecs"][-1])
     for nbytes, seconds in zip(fit_["sizes"], fit_["seconds"]):
-      link, f = terms(fit_["algorithm"], codec, wires[codec], nbytes, sizes, link_bytes_per_s)
+      link, f = terms(fit_["algorithm"], codec, wires[codec], nbytes, sizes, link_bytes_per_s,
+                      extra)
       # weights 1/sqrt(t): between absolute error (the large sizes decide, and the small ones'
       # latency is lost) and relative error (the small sizes' noise, +-50% from one run to the
       # next at 1 MiB on the emulated cluster, decides)
@@ -182,4 +232,5 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float) -> Calib
       rows.append([f[k] * w for k in NAMES])
       rhs.append((seconds - link) * w)
   x, _ = nnls(np.asarray(rows), np.asarray(rhs))
-  return Calibrated(tuple(sizes), dict(zip(NAMES, (float(v) for v in x))), wires, len(rows))
+  return Calibrated(tuple(sizes), dict(zip(NAMES, (float(v) for v in x))), wires, len(rows),
+                    extra)

@@ -56,13 +56,15 @@ def job_of(contender: str) -> str:
 
 def models(result: dict) -> dict:
   """``{job: calibrated.Calibrated}`` from the calibration profiles of a ``bench cluster`` result
-  (one per job: ``mpi``, ``jax``)."""
+  (one per job: ``mpi``, ``jax``); the JAX job's with the link bytes of its small calls (the
+  result's ``link_probe``, where it has one)."""
   sizes = (int(result["args"]["devices_per_node"]), int(result["nodes"]))
   link = float(result["bandwidth_bytes_per_s"])
   out = {}
   for cal in result.get("calibration", []):
     if cal.get("job") not in out and cal.get("profile"):
-      out[cal["job"]] = calibrated.fit(cal["profile"], sizes, link)
+      probe = result.get("link_probe") if cal["job"] == "jax" else None
+      out[cal["job"]] = calibrated.fit(cal["profile"], sizes, link, probe)
   return out
 
 
