@@ -19,6 +19,7 @@ from jaxring import codecs
     ("topk:0.05", codecs.topk_chunks(0.05)),
     ("topk:0.05:1024", codecs.topk_chunks(0.05, 1024)),
     ("topk:0.01:16:per_tensor", codecs.topk_chunks(0.01, 16, per_tensor=True)),
+    ("topk:0.01:16:global", codecs.topk_chunks(0.01, 16, per_tensor=False)),
     ("topk:0.01+int8:128", codecs.topk_chunks(0.01, inner=codecs.int8(128))),
     (" int8 ", codecs.int8()),
 ])
@@ -33,6 +34,7 @@ def test_parse_passes_a_codec_through():
 
 @pytest.mark.parametrize("spec", ["int4", "bf16:8", "int8:x", "int8:256:round", "int8:0",
                                   "fp16:1:2", "topk:2.0", "topk:0.1:8:9", "topk:0.1:8:per_tensor:1",
+                                  "topk:0.1:8:global:1",
                                   "int8+bf16",
                                   "none:1", "", "topk+int4"])
 def test_parse_refuses_what_it_cannot_read_and_lists_the_spellings(spec):

@@ -165,11 +165,13 @@ def test_per_tensor_top_k_sends_each_tensors_largest_chunks(nesterov):
     upd = f(jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), g))
     return _sent_chunks({k: v[0] for k, v in upd.items()}, 8)
 
-  per_tensor = codecs.topk_chunks(0.05, 8, per_tensor=True)
+  per_tensor = codecs.topk_chunks(0.05, 8)                     # the default
+  assert per_tensor.per_tensor
   want = _per_tensor_reference(g, per_tensor)
   assert len(want) == per_tensor.num_selected(2400) == 15 and (want >= 200).sum() == 5
   np.testing.assert_array_equal(sent_by(per_tensor), want)
-  assert (sent_by(codecs.topk_chunks(0.05, 8)) < 200).all()     # global: all to a_big
+  global_ = codecs.topk_chunks(0.05, 8, per_tensor=False)
+  assert (sent_by(global_) < 200).all()                        # global: all to a_big
 
 
 @pytest.mark.parametrize("where", ["psum", "reduce_gradients"])

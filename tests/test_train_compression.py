@@ -35,10 +35,11 @@ CONFIGS = {
                               algorithm="hierarchical",
                               compression={"node": jaxring.codecs.int8(block_size=64)}),
     "topk-ring": dict(mesh_shape=(8,), axis_name="data", algorithm="ring",
-                      compression=jaxring.codecs.topk_chunks(density=0.25, chunk_size=64)),
+                      compression=jaxring.codecs.topk_chunks(density=0.25, chunk_size=64,
+                                                             per_tensor=False)),
     "topk-per-tensor-ring": dict(mesh_shape=(8,), axis_name="data", algorithm="ring",
                                  compression=jaxring.codecs.topk_chunks(
-                                     density=0.25, chunk_size=64, per_tensor=True)),
+                                     density=0.25, chunk_size=64)),
 }
 
 

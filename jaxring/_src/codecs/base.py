@@ -133,8 +133,9 @@ def parse(spec: str | Codec | None) -> Codec | None:
 
   The one spelling of codecs as strings (benchmarks, the cluster worker, the recipes and the demo
   all read it here): ``none`` (None: no compression), ``bf16``, ``fp16[:block_size]``,
-  ``int8[:block_size[:stochastic]]`` and ``topk[:density[:chunk_size[:per_tensor]]]``
-  (``topk_chunks``, 1% by default; the word ``per_tensor`` chooses chunks per tensor), optionally
+  ``int8[:block_size[:stochastic]]`` and ``topk[:density[:chunk_size[:per_tensor|global]]]``
+  (``topk_chunks``, 1% by default, chunks chosen per tensor; the word ``global`` chooses the
+  largest of the whole buffer), optionally
   ``+<codec>`` for the chosen chunks' per-hop codec. A ``Codec`` or None is returned as it is.
   Each codec module registers its own spelling (:func:`spelling`).
 

@@ -39,7 +39,7 @@ MOMENTUM = 0.9
 ALGORITHM = "ring"    # the codecs' ring, also where "auto" would pick XLA's all-reduce (no codec)
 
 
-def codec_of(name: str, chunk_size: int, per_tensor: bool = False):
+def codec_of(name: str, chunk_size: int, per_tensor: bool = True):
   from jaxring import codecs
   if name in ("none", ""):
     return None
@@ -290,7 +290,7 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
         adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF"),
         model: str = "resnet", clip_norm: float | None = None, lr_override: float | None = None,
         warmup_density: float = 0.25, masking: str = "flush",
-        schedule: str = "constant", per_tensor: bool = False,
+        schedule: str = "constant", per_tensor: bool = True,
         first_seed: int = 0) -> list[dict]:
   import numpy as np
   if task == "digits":
@@ -368,8 +368,9 @@ def main(argv=None) -> int:
   parser.add_argument("--masking", default="flush",
                       choices=("flush", "zero", "none"),
                       help="momentum correction's rule for the velocity of sent chunks")
-  parser.add_argument("--per-tensor", action="store_true",
-                      help="top-k: each tensor's share of the chunks (topk_chunks(per_tensor=))")
+  parser.add_argument("--global-topk", dest="per_tensor", action="store_false",
+                      help="top-k: the largest chunks of the whole buffer "
+                      "(topk_chunks(per_tensor=False)), not each tensor's share")
   parser.add_argument("--schedule", default="constant", choices=SCHEDULES,
                       help="the learning rate over the run: held, or a cosine decay to 0")
   parser.add_argument("--seeds", type=int, default=1, help="average over this many inits")

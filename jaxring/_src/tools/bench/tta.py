@@ -13,8 +13,11 @@ rate decayed to 0 along a cosine over ``--steps``, where top-k with momentum cor
 * ``hand-written jit(shard_map)+pmean``: ``jax.grad`` and ``lax.pmean`` of the gradients;
 * ``train_step none``: ``@jaxring.train_step`` uncompressed (``auto``);
 * ``train_step int8+EF``: int8 on the node level with error feedback;
-* ``train_step top-k 1% + momentum correction``: ``topk_chunks(0.01)`` on the node level,
-  ``train_step(momentum=0.9)`` and a momentum-free ``optax.sgd``.
+* ``train_step top-k 1% + momentum correction``: ``topk_chunks(0.01, per_tensor=False)`` (the
+  largest chunks of the whole gradient) on the node level, ``train_step(momentum=0.9)`` and a
+  momentum-free ``optax.sgd``;
+* ``train_step top-k 1% per tensor + momentum correction``: the same with ``topk_chunks(0.01)``
+  (each tensor's share of the chunks, the default).
 
 Contenders take turns, ``--eval-every`` steps each (so the machine's drifting load hits all
 alike); after each turn the test accuracy of the replicated parameters is measured outside the
@@ -102,8 +105,8 @@ def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int, model: str =
   from jaxring._src.tools.bench.convergence import learning_rate
   rate = learning_rate(lr, schedule, steps)
   momentum_sgd = optax.sgd(rate, momentum=MOMENTUM)
-  topk = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size)
-  per_tensor = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size, per_tensor=True)
+  topk = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size, per_tensor=False)
+  per_tensor = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size)
   return {
       HAND: (hand_written(mesh, model), momentum_sgd),
       BASE: (decorated(mesh, model, bucket_bytes=bucket_bytes), momentum_sgd),
