@@ -343,3 +343,39 @@ def test_xla_with_lossy_compression_is_refused_by_every_collective():
                         v, "d", tiled=True, algorithm="xla", compression=jaxring.codecs.int8()))]:
     with pytest.raises(ValueError, match=f"jaxring.{name}: algorithm='xla' is the native"):
       run(fn)
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_xla_transport_moves_a_payload_of_several_arrays_as_lax_moves_each(check_vma):
+  """A codec's payload (values, scales, ...) travels as one message of its bytes: shift and
+  all_gather return, bit for bit, what lax.ppermute and lax.all_gather return for each array."""
+  from jaxring._src.transport.groups import Group
+  from jaxring._src.transport.xla import XLA
+  mesh = mesh_of((8,), ("i",))
+  group = Group(("i",), 8, 1, 8, "i")
+  rng = np.random.RandomState(3)
+  payload = (rng.randn(8, 6).astype(np.float32), rng.randint(-128, 128, (8, 6, 4)).astype(np.int8),
+             rng.randn(8, 3).astype(jnp.bfloat16), rng.rand(8, 5) > 0.5,
+             rng.randint(0, 2**31, (8, 2, 2)).astype(np.uint32), rng.randn(8, 1).astype(np.float16))
+
+  def body(*xs):
+    xs = tuple(x[0] for x in xs)
+    perm = [(j, (j + 3) % 8) for j in range(8)]
+    shifted = XLA.shift(xs, group, 3)
+    want_shift = tuple(lax.ppermute(x, "i", perm) for x in xs)
+    gathered = XLA.all_gather(xs, group)
+    want_gather = tuple(lax.all_gather(x, "i", tiled=True) for x in xs)
+    return tuple(v[None] for v in shifted + want_shift + gathered + want_gather)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                            check_vma=check_vma))
+  out = f(*payload)
+  n = len(payload)
+  for k in range(n):
+    got, want = out[k], out[n + k]
+    assert got.dtype == want.dtype == payload[k].dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got, want = out[2 * n + k], out[3 * n + k]
+    assert got.dtype == want.dtype and got.shape == want.shape == (8, 8 * payload[k].shape[1]) \
+        + payload[k].shape[2:]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -22,6 +22,36 @@ def _from_wire(x, dtype):
   return x if dtype is None else lax.bitcast_convert_type(x, dtype)
 
 
+def _bytes_of(x):
+  """``x``'s bytes as a flat uint8 vector."""
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _pack(arrays) -> jnp.ndarray:
+  return jnp.concatenate([_bytes_of(x) for x in arrays])
+
+
+def _unpack(buf, like, leading: int = 0) -> tuple:
+  """The arrays of :func:`_pack`'s ``buf``, shaped and typed as ``like``'s. ``leading``: ``buf``
+  holds that many members' packs, one per row (an all-gather's); each array comes back tiled,
+  the members' pieces concatenated along its first axis."""
+  out, at = [], 0
+  rows = (leading,) if leading else ()
+  for x in like:
+    dtype = jnp.uint8 if x.dtype == jnp.bool_ else x.dtype
+    size, item = x.size, jnp.dtype(dtype).itemsize
+    part = buf[..., at:at + size * item]
+    at += size * item
+    part = part.reshape(rows + x.shape + ((item,) if item > 1 else ()))
+    y = lax.bitcast_convert_type(part, dtype)
+    if leading:
+      y = y.reshape((leading * x.shape[0],) + x.shape[1:])
+    out.append(y.astype(jnp.bool_) if x.dtype == jnp.bool_ else y)
+  return tuple(out)
+
+
 class XlaTransport:
   """Moves arrays between the members of a :class:`Group` with XLA collectives."""
 
@@ -32,16 +62,21 @@ class XlaTransport:
   has_reduce_scatter = True
 
   def shift(self, payload: tuple, group: Group, offset: int = 1) -> tuple:
-    """Sends each array of ``payload`` to the member ``offset`` ahead; returns what arrived."""
+    """Sends ``payload``'s arrays to the member ``offset`` ahead; returns what arrived.
+
+    Several arrays (a codec's values and scales) travel as one message of their bytes: each
+    collective costs messages of its own (on the emulated cluster about 0.8 KB of link bytes
+    and a gloo round per message, docs/simulations.md), and a hop of int8 would pay twice."""
     perm = group.shift_perm(offset)
-    out = []
-    for x in payload:
-      w, dt = _as_wire(x)
-      out.append(_from_wire(lax.ppermute(w, axis_arg(group.axes), perm), dt))
-    return tuple(out)
+    if len(payload) == 1:
+      w, dt = _as_wire(payload[0])
+      return (_from_wire(lax.ppermute(w, axis_arg(group.axes), perm), dt),)
+    packed = lax.ppermute(_pack(payload), axis_arg(group.axes), perm)
+    return _unpack(packed, payload)
 
   def all_gather(self, payload: tuple, group: Group) -> tuple:
-    """Native all-gather (tiled, member order) of each array over a whole group's axes.
+    """Native all-gather (tiled, member order) of each array over a whole group's axes (several
+    arrays as one message of their bytes, as in :meth:`shift`).
 
     Typed invariant when the input is typed varying (check_vma=True): the only way to end an
     all-reduce invariant without a second reduction.
@@ -53,15 +88,20 @@ class XlaTransport:
     if not group.whole:
       raise ValueError(f"XLA transport: native all-gather over level {group.name!r}, a part of "
                        f"axes {group.axes}; it spans whole axes only")
+    if len(payload) > 1:   # one message, as in shift
+      g = self._gather(_pack(payload), group)
+      return _unpack(g.reshape(group.size, -1), payload, leading=group.size)
     out = []
     for x in payload:
       w, dt = _as_wire(x)
-      if vma.is_varying(w, group.axes):
-        g = vma.all_gather_invariant(w, axis_arg(group.axes), tiled=True)
-      else:
-        g = lax.all_gather(w, axis_arg(group.axes), tiled=True)
-      out.append(_from_wire(g, dt))
+      out.append(_from_wire(self._gather(w, group), dt))
     return tuple(out)
+
+  @staticmethod
+  def _gather(w, group: Group):
+    if vma.is_varying(w, group.axes):
+      return vma.all_gather_invariant(w, axis_arg(group.axes), tiled=True)
+    return lax.all_gather(w, axis_arg(group.axes), tiled=True)
 
   def all_reduce(self, x, group: Group):
     """Native all-reduce (``lax.psum``) over a whole group's axes."""
