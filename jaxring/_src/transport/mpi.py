@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring._src.transport.packing import pack, unpack
+
 # mpi4jax's MPI datatype table (mpi4jax/_src/utils.py: MPI_TYPE_MAP). Anything else (bf16, f16,
 # float8) travels as its bit pattern in an unsigned integer of its width: bytes, never a promoted
 # float.
@@ -92,16 +94,19 @@ class MpiTransport:
   has_reduce_scatter = False
 
   def shift(self, payload: tuple, group: MpiGroup, offset: int = 1) -> tuple:
-    """Sends each array of ``payload`` to the member ``offset`` ahead; returns what arrived."""
+    """Sends ``payload``'s arrays to the member ``offset`` ahead (several as one message of
+    their bytes, :mod:`~jaxring._src.transport.packing`); returns what arrived."""
     mpi4jax = mpi4jax_module()
     p, r = group.size, group.rank()
-    out = []
-    for x in payload:
-      w, dt = _as_wire(x)
-      got = mpi4jax.sendrecv(w, w, source=(r - offset) % p, dest=(r + offset) % p,
-                             comm=group.comm)
-      out.append(_from_wire(got, dt))
-    return tuple(out)
+
+    def sendrecv(w):
+      return mpi4jax.sendrecv(w, w, source=(r - offset) % p, dest=(r + offset) % p,
+                              comm=group.comm)
+
+    if len(payload) > 1:
+      return unpack(sendrecv(pack(payload)), payload)
+    w, dt = _as_wire(payload[0])
+    return (_from_wire(sendrecv(w), dt),)
 
   def all_gather(self, payload: tuple, group: MpiGroup) -> tuple:
     """``MPI_Allgather`` of each array, concatenated in member (rank) order."""

@@ -6,6 +6,7 @@ from jax import lax
 
 from jaxring._src import vma
 from jaxring._src.transport.groups import Group, axis_arg
+from jaxring._src.transport.packing import pack, unpack
 
 # XLA:CPU promotes 16-bit float collectives to f32 on the wire (all-reduce promotion and float
 # normalization passes; measured, ../shared/ENVIRONMENT.md). Moving their bit patterns as uint16
@@ -20,36 +21,6 @@ def _as_wire(x):
 
 def _from_wire(x, dtype):
   return x if dtype is None else lax.bitcast_convert_type(x, dtype)
-
-
-def _bytes_of(x):
-  """``x``'s bytes as a flat uint8 vector."""
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.uint8)
-  return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _pack(arrays) -> jnp.ndarray:
-  return jnp.concatenate([_bytes_of(x) for x in arrays])
-
-
-def _unpack(buf, like, leading: int = 0) -> tuple:
-  """The arrays of :func:`_pack`'s ``buf``, shaped and typed as ``like``'s. ``leading``: ``buf``
-  holds that many members' packs, one per row (an all-gather's); each array comes back tiled,
-  the members' pieces concatenated along its first axis."""
-  out, at = [], 0
-  rows = (leading,) if leading else ()
-  for x in like:
-    dtype = jnp.uint8 if x.dtype == jnp.bool_ else x.dtype
-    size, item = x.size, jnp.dtype(dtype).itemsize
-    part = buf[..., at:at + size * item]
-    at += size * item
-    part = part.reshape(rows + x.shape + ((item,) if item > 1 else ()))
-    y = lax.bitcast_convert_type(part, dtype)
-    if leading:
-      y = y.reshape((leading * x.shape[0],) + x.shape[1:])
-    out.append(y.astype(jnp.bool_) if x.dtype == jnp.bool_ else y)
-  return tuple(out)
 
 
 class XlaTransport:
@@ -71,8 +42,8 @@ class XlaTransport:
     if len(payload) == 1:
       w, dt = _as_wire(payload[0])
       return (_from_wire(lax.ppermute(w, axis_arg(group.axes), perm), dt),)
-    packed = lax.ppermute(_pack(payload), axis_arg(group.axes), perm)
-    return _unpack(packed, payload)
+    packed = lax.ppermute(pack(payload), axis_arg(group.axes), perm)
+    return unpack(packed, payload)
 
   def all_gather(self, payload: tuple, group: Group) -> tuple:
     """Native all-gather (tiled, member order) of each array over a whole group's axes (several
@@ -89,8 +60,8 @@ class XlaTransport:
       raise ValueError(f"XLA transport: native all-gather over level {group.name!r}, a part of "
                        f"axes {group.axes}; it spans whole axes only")
     if len(payload) > 1:   # one message, as in shift
-      g = self._gather(_pack(payload), group)
-      return _unpack(g.reshape(group.size, -1), payload, leading=group.size)
+      g = self._gather(pack(payload), group)
+      return unpack(g.reshape(group.size, -1), payload, leading=group.size)
     out = []
     for x in payload:
       w, dt = _as_wire(x)
