@@ -137,7 +137,7 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
                             for i in idxs])
     total, err = engine.all_reduce_flat(flat, dtype, binding, algorithm, compression,
                                         want_error=True,
-                                        segments=tuple(int(np.size(leaves[i])) for i in idxs))
+                                        segments=engine.segment_sizes(leaves[i] for i in idxs))
     mean = total / jnp.asarray(p, acc)
     out = mean.astype(dtype)
     # an exact reduction reports no error; the residual stays this member's (typed varying)

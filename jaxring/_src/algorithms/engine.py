@@ -89,6 +89,12 @@ def _check_block_order(plan: Plan, binding, op: str) -> None:
 # --- all-reduce ----------------------------------------------------------------------------------
 
 
+def segment_sizes(arrays) -> tuple[int, ...]:
+  """The sizes of ``arrays`` fused one after the other into a flat buffer: its ``segments``,
+  among which a per-tensor ``topk_chunks`` shares its chunks (``TopKChunks.quotas``)."""
+  return tuple(int(np.size(a)) for a in arrays)
+
+
 def _all_reduce_planned(flat, dtype, axes: tuple, plan: Plan, want_error: bool, segments=None):
   """Reduces a flat accumulator-dtype buffer by a ring or hierarchical plan: (sum, error).
 
@@ -178,7 +184,7 @@ def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
       continue
     acc = accum_dtype(dtype)
     flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in idxs])
-    sizes = tuple(int(np.size(leaves[i])) for i in idxs)
+    sizes = segment_sizes(leaves[i] for i in idxs)
     reduce = lambda v, plan=plan, dtype=dtype, sizes=sizes: _all_reduce_planned(
         v, dtype, binding.axes, plan, False, sizes)[0]
     if binding.lax_bound and linear.differentiable(dtype):

@@ -132,7 +132,7 @@ class Groups:
 
   def sizes(self, dtype) -> tuple[int, ...]:
     """The sizes of the leaves fused into ``flat(tree, dtype)``, in order."""
-    return tuple(int(np.size(self.leaves[i])) for i in self.by_dtype[dtype])
+    return engine.segment_sizes(self.leaves[i] for i in self.by_dtype[dtype])
 
   def others(self) -> list[int]:
     floats = {i for idxs in self.by_dtype.values() for i in idxs}

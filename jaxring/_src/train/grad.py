@@ -22,7 +22,6 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxring._src.algorithms import engine
@@ -91,7 +90,7 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
 
 def _segments(cts: Sequence) -> tuple[int, ...]:
   """The sizes of a bucket's tensors in its flat buffer, and the token after them."""
-  return tuple(int(np.size(c)) for c in cts) + (1,)
+  return engine.segment_sizes(cts) + (1,)
 
 
 def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residuals, tok, dtype):

@@ -33,11 +33,8 @@ class XlaTransport:
   has_reduce_scatter = True
 
   def shift(self, payload: tuple, group: Group, offset: int = 1) -> tuple:
-    """Sends ``payload``'s arrays to the member ``offset`` ahead; returns what arrived.
-
-    Several arrays (a codec's values and scales) travel as one message of their bytes: each
-    collective costs messages of its own (on the emulated cluster about 0.8 KB of link bytes
-    and a gloo round per message, docs/simulations.md), and a hop of int8 would pay twice."""
+    """Sends ``payload``'s arrays to the member ``offset`` ahead (several as one message of
+    their bytes, :mod:`~jaxring._src.transport.packing`); returns what arrived."""
     perm = group.shift_perm(offset)
     if len(payload) == 1:
       w, dt = _as_wire(payload[0])

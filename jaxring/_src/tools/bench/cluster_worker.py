@@ -125,7 +125,8 @@ def run_jax(args) -> int:
     emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
          tx_per_call=tx, **extra)
   sizes = [common.parse_size(s) for s in args.probe_sizes.split(",") if s]
-  dense = [c for c in codecs if c != "topk"]   # top-k is the native all-reduce + a dense plan
+  # top-k is the native all-reduce plus a dense plan: the model composes it from those
+  dense = [c for c in codecs if getattr(jaxring.codecs.parse(c), "per_hop", True)]
   for algorithm, codec_name, nbytes, tx in probe_link(mesh, axes, sizes, dense,
                                                       args.algorithms.split(","), barrier, iface):
     emit(probe=True, node=me, algorithm=algorithm, codec=codec_name, nbytes=nbytes,
