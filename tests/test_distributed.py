@@ -287,3 +287,27 @@ def test_a_live_process_stuck_between_collectives_is_named_by_every_process(algo
   assert re.search(r"process 1 of 2 is stuck: it has launched collective #0 5 time\(s\), but "
                    r"process 0 of 2 \(pid \d+ on [^)]+\) launched it 6 time\(s\)",
                    results[1].stderr), mp.report(results)
+
+
+@pytest.mark.timeout(120)
+def test_a_process_whose_stuck_peer_left_first_repeats_why_the_peer_left():
+  # The order the test above leaves to chance, forced: the stuck process 1 judges itself after
+  # 2 s and leaves; process 0 (timeout 20 s) sees only its collective break ("Connection closed
+  # by peer"), before its own watchdog has judged anything. It must repeat what process 1 said,
+  # not write that no other process reported a failure.
+  n, stuck, timeouts = 2, 1, {0: 20.0, 1: 2.0}
+  port = mp.free_port()
+  results = mp.spawn(n, lambda i: mp.python_worker(
+      "dist_allreduce.py", "--calls", "1000", "--algorithms", "auto", "--die-rank", str(stuck),
+      "--die-at", "5", "--die-how", "stuck"), lambda i: _env(n, port, 2, timeouts[i])(i),
+      timeout=90, stop_early=lambda procs: all(p.poll() is not None for p in procs))
+  died_at = _die_time(results, stuck)
+  assert all(r.returncode not in (0, None) for r in results), mp.report(results)
+  assert re.search(r"process 1 of 2 is stuck: it has launched collective #0 5 time\(s\)",
+                   results[1].stderr), mp.report(results)
+  assert re.search(r"process 0 of 2 raised .*\n.*process 1 left saying: process 1 of 2 is stuck: "
+                   r"it has launched collective #0 5 time\(s\), but process 0 of 2 \(pid \d+ on "
+                   r"[^)]+\) launched it 6 time\(s\)", results[0].stderr), mp.report(results)
+  assert "no other process reported a failure" not in results[0].stderr, mp.report(results)
+  # process 0 left on process 1's word, well before its own 20 s timeout
+  assert results[0].ended_at - died_at < timeouts[1] + SLACK, mp.report(results)

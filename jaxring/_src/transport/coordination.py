@@ -6,7 +6,8 @@ Two things jaxring adds below :func:`jaxring.distributed.initialize`:
   127.0.0.1 inside a network namespace, so processes in different namespaces cannot connect;
 * the peer watchdog's channel (``transport/watchdog.py``): heartbeat counters in the coordination
   service's key-value store, plus what a failing process tells the others (``failed: ...``) so
-  that the process that raised first is named with its error, not only the one that went silent.
+  that the process that raised first is named with its error, not only the one that went silent,
+  and what a process said as it left (``said``), which a peer whose collective then broke repeats.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class CoordinationHeartbeats:
     self.last_count: dict[int, str] = {}
     self.states: dict[int, str] = {}
     self.exited: set[int] = set()
+    self.said: dict[int, str] = {}   # peer -> the message it printed as it left
     self.who: dict[int, str] = {}
     self.launches: dict[int, dict[str, int]] = {}
     self.sent_version = -1
@@ -96,6 +98,8 @@ class CoordinationHeartbeats:
         self.states[p] = value
       elif kind == "exit":
         self.exited.add(p)
+      elif kind == "said":
+        self.said[p] = value
       elif kind == "who":
         self.who[p] = value
       elif kind == "launch" and p != self.me:
@@ -123,6 +127,10 @@ class CoordinationHeartbeats:
 
     def tell_and_wait():
       try:
+        # before the exit mark: a peer whose collective breaks when this process is gone reads
+        # why it left (otherwise it sees only a closed connection)
+        self.client.key_value_set(f"{_KV_PREFIX}said/{self.me}", message[:2000],
+                                  allow_overwrite=True)
         self.client.key_value_set(f"{_KV_PREFIX}exit/{self.me}", "1", allow_overwrite=True)
         if global_state().service is not None:
           deadline = time.monotonic() + watchdog.timeout + 2 * watchdog.interval
@@ -186,6 +194,11 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
     _publish_failure(heartbeats, summary)
   deadline = time.monotonic() + watchdog.timeout + 2 * watchdog.interval
   lines = []
+  if lost_peer:
+    # the peer may have left because its own watchdog spoke before ours (both judge the same
+    # stuck collective): what this process saw of it still holds
+    seen = watchdog.stuck(gone=True)
+    lines += [seen] if seen else []
   others = set(range(watchdog.n)) - {watchdog.me}
   while time.monotonic() < deadline:
     try:
@@ -199,8 +212,10 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
     if others <= set(heartbeats.states) | heartbeats.exited:
       break
     time.sleep(watchdog.interval)
-  lines += [f"process {p} failed: {msg}" for p, msg in sorted(heartbeats.failed().items())
-            if p != watchdog.me]
+  failed = {p: m for p, m in heartbeats.failed().items() if p != watchdog.me}
+  lines += [f"process {p} failed: {msg}" for p, msg in sorted(failed.items())]
+  lines += [f"process {p} left saying: {_said(msg)}" for p, msg in sorted(heartbeats.said.items())
+            if p != watchdog.me and p not in failed]
   if lost_peer:
     _publish_failure(heartbeats, "; ".join([summary, *lines[:1]]))
   lines = lines or ["no other process reported a failure"]
@@ -212,6 +227,18 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
 # what a collective raises when a peer's connection is gone (gloo over TCP, MPI)
 _LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Connection refused|"
                         r"connection (closed|reset)", re.IGNORECASE)
+
+
+def _said(message: str) -> str:
+  """A peer's parting message on one line, without the prefix of each of its lines.
+
+  Example:
+    >>> _said("jaxring.distributed: process 1 of 2 is stuck.\\njaxring.distributed: more")
+    'process 1 of 2 is stuck.; more'
+  """
+  prefix = "jaxring.distributed: "
+  return "; ".join(line.strip()[len(prefix):] if line.strip().startswith(prefix) else
+                   line.strip() for line in message.splitlines() if line.strip())
 
 
 def _publish_failure(heartbeats, summary: str) -> None:

@@ -172,9 +172,13 @@ class Watchdog:
                        for p, m in sorted(failed.items()))
     return self.stuck()
 
-  def stuck(self) -> str | None:
+  def stuck(self, *, gone: bool = False) -> str | None:
     """A live peer that never launched a collective this process waits in, or this process
-    behind its peers, for longer than the timeout (``transport/launches.py``); else None."""
+    behind its peers, for longer than the timeout (``transport/launches.py``); else None.
+
+    ``gone``: the collective already failed because a peer left; a peer behind is named even if
+    it has since gone quiet (it was heartbeating while it held the collective up).
+    """
     peers = {p: t for p, t in getattr(self.heartbeats, "launches", {}).items()
              if p in self.last_seen}
     now = time.monotonic()
@@ -185,7 +189,7 @@ class Watchdog:
       # a peer behind that has also gone quiet is frozen or dead, not stuck: the silence check
       # names it (within the timeout of its last heartbeat), with the right words
       quiet = {p for p in late if now - self.last_seen.get(p, now) > 3 * self.interval}
-      if late and not quiet:
+      if late and (gone or not quiet):
         who = ", ".join(f"{self.noun} {p} of {self.n}{self.names.get(p, '')} launched it "
                         f"{c} time(s)" for p, c in sorted(late.items()))
         return (f"collective {launches.describe(key)} (launch {k}) started here "
@@ -201,8 +205,8 @@ class Watchdog:
                 f"{launches.describe(key)} {mine.get(key, 0)} time(s), but {self.noun} {p} of "
                 f"{self.n}{self.names.get(p, '')} launched it {count} time(s) and has waited "
                 f"in it for at least {now - first:.1f} s (failure timeout {self.timeout:g} s)")
-    for gone in set(self._ahead_since) - seen:
-      del self._ahead_since[gone]
+    for old in set(self._ahead_since) - seen:
+      del self._ahead_since[old]
     return None
 
   def fail(self, problem: str) -> None:
