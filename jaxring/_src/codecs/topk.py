@@ -209,11 +209,10 @@ class TopKChunks(Codec):
     x = flat.astype(_F32)
     signs = jax.random.rademacher(key, (min(cs, x.shape[0]),), _F32)
     full, rest = divmod(x.shape[0], cs)
-    # a multiply and a row sum, not a matmul: no reduced-precision dot (TF32 on GPUs)
-    parts = [jnp.sum(x[:full * cs].reshape(full, cs) * signs, axis=1)] if full else []
+    parts = [x[:full * cs].reshape(full, cs) @ signs] if full else []
     if rest:
-      parts.append(jnp.sum(x[full * cs:] * signs[:rest], keepdims=True))
-    return jnp.concatenate(parts) if parts else jnp.zeros((0,), _F32)
+      parts.append(jnp.reshape(x[full * cs:] @ signs[:rest], (1,)))
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
   def all_reduce(self, flat, dtype, *, reduce_norms, reduce_dense, want_error=False,
                  segments=None):
