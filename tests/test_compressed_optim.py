@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 from jaxring import codecs
-from jaxring._src.optim.sparse import selection_key
 
 AUTO = jax.sharding.AxisType.Auto
 MESH = jax.make_mesh((8,), ("d",), axis_types=(AUTO,))
@@ -123,18 +122,12 @@ def test_quotas_share_the_global_count_between_tensors_by_size():
     tk.quotas(36, [20, 15])
 
 
-def _per_tensor_reference(g: dict, codec, key=None) -> np.ndarray:
+def _per_tensor_reference(g: dict, codec) -> np.ndarray:
   """The chunks a per-tensor top-k sends for members' gradients ``g`` (name -> [8, size]),
-  flattened in key order: per pool, those with the largest sum over members of their norm, or
-  with ``key`` the largest |projection of the members' summed chunk on key's signs|."""
+  flattened in key order: per pool, those with the largest sum over members of their norm."""
   names = sorted(g)
   flat = np.concatenate([np.asarray(g[k], np.float64) for k in names], axis=1)
-  chunks = flat.reshape(8, -1, codec.chunk_size)
-  if key is None:
-    norms = np.linalg.norm(chunks, axis=2).sum(0)
-  else:
-    signs = np.asarray(jax.random.rademacher(key, (codec.chunk_size,), jnp.float32), np.float64)
-    norms = np.abs(chunks.sum(0) @ signs)
+  norms = np.linalg.norm(flat.reshape(8, -1, codec.chunk_size), axis=2).sum(0)
   want = []
   for a, b, q in codec.quotas(flat.shape[1], [g[k].shape[1] for k in names]):
     want += list(a + np.argsort(-norms[a:b], kind="stable")[:q])
@@ -155,8 +148,8 @@ def _two_tensors(seed):
 @pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
 def test_per_tensor_top_k_sends_each_tensors_largest_chunks(nesterov):
   """One step of momentum correction from zero state: the chunks sent are, per pool of tensors,
-  those whose summed velocity projects largest on step 0's random signs (float64), so the tensor
-  of small gradients that the global selection starves gets its share (a third of the 15)."""
+  those with the largest sum over members of their norm (float64), so the tensor of small
+  gradients that the global selection starves gets its share (a third of the 15)."""
   g = _two_tensors(5)
 
   def sent_by(codec):
@@ -174,52 +167,11 @@ def test_per_tensor_top_k_sends_each_tensors_largest_chunks(nesterov):
 
   per_tensor = codecs.topk_chunks(0.05, 8)                     # the default
   assert per_tensor.per_tensor
-  want = _per_tensor_reference(g, per_tensor, selection_key(0))
+  want = _per_tensor_reference(g, per_tensor)
   assert len(want) == per_tensor.num_selected(2400) == 15 and (want >= 200).sum() == 5
   np.testing.assert_array_equal(sent_by(per_tensor), want)
   global_ = codecs.topk_chunks(0.05, 8, per_tensor=False)
   assert (sent_by(global_) < 200).all()                        # global: all to a_big
-
-
-def test_chunks_ranked_by_projection_follow_the_members_sum_not_their_norms():
-  """Chunk 0 holds large values that cancel between the members, chunk 1 small ones they share.
-  The summed norms choose chunk 0; a random projection of the summed chunk (exact with one value
-  per chunk) chooses chunk 1, whatever the key; and for chunks of 4 the summed projections are
-  those of the members' float64 sum."""
-  signs = np.where(np.arange(8) % 2 == 0, 1.0, -1.0)
-  x = np.zeros((8, 3), np.float32)
-  x[:, 0] = 100.0 * signs          # sums to 0
-  x[:, 1] = 1.0                    # sums to 8
-  x[:, 2] = 0.1
-
-  def chosen(codec, key):
-    def body(v):
-      idx = codec.select(v[0], lambda t: lax.psum(t, "d"), None, key)
-      return idx[None]
-    return np.asarray(jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P("d"),
-                                            out_specs=P("d")))(jnp.asarray(x))[0])
-
-  codec = codecs.topk_chunks(1 / 3, 1)
-  assert chosen(codec, None).tolist() == [0]
-  for step in range(5):
-    assert chosen(codec, selection_key(step)).tolist() == [1]
-
-  rng = np.random.RandomState(3)
-  y = rng.randn(8, 4 * 25 + 3)                         # 26 chunks of 4, the last partial
-  codec = codecs.topk_chunks(0.2, 4)
-  key = selection_key(7)
-
-  def proj(v):
-    return lax.psum(codec.projections(v[0], key), "d")[None]
-  got = np.asarray(jax.jit(jax.shard_map(proj, mesh=MESH, in_specs=P("d"), out_specs=P("d")))(
-      jnp.asarray(y, jnp.float32))[0], np.float64)
-  s = np.asarray(jax.random.rademacher(key, (4,), jnp.float32), np.float64)
-  total = np.concatenate([y.sum(0), np.zeros(1)]).reshape(26, 4)
-  want = np.concatenate([total[:25] @ s, [total[25, :3] @ s[:3]]])
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  assert len({int(np.argmax(np.abs(np.asarray(codec.projections(
-      jnp.asarray(y[0], jnp.float32), selection_key(t))))))
-      for t in range(8)}) > 1        # a new draw each step
 
 
 @pytest.mark.parametrize("where", ["psum", "reduce_gradients"])

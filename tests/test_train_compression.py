@@ -68,45 +68,6 @@ def test_per_tensor_top_k_gives_a_bucket_tensor_of_small_gradients_its_share(per
   assert (moved["b_small"] >= 5) if per_tensor else (moved["b_small"] == 0)
 
 
-def test_momentum_step_ranks_chunks_by_projections_drawn_from_the_state_step():
-  """train_step(momentum=...) over top-k ranks a bucket's chunks as momentum_correction does: by
-  the summed velocity's projection on random signs drawn from the state's step (float64
-  reference), so a step taken at another count chooses other chunks."""
-  from jaxring._src.optim.sparse import selection_key
-  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
-  params = {"a_big": jnp.zeros(1600), "b_small": jnp.zeros(800)}
-  state = jt.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(1.0))
-  codec = jaxring.codecs.topk_chunks(0.05, chunk_size=8)
-
-  @jt.train_step(mesh, algorithm="ring", compression=codec, momentum=0.9)
-  def step(state, batch):
-    loss, grads = jt.value_and_grad(lambda p: sum(
-        jnp.sum(p[k] * batch[k].mean(0)) for k in p))(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
-
-  rng = np.random.RandomState(11)
-  batch = {"a_big": rng.randn(8, 1600).astype(np.float32),
-           "b_small": (rng.randn(8, 800) * 1e-3).astype(np.float32)}
-  chosen = {}
-  for count in (0, 5):
-    new, _ = step(step.prepare(state.replace(step=count)), batch)
-    # the bucket holds the leaves in the order the backward pass produces them, then the loss
-    # token (0 here); each replica's gradient is its row
-    (bucket,) = step.buckets
-    names = [("a_big", "b_small")[i] for i in bucket.indices]
-    total = np.concatenate([batch[k] for k in names], 1).astype(np.float64).sum(0)
-    chunks = np.concatenate([total, np.zeros(8)]).reshape(301, 8)
-    flat = np.concatenate([np.asarray(new.params[k]) for k in names])
-    chosen[count] = np.flatnonzero(np.abs(flat.reshape(-1, 8)).max(1) > 0)
-    signs = np.asarray(jax.random.rademacher(selection_key(count), (8,), jnp.float32), np.float64)
-    score = np.abs(chunks @ signs)
-    want = []
-    for a, b, q in codec.quotas(2401, [batch[k].shape[1] for k in names] + [1]):
-      want += list(a + np.argsort(-score[a:b], kind="stable")[:q])
-    np.testing.assert_array_equal(chosen[count], np.sort(want))
-  assert set(chosen[0]) != set(chosen[5])
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_applied_plus_residuals_equals_exact_mean_gradient(name):
   cfg = dict(CONFIGS[name])

@@ -4,25 +4,15 @@ Element-wise top-k needs indices on the wire and its sparse sums do not stay spa
 Chunk-wise selection keeps the ring dense: all members agree on one set of chunks and reduce only
 those, densely, with the bandwidth-optimal ring.
 
-1. Each member scores every ``chunk_size``-value chunk of its buffer: its L2 norm, or, given a
-   random key (the compressed optimizers pass one per step), its projection on a random sign
-   vector ``s`` common to all members and chunks.
-2. The scores are summed over the members (``lax.psum`` of ``n / chunk_size`` floats: tiny), so
-   all members see the same totals bit for bit.
-3. All pick the same ``k = ceil(density * chunks)`` chunks with the largest summed score (the
-   absolute value of a summed projection; ties to the lower chunk index; a nan counts as the
-   largest, so that non-finite values surface).
+1. Each member computes the L2 norm of every ``chunk_size``-value chunk of its buffer.
+2. The norms are summed over the members (``lax.psum`` of ``n / chunk_size`` floats: tiny), so all
+   members see the same totals bit for bit.
+3. All pick the same ``k = ceil(density * chunks)`` chunks with the largest summed norm (ties to
+   the lower chunk index; a nan norm counts as the largest, so that non-finite values surface).
 4. The chosen chunks are packed into one dense buffer (``gather_chunks``), all-reduced by the
    planned ring or hierarchical algorithm with the ``inner`` codec (f32 on the wire by default),
    and added back in place (``scatter_add_chunks``). Chunks not chosen are not sent: they are this
    step's compression error, which error feedback (``jaxring.reduce_gradients``) carries over.
-
-The sum of the members' norms ranks a chunk by how much each member holds in it, not by how much
-their sum holds: noise that cancels between members counts in full. The summed projection
-``<s, sum_i x_i>`` is an estimate of the norm of the sum itself (its square has expectation
-``|sum_i x_i|^2`` over the signs; exact for ``chunk_size=1``), for the same bytes; a new ``s``
-each step keeps an unlucky draw from holding a chunk back for long. Measured with momentum
-correction (docs/benchmarks.md, "Convergence with compression").
 
 It is not a per-hop codec (``per_hop = False``): it wraps the whole all-reduce. psum_scatter and
 all_gather do not take it.
@@ -34,7 +24,6 @@ import math
 import numbers
 import operator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -61,9 +50,7 @@ def _chunk_ops(dtype):
 
 @dataclasses.dataclass(frozen=True)
 class TopKChunks(Codec):
-  """Sends the ``density`` fraction of ``chunk_size``-value chunks with the largest summed norm
-  (or, for the compressed optimizers that pass a key, the largest projection of the summed chunk:
-  :meth:`select`).
+  """Sends the ``density`` fraction of ``chunk_size``-value chunks with the largest summed norm.
 
   Attributes:
     density: fraction of chunks sent, in (0, 1]; at least one chunk is always sent.
@@ -173,7 +160,7 @@ class TopKChunks(Codec):
       quota[i] += 1
     return [(a, b, q) for (a, b), q in zip(bounds, quota)]
 
-  def select(self, flat, reduce_norms, segments=None, key=None):
+  def select(self, flat, reduce_norms, segments=None):
     """Indices (ascending, int32, identical on all members) of the chunks to send.
 
     Args:
@@ -182,13 +169,10 @@ class TopKChunks(Codec):
       segments: None, or the sizes of the tensors fused into ``flat``. With ``per_tensor``, each
         pool of them gets its share of the chunks, the largest within it (:meth:`quotas`), so a
         tensor whose gradients are small is not starved by the others; otherwise ignored.
-      key: None (rank by the members' summed chunk norms), or a PRNG key identical on every
-        member, new each step: rank by the summed projections (:meth:`projections`).
     """
-    if key is None:
-      total = reduce_norms(_chunk_ops(flat.dtype).chunk_norms(flat, self.chunk_size).astype(_F32))
-    else:
-      total = jnp.abs(reduce_norms(self.projections(flat, key)))
+    ops = _chunk_ops(flat.dtype)
+    norms = ops.chunk_norms(flat, self.chunk_size).astype(_F32)
+    total = reduce_norms(norms)
     total = jnp.where(jnp.isnan(total), jnp.float32(jnp.inf), total)
     use = self.per_tensor and segments is not None
     pools = self.quotas(flat.shape[0], segments) if use else []
@@ -197,22 +181,6 @@ class TopKChunks(Codec):
     else:
       idx = jnp.concatenate([lax.top_k(total[a:b], q)[1] + a for a, b, q in pools if q])
     return jnp.sort(idx).astype(jnp.int32)
-
-  def projections(self, flat, key):
-    """Each chunk's projection ``<s, chunk>`` (f32) on random signs ``s`` drawn from ``key``, one
-    vector of ``chunk_size`` signs for every chunk (a partial last chunk uses its first ones).
-
-    Summed over the members, the projection of a chunk is that of the members' summed chunk, and
-    its square estimates that sum's squared norm without bias (the module docstring).
-    """
-    cs = self.chunk_size
-    x = flat.astype(_F32)
-    signs = jax.random.rademacher(key, (min(cs, x.shape[0]),), _F32)
-    full, rest = divmod(x.shape[0], cs)
-    parts = [x[:full * cs].reshape(full, cs) @ signs] if full else []
-    if rest:
-      parts.append(jnp.reshape(x[full * cs:] @ signs[:rest], (1,)))
-    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
   def all_reduce(self, flat, dtype, *, reduce_norms, reduce_dense, want_error=False,
                  segments=None):
@@ -259,8 +227,7 @@ class TopKChunks(Codec):
 
 def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | None = None,
                 per_tensor: bool = True) -> TopKChunks:
-  """Top-k chunks by summed norm (momentum correction: by a projection of the summed chunk),
-  reduced densely on the ring; the rest waits (error feedback).
+  """Top-k chunks by summed norm, reduced densely on the ring; the rest waits (error feedback).
 
   Args:
     density: fraction of chunks sent each call, in (0, 1].

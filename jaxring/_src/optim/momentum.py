@@ -73,15 +73,13 @@ MASKINGS = ("flush", "zero", "none")
 
 
 def corrected_mean(u, g, r, dtype, binding, algorithm, compression, *, momentum: float,
-                   nesterov: bool, masking: str, schedule=None, segments=None, count=None):
+                   nesterov: bool, masking: str, schedule=None, segments=None):
   """One member's step of momentum correction on flat buffers: ``(mean, velocity, residual)``.
 
   ``u`` is the velocity, ``g`` this step's gradient (already scaled as the velocity takes it),
   ``r`` the residual. ``schedule(reduce)`` runs ``reduce(density)`` (the density warm-up).
   ``segments``: the sizes of the tensors fused into the buffers (a per-tensor top-k chooses
-  within them), or None. ``count``: the step number, identical on every member (a sparsifying
-  codec then ranks its chunks by random projections drawn for that step:
-  ``TopKChunks.select``), or None (by the members' summed norms).
+  within them), or None.
   """
   m = momentum
   u = m * u + g
@@ -97,9 +95,8 @@ def corrected_mean(u, g, r, dtype, binding, algorithm, compression, *, momentum:
   if binding.size <= 1:
     mean, err, sent = buf, None, None
   else:
-    key = None if count is None else sparse.selection_key(count)
     reduce = lambda d: sparse.mean_and_sent(buf, dtype, binding, algorithm, compression, d,
-                                            segments, key)
+                                            segments)
     mean, err, sent = reduce(None) if schedule is None else schedule(reduce)
   if sent is not None and masking != "none":
     u = jnp.where(sent, jnp.zeros_like(u), u)
@@ -118,10 +115,6 @@ def momentum_correction(axis_name, *, compression=None, momentum: float = 0.9,
   replaces both :func:`jaxring.reduce_gradients` and the momentum of the optimizer after it, which
   must then be momentum-free (module docstring). Use it inside ``shard_map`` over ``axis_name``
   (``init`` too: the velocity and residual are per member).
-
-  A sparsifying codec's chunks are ranked by their projection on random signs drawn anew each
-  step (``TopKChunks.select``): an estimate of the norm of the members' summed velocity, where
-  the sum of their norms would also count the noise that cancels between them.
 
   Measured: on full-batch digits within 1 point of uncompressed momentum SGD; on minibatch
   ``hard_shapes`` with a small ResNet without normalization it diverged at every setting tried;
@@ -183,7 +176,7 @@ def momentum_correction(axis_name, *, compression=None, momentum: float = 0.9,
       means[dtype], velocity[dtype], residual[dtype] = corrected_mean(
           groups.flat(state.velocity, dtype), g, groups.flat(state.residual, dtype), dtype,
           binding, algorithm, compression, momentum=m, nesterov=nesterov, masking=masking,
-          schedule=reduce, segments=groups.sizes(dtype), count=state.count)
+          schedule=reduce, segments=groups.sizes(dtype))
     leaves = groups.leaves
     others = [pmean(leaves[i], axis_name, algorithm="xla") if i in groups.others() else None
               for i in range(len(leaves))]

@@ -44,14 +44,13 @@ def _dense_part(compression):
 
 
 def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float | None = None,
-                  segments=None, key=None):
+                  segments=None):
   """``(mean, error, sent)`` of one member's flat accumulator-dtype buffer.
 
   ``error`` is this member's share of what the reduction left out (None: nothing); ``sent`` is a
   boolean mask of the values that were sent (None for a dense codec: all of them).
   ``density`` overrides the sparsifying codec's (the warm-up); ``segments`` are the sizes of the
-  tensors fused into ``flat`` (or None), for a per-tensor codec; ``key`` (:func:`selection_key`,
-  or None) is the step's key for ranking the chunks (``TopKChunks.select``).
+  tensors fused into ``flat`` (or None), for a per-tensor codec (``TopKChunks.select``).
   """
   p = binding.size
   codec = sparsifier(compression)
@@ -65,21 +64,12 @@ def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float |
     codec = dataclasses.replace(codec, density=density)
   dense = _dense_part(compression)
   idx = codec.select(flat, lambda v: engine.all_reduce_flat(v, v.dtype, binding, "xla", None)[0],
-                     segments, key)
+                     segments)
   total, err = codec.reduce_selected(
       flat, idx, want_error=True,
       reduce_dense=lambda buf, want: engine.all_reduce_flat(buf, dtype, binding, algorithm, dense,
                                                             want_error=want))
   return total / jnp.asarray(p, flat.dtype), err, codec.sent_mask(flat.shape[0], idx)
-
-
-_SELECTION_SEED = 0x6A72
-
-
-def selection_key(count) -> jax.Array:
-  """The key of step ``count``'s chunk ranking (``TopKChunks.select``): the same on every member,
-  since every member holds the same count, and new each step."""
-  return jax.random.fold_in(jax.random.key(_SELECTION_SEED), jnp.asarray(count, jnp.uint32))
 
 
 def warmup_densities(compression, warmup_steps: int, start: float) -> tuple[float, ...]:

@@ -74,7 +74,6 @@ class StepContext:
   buckets: list[Bucket] | None = None
   calls: int = 0
   shard: ShardedParams | None = None  # with shard="optimizer"/"params": how the params are split
-  count: Any = None         # the state's step (int32 scalar), or None: momentum correction's key
 
 
 @dataclasses.dataclass(frozen=True)

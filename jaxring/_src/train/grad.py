@@ -61,12 +61,9 @@ def _split(flat, like: Sequence, dtype=None):
   return out
 
 
-def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, check_finite: bool,
-                  count=None):
+def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, check_finite: bool):
   """Mean of one bucket's cotangents over the replicas, in one collective.
 
-  ``count``: the state's step number (momentum correction ranks a sparsifying codec's chunks by
-  projections drawn for it), or None.
   Returns ``(means, new_residuals or None, token, local non-finite flag or None)``.
   """
   dtype = jnp.dtype(cts[0].dtype)
@@ -78,8 +75,7 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
   if check_finite:
     nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(flat))).astype(jnp.float32)
   if residuals is not None and cfg.corrects_momentum:
-    return _reduce_bucket_with_momentum(cfg, cts, flat, residuals, tok, dtype, count) + (
-        nonfinite,)
+    return _reduce_bucket_with_momentum(cfg, cts, flat, residuals, tok, dtype) + (nonfinite,)
   if residuals is not None:
     flat = flat + jnp.concatenate([jnp.ravel(r).astype(acc) for r in residuals])
   flat = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
@@ -97,8 +93,7 @@ def _segments(cts: Sequence) -> tuple[int, ...]:
   return engine.segment_sizes(cts) + (1,)
 
 
-def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residuals, tok, dtype,
-                                 count=None):
+def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residuals, tok, dtype):
   """reduce_bucket's momentum-corrected form: the velocity is accumulated before compression
   (jaxring.momentum_correction's rule, one source: corrected_mean)."""
   acc = flat.dtype
@@ -109,7 +104,7 @@ def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residua
   binding = engine.bind(cfg.axes, "value_and_grad")
   mean, u, r = corrected_mean(u, g, r, dtype, binding, cfg.algorithm, cfg.compression,
                               momentum=float(cfg.momentum), nesterov=cfg.nesterov,
-                              masking="flush", segments=_segments(cts), count=count)
+                              masking="flush", segments=_segments(cts))
   like = [x[0] for x in residuals]
   new_res = [jnp.stack([a, b]) for a, b in zip(_split(r[:-1], like), _split(u[:-1], like))]
   return _split(mean[:-1], cts), new_res, (mean[-1] * replica_count(cfg.axes)).astype(jnp.float32)
@@ -119,21 +114,21 @@ def _bucket_identity(cfg: ReduceConfig, check_finite: bool):
   """Identity on (leaves, token) whose backward rule reduces the leaves' cotangents."""
 
   @jax.custom_vjp
-  def ident(leaves, residuals, tok, inv_scale, flag, count):
-    del residuals, inv_scale, flag, count
+  def ident(leaves, residuals, tok, inv_scale, flag):
+    del residuals, inv_scale, flag
     return leaves, tok
 
-  def fwd(leaves, residuals, tok, inv_scale, flag, count):
+  def fwd(leaves, residuals, tok, inv_scale, flag):
     del flag
-    return (leaves, tok), (residuals, inv_scale, tok, count)
+    return (leaves, tok), (residuals, inv_scale, tok)
 
   def bwd(saved, cts):
-    residuals, inv_scale, tok, count = saved
+    residuals, inv_scale, tok = saved
     ct_leaves, ct_tok = cts
     means, new_res, tok_out, nonfinite = reduce_bucket(cfg, ct_leaves, residuals, ct_tok,
-                                                       inv_scale, check_finite, count)
+                                                       inv_scale, check_finite)
     return (tuple(means), None if new_res is None else tuple(new_res), tok_out.astype(tok.dtype),
-            None if inv_scale is None else jnp.zeros_like(inv_scale), nonfinite, None)
+            None if inv_scale is None else jnp.zeros_like(inv_scale), nonfinite)
 
   ident.defvjp(fwd, bwd)
   return ident
@@ -159,7 +154,7 @@ def _caller(fun, args, kwargs, argnums, treedef, policy: Policy | None):
 
 
 def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_scale, check,
-                               shard: ShardedParams | None = None, count=None):
+                               shard: ShardedParams | None = None):
   """Passes each bucket through its reducing identity, chained by the token in forward order.
 
   A bucket of split leaves (``shard``) goes through jaxring._src.train.fsdp's identity instead:
@@ -178,7 +173,7 @@ def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_
       full = None if shard.full is None else tuple(shard.full[i] for i in b.indices)
       out, tok = ident(blocks, full, res, tok, inv_scale, flag)
     else:
-      out, tok = _bucket_identity(cfg, check)(blocks, res, tok, inv_scale, flag, count)
+      out, tok = _bucket_identity(cfg, check)(blocks, res, tok, inv_scale, flag)
     for i, x in zip(b.indices, out):
       diff_leaves[i] = x
   return diff_leaves
@@ -254,7 +249,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   def inner(diff_leaves, residuals, flags):
     if overlap:
       diff_leaves = _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags,
-                                               inv_scale, check, shard, ctx.count)
+                                               inv_scale, check, shard)
     out = call(diff_leaves)
     check_output(out, has_aux)
     loss, aux = out if has_aux else (out, None)
@@ -272,7 +267,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
       inner, argnums=(0, 1, 2), has_aux=True)(leaves, res_leaves, flags)
   if not overlap:
     g_leaves, g_res, g_flags = _reduce_after_backward(cfg, buckets, g_leaves, res_leaves,
-                                                      inv_scale, check, ctx.count)
+                                                      inv_scale, check)
   if cfg.uses_residuals:
     ctx.new_residuals = jax.tree_util.tree_unflatten(treedef, list(g_res))
   if check:
@@ -285,7 +280,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   return value, grads
 
 
-def _reduce_after_backward(cfg, buckets, grads, residuals, inv_scale, check, count=None):
+def _reduce_after_backward(cfg, buckets, grads, residuals, inv_scale, check):
   """The baseline: the same buckets, reduced one after another once backprop has finished."""
   grads = list(grads)
   new_res = None if residuals is None else list(residuals)
@@ -294,7 +289,7 @@ def _reduce_after_backward(cfg, buckets, grads, residuals, inv_scale, check, cou
   for b in buckets:
     res = None if residuals is None else [residuals[i] for i in b.indices]
     means, nr, tok, nonfinite = reduce_bucket(cfg, [grads[i] for i in b.indices], res, tok,
-                                              inv_scale, check, count)
+                                              inv_scale, check)
     for j, i in enumerate(b.indices):
       grads[i] = means[j]
       if nr is not None:

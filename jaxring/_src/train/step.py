@@ -271,8 +271,7 @@ class TrainStep:
       residuals = jax.tree_util.tree_map(lambda r: r[0], residuals)
     scaling = cfg.policy is not None and cfg.policy.loss_scaling
     ctx = StepContext(cfg, residuals=residuals,
-                      loss_scale=state.loss_scale.scale if scaling else None,
-                      count=_step_count(state))
+                      loss_scale=state.loss_scale.scale if scaling else None)
     user_state = state
     if cfg.shard != "none":
       ctx.shard, user_state = self._sharded_view(state)
@@ -340,14 +339,6 @@ def _finite(finite):
   return jnp.asarray(True) if finite is None else finite
 
 
-def _step_count(state):
-  """The state's integer step count (flax's ``TrainState.step``) as int32, or None without one."""
-  step = getattr(state, "step", None)
-  if step is None or not jnp.issubdtype(jnp.result_type(step), jnp.integer) or jnp.ndim(step):
-    return None
-  return jnp.asarray(step).astype(jnp.int32)
-
-
 def _without_residuals(state):
   """``state`` with no residuals: what the jitted step and the user's function see."""
   if getattr(state, "residuals", None) is None:
@@ -389,8 +380,7 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       the state's optimizer must then be momentum-free (``optax.sgd(lr)``). Needed for momentum
       with ``topk_chunks``, where momentum in the optimizer is refused (it trains to chance).
       The velocity is kept beside the residuals (``state.residuals`` leaves ``(replicas, 2,
-      *shape)``) and checkpointed with them. A sparsifying codec's chunks are ranked by random
-      projections drawn from the state's integer ``step`` (by summed norms if it has none).
+      *shape)``) and checkpointed with them.
     nesterov: Nesterov momentum (with ``momentum``).
     shard: ``"none"`` (replicated state), ``"optimizer"`` (ZeRO-1/2: optimizer state split over
       the replicas, gradients reduce-scattered, parameters all-gathered after the update) or
