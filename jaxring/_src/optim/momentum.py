@@ -118,10 +118,11 @@ def momentum_correction(axis_name, *, compression=None, momentum: float = 0.9,
 
   Measured: on full-batch digits within 1 point of uncompressed momentum SGD; on minibatch
   ``hard_shapes`` with a small ResNet without normalization it diverged at every setting tried;
-  with GroupNorm and a cosine schedule it trains, but 2.1 points under uncompressed on the mean
-  of 8 seeds with the chunks chosen per tensor (``topk_chunks``' default; 5.5 points over 4
-  seeds with ``per_tensor=False``; docs/benchmarks.md, "Convergence with compression"). On such
-  tasks use int8, or Adam over top-k (:func:`jaxring.compressed_adam`).
+  with GroupNorm and a cosine schedule it trains, but 2.8 points under uncompressed on the
+  median of 8 seeds (5.0 on their mean: one seed ended at 71%) with the chunks chosen per tensor
+  (``topk_chunks``' default; 5.5 points on the mean of 4 seeds with ``per_tensor=False``;
+  docs/benchmarks.md, "Convergence with compression"). On such tasks use int8, or Adam over
+  top-k (:func:`jaxring.compressed_adam`).
 
   Args:
     axis_name: mapped axis name or tuple of names to average over.
