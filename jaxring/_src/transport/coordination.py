@@ -24,6 +24,7 @@ from jaxring._src.transport import flight_recorder, launches
 from jaxring._src.transport.watchdog import Watchdog
 
 _KV_PREFIX = "jaxring/peer/"
+_PREFIX = "jaxring.distributed: "   # of every line this module prints for a failing job
 
 
 def global_state():
@@ -194,11 +195,10 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
     _publish_failure(heartbeats, summary)
   deadline = time.monotonic() + watchdog.timeout + 2 * watchdog.interval
   lines = []
-  if lost_peer:
-    # the peer may have left because its own watchdog spoke before ours (both judge the same
-    # stuck collective): what this process saw of it still holds
-    seen = watchdog.stuck(gone=True)
-    lines += [seen] if seen else []
+  # the peer may have left because its own watchdog spoke before ours (both judge the same stuck
+  # collective): what this process saw of it still holds
+  if lost_peer and (seen := watchdog.stuck(gone=True)):
+    lines.append(seen)
   others = set(range(watchdog.n)) - {watchdog.me}
   while time.monotonic() < deadline:
     try:
@@ -219,7 +219,7 @@ def _diagnose_and_exit(watchdog: Watchdog) -> None:
   if lost_peer:
     _publish_failure(heartbeats, "; ".join([summary, *lines[:1]]))
   lines = lines or ["no other process reported a failure"]
-  heartbeats.leave("\n".join(f"jaxring.distributed: {line}" for line in
+  heartbeats.leave("\n".join(f"{_PREFIX}{line}" for line in
                              [f"process {watchdog.me} of {watchdog.n} raised {summary}", *lines]),
                    watchdog)
 
@@ -236,9 +236,8 @@ def _said(message: str) -> str:
     >>> _said("jaxring.distributed: process 1 of 2 is stuck.\\njaxring.distributed: more")
     'process 1 of 2 is stuck.; more'
   """
-  prefix = "jaxring.distributed: "
-  return "; ".join(line.strip()[len(prefix):] if line.strip().startswith(prefix) else
-                   line.strip() for line in message.splitlines() if line.strip())
+  lines = (line.strip() for line in message.splitlines())
+  return "; ".join(line.removeprefix(_PREFIX) for line in lines if line)
 
 
 def _publish_failure(heartbeats, summary: str) -> None:
