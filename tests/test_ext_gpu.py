@@ -103,9 +103,10 @@ def test_int8_block_sizes(block):
     same(a, b)
 
 
-@pytest.mark.parametrize("n", [1000, 1001])
+@pytest.mark.parametrize("n", [1000, 1001, 1024])
 def test_batched_rows(n):
-  """vmap gives the kernels rows: each row's blocks and seed are its own (vector path at 1000)."""
+  """vmap gives the kernels rows: each row's blocks and seed are its own (vector path at 1000;
+  at 1024 the blocks tile every row, so dequantize takes its elementwise path over all rows)."""
   x = np.stack([data(n, r) for r in range(3)])
   p = np.stack([data(n, 10 + r) for r in range(3)])
   quant = jax.vmap(lambda x: ext.quantize_int8(x, 256, True, 3))
@@ -115,8 +116,9 @@ def test_batched_rows(n):
   hop = jax.vmap(lambda q, s, p: ext.ring_hop_int8(q, s, p, 256, True, 4))
   for a, b in zip(on_gpu(hop, q, s, p), on_cpu(hop, q, s, p)):
     same(a, b)
-  deq = jax.vmap(lambda q, s: ext.dequantize_int8(q, s, 256, jnp.bfloat16))
-  same(on_gpu(deq, q, s), on_cpu(deq, q, s))
+  for dtype in DTYPES:
+    deq = jax.vmap(lambda q, s: ext.dequantize_int8(q, s, 256, dtype))  # noqa: B023
+    same(on_gpu(deq, q, s), on_cpu(deq, q, s))
   norms = jax.vmap(lambda x: ext.chunk_norms(x, 100))
   np.testing.assert_allclose(on_gpu(norms, x), on_cpu(norms, x), rtol=2e-7)
 

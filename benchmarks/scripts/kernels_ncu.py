@@ -7,6 +7,7 @@ their time (``gpu__time_duration.sum``) and DRAM throughput as a share of the ca
 the device, so that no other kernel runs in the process.
 
   python benchmarks/scripts/kernels_ncu.py --out ncu.json            # every case, 64 M elements
+  python benchmarks/scripts/kernels_ncu.py --only dequantize_int8_f32 dequantize_int8_bf16
   python benchmarks/scripts/kernels_ncu.py --case ring_hop_int8 --impl ext   # one, for ncu
 """
 from __future__ import annotations
@@ -42,6 +43,8 @@ def _case(name: str, impl: str, n: int):
       "quantize_int8_f32_stochastic":
           (lambda v: k.quantize_int8(v, BLOCK, stochastic=True, seed=1), (x,)),
       "dequantize_int8_f32": (lambda a, b: k.dequantize_int8(a, b, BLOCK), (q, s)),
+      "dequantize_int8_bf16":
+          (lambda a, b: k.dequantize_int8(a, b, BLOCK, ml_dtypes.bfloat16), (q, s)),
       "ring_hop_int8": (lambda a, b, c: k.ring_hop_int8(a, b, c, BLOCK), (q, s, x)),
       "ring_hop_int8_last": (lambda a, b, c: k.ring_hop_int8_last(a, b, c, BLOCK), (q, s, x)),
       "ring_hop_cast_bf16": (k.ring_hop_cast, (bf, x)),
@@ -49,7 +52,7 @@ def _case(name: str, impl: str, n: int):
 
 
 CASES = ["quantize_int8_f32", "quantize_int8_bf16", "quantize_int8_f32_stochastic",
-         "dequantize_int8_f32", "ring_hop_int8", "ring_hop_int8_last", "ring_hop_cast_bf16"]
+         "dequantize_int8_f32", "dequantize_int8_bf16", "ring_hop_int8", "ring_hop_int8_last", "ring_hop_cast_bf16"]
 
 
 def run_one(name: str, impl: str, n: int) -> None:
@@ -100,13 +103,14 @@ def main() -> int:
   ap.add_argument("--elements", type=int, default=64 << 20)
   ap.add_argument("--ncu", default="ncu")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--only", nargs="+", choices=CASES, default=CASES, help="cases to profile")
   args = ap.parse_args()
   if args.case:
     run_one(args.case, args.impl, args.elements)
     return 0
   results = []
   print(f"{'case':30s} {'jaxring us':>11s} {'% peak':>7s} {'XLA us':>8s} {'% peak':>7s} {'ratio':>6s}")
-  for name in CASES:
+  for name in args.only:
     e, r = (profile(name, impl, args.elements, args.ncu) for impl in ("ext", "ref"))
     results += [e, r]
     ratio = e["time_us"] / r["time_us"] if r["time_us"] else float("nan")
