@@ -68,7 +68,7 @@ def test_every_gradient_gets_momentum_sgds_total_weight(name, nesterov):
   m, steps, n = 0.9, 30, 1500
   g = gradients(0, steps, n)
   tx = jaxring.momentum_correction("d", algorithm="ring", compression=CODECS[name], momentum=m,
-                                   nesterov=nesterov)
+                                   nesterov=nesterov, clip_norm=None)
   applied, state = run(tx, g)
   c = (m * m if nesterov else m) / (1 - m)
   pending = (np.asarray(state.residual, np.float64) + c * np.asarray(state.velocity, np.float64))
@@ -84,7 +84,8 @@ def test_every_gradient_gets_momentum_sgds_total_weight(name, nesterov):
 def test_uncompressed_it_is_momentum_sgd(nesterov):
   m, steps, n = 0.9, 12, 300
   g = gradients(1, steps, n)
-  applied, _ = run(jaxring.momentum_correction("d", momentum=m, nesterov=nesterov), g)
+  applied, _ = run(jaxring.momentum_correction("d", momentum=m, nesterov=nesterov,
+                                               clip_norm=None), g)
   u = np.zeros(n)
   for t, gt in enumerate(np.asarray(g, np.float64).mean(1)):
     u = m * u + gt
@@ -110,6 +111,61 @@ def test_local_clipping_bounds_each_members_gradient():
   limit = 1.0 / np.sqrt(8)
   want = (gl * np.minimum(1, limit / np.linalg.norm(gl, axis=1))[:, None]).mean(0)
   np.testing.assert_allclose(applied[0], want, rtol=1e-5, atol=1e-7)
+
+
+def _auto_clip_reference(g):
+  """float64 NumPy: clip_norm="auto" for each member of g [T, members, n]; returns the applied
+  means [T, n] (momentum 0, no codec) and each member's final running norm."""
+  from jaxring._src.optim.momentum import AUTO_CLIP_DECAY, AUTO_CLIP_FACTOR
+  g = np.asarray(g, np.float64)
+  avg = np.zeros(g.shape[1])
+  applied = []
+  for gt in g:
+    norm = np.linalg.norm(gt, axis=1)
+    limit = np.where(avg > 0, AUTO_CLIP_FACTOR * avg, np.inf)
+    applied.append((gt * np.minimum(1, limit / norm)[:, None]).mean(0))
+    kept = np.minimum(norm, limit)
+    avg = np.where(avg > 0, AUTO_CLIP_DECAY * avg + (1 - AUTO_CLIP_DECAY) * kept, kept)
+  return np.stack(applied), avg
+
+
+def test_auto_clipping_follows_each_members_running_norm():
+  """Spikes of 30x on some members and steps are cut to twice the member's running norm; the
+  rest pass; each member's running norm is its own."""
+  steps, n = 60, 128
+  g = np.asarray(gradients(4, steps, n)) * np.linspace(0.5, 2.0, 8)[None, :, None]
+  rng = np.random.RandomState(0)
+  spikes = rng.rand(steps, 8) < 0.1
+  g = jnp.asarray(np.where(spikes[..., None], 30 * g, g), jnp.float32)
+  applied, state = run(jaxring.momentum_correction("d", momentum=0.0, clip_norm="auto"), g)
+  want, avg = _auto_clip_reference(g)
+  np.testing.assert_allclose(applied, want, rtol=2e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(state.grad_norm), avg, rtol=2e-5)
+  assert np.abs(applied).max() < 0.2 * np.abs(np.asarray(g).mean(1)).max()  # spikes were cut
+
+
+def test_clipping_is_auto_by_default():
+  g = np.array(gradients(6, 20, 64))
+  g[10, 3] *= 50                         # one member's spike
+  codec = codecs.topk_chunks(0.25, 8)
+  default, auto, off = (
+      run(jaxring.momentum_correction("d", algorithm="ring", compression=codec, **kw),
+          jnp.asarray(g))[0] for kw in ({}, {"clip_norm": "auto"}, {"clip_norm": None}))
+  np.testing.assert_array_equal(default, auto)
+  assert np.abs(off[10:]).max() > 3 * np.abs(auto[10:]).max()
+
+
+def test_auto_clipping_passes_a_nonfinite_gradient_and_keeps_its_average():
+  steps, n = 4, 64
+  g = np.array(gradients(5, steps, n))
+  g[3, 2, 7] = np.nan                   # member 2, the last step
+  applied, state = run(jaxring.momentum_correction("d", momentum=0.0, clip_norm="auto"),
+                       jnp.asarray(g))
+  assert np.isnan(applied[3, 7])
+  assert np.isfinite(applied[:3]).all() and np.isfinite(np.delete(applied[3], 7)).all()
+  before, after = _auto_clip_reference(g[:3])[1], _auto_clip_reference(g[:, [0, 1, 3]])[1]
+  np.testing.assert_allclose(np.asarray(state.grad_norm)[2], before[2], rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(state.grad_norm)[[0, 1, 3]], after, rtol=2e-5)
 
 
 def test_quotas_share_the_global_count_between_tensors_by_size():
@@ -314,6 +370,9 @@ def test_bad_arguments():
     jaxring.momentum_correction("d", momentum=1.0)
   with pytest.raises(ValueError, match="masking must be one of"):
     jaxring.momentum_correction("d", masking="half")
+  for bad in ("adaptive", 0.0, -1):
+    with pytest.raises(ValueError, match="clip_norm must be None, 'auto' or positive"):
+      jaxring.momentum_correction("d", clip_norm=bad)
   with pytest.raises(ValueError, match="per_tensor must be True or False"):
     codecs.topk_chunks(0.01, per_tensor="yes")
   with pytest.raises(ValueError, match="warmup_steps must be >= 1"):

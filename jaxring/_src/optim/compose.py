@@ -57,7 +57,7 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
                          warmup_steps: int = 0, warmup_density: float = 0.25,
                          adam_warmup_steps: int = 100,
                          adam_variance_every: int = 5,
-                         clip_norm: float | None = None,
+                         clip_norm: float | str | None = "auto",
                          masking: str = "flush") -> optax.GradientTransformation:
   """A data-parallel optimizer that reduces its gradients over ``axis_name`` and converges.
 
@@ -83,7 +83,8 @@ def compressed_optimizer(name: str, learning_rate, axis_name, *, compression=Non
     adam_warmup_steps: exact Adam steps before compressed Adam freezes the variance.
     adam_variance_every: compressed Adam refreshes the variance exactly every this many steps
       (0: frozen).
-    clip_norm: momentum correction's local gradient clipping (None: none).
+    clip_norm: momentum correction's local gradient clipping: a norm, ``"auto"`` or None (see
+      its docstring).
     masking: momentum correction's treatment of sent chunks (see its docstring).
 
   Returns:

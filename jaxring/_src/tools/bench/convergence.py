@@ -74,7 +74,7 @@ def naive_optimizer(name, lr, axis, codec, error_feedback: bool):
 
 
 def supported_optimizer(name, lr, axis, codec, *, warmup_steps: int = 0, adam_warmup: int = 100,
-                        adam_variance_every: int = 5, clip_norm: float | None = None,
+                        adam_variance_every: int = 5, clip_norm: float | str | None = "auto",
                         warmup_density: float = 0.25, masking: str = "flush"):
   """The composition jaxring supports for optimizer ``name`` over ``codec`` (see the README)."""
   import jaxring as jr
@@ -288,7 +288,8 @@ def learning_rate(peak: float, schedule: str, steps: int):
 
 def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps: int,
         adam_warmup: int, adam_variance_every: int, seeds: int = 1, modes=("EF", "no EF"),
-        model: str = "resnet", clip_norm: float | None = None, lr_override: float | None = None,
+        model: str = "resnet", clip_norm: float | str | None = "auto",
+        lr_override: float | None = None,
         warmup_density: float = 0.25, masking: str = "flush",
         schedule: str = "constant", per_tensor: bool = True,
         first_seed: int = 0) -> list[dict]:
@@ -340,6 +341,15 @@ def run(task: str, optimizers, codecs, steps: int, chunk_size: int, warmup_steps
   return rows
 
 
+def _clip_norm(text: str) -> float | str | None:
+  if text in ("auto", "none"):
+    return None if text == "none" else text
+  value = float(text)
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"a positive norm, 'auto' or 'none', got {text!r}")
+  return value
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="jaxring bench convergence", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,8 +357,9 @@ def main(argv=None) -> int:
                       help="digits (MLP, full batch) or shapes (hard_shapes, --model)")
   parser.add_argument("--model", default="resnet", choices=sorted(MODELS),
                       help="the shapes task's model")
-  parser.add_argument("--clip-norm", type=float, default=0.0,
-                      help="momentum correction's local gradient clipping (0: none)")
+  parser.add_argument("--clip-norm", type=_clip_norm, default="auto",
+                      help="momentum correction's local gradient clipping: 'auto' (default: "
+                           "twice each member's running norm), a norm, or 'none'")
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
   parser.add_argument("--codecs", default=",".join(CODECS), help="bf16, int8, topk (1%%)")
   parser.add_argument("--steps", type=int, default=0, help="0: the task's default")
@@ -393,7 +404,7 @@ def main(argv=None) -> int:
         f"{chunk}-value chunks; compressed Adam: {adam_warmup} exact steps, variance every "
         f"{args.adam_variance_every}; test accuracy (%)", flush=True)
   rows = run(args.task, optimizers, codecs, steps, chunk, args.warmup_steps, adam_warmup,
-             args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm or None,
+             args.adam_variance_every, args.seeds, modes, args.model, args.clip_norm,
              lr_override=args.lr or None, warmup_density=args.warmup_density,
              masking=args.masking, schedule=args.schedule, per_tensor=args.per_tensor,
              first_seed=args.first_seed)
