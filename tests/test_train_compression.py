@@ -9,6 +9,7 @@ from jax.sharding import AxisType, Mesh
 
 import jaxring
 import jaxring.train as jt
+from jaxring._src.train.grad import momentum_parts
 
 
 class MLP(nn.Module):
@@ -119,7 +120,8 @@ def test_momentum_in_the_step_gives_every_gradient_momentum_sgds_weight(nesterov
   state = jt.TrainState.create(apply_fn=model.apply, params=p0, tx=optax.sgd(1.0))
 
   @jt.train_step(mesh, bucket_bytes=8192, algorithm="ring", momentum=m, nesterov=nesterov,
-                 compression=jaxring.codecs.topk_chunks(density=0.25, chunk_size=64))
+                 compression=jaxring.codecs.topk_chunks(density=0.25, chunk_size=64),
+                 clip_norm=None)
   def step(state, batch):
     loss, grads = jt.value_and_grad(lambda p: _loss(state.apply_fn, p, batch))(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
@@ -140,11 +142,54 @@ def test_momentum_in_the_step_gives_every_gradient_momentum_sgds_weight(nesterov
   for a, r, e in zip(jax.tree.leaves(applied_sum), jax.tree.leaves(state.residuals),
                      jax.tree.leaves(exact_sum)):
     r = np.asarray(r, np.float64)
-    assert r.shape == (8, 2) + e.shape   # per replica: residual, velocity
-    pending = (r[:, 0] + c * r[:, 1]).mean(0)
+    assert r.shape == (8, 2 * e.size + 1)   # per replica: residual, velocity, running norm
+    res, vel = (np.stack([p[j] for p in (momentum_parts(x, e.size) for x in r)]) for j in (0, 1))
+    pending = (res + c * vel).mean(0).reshape(e.shape)
     np.testing.assert_allclose(a + pending, e / (1 - m), atol=2e-4)
     held |= np.abs(pending).max() > 1e-3
   assert held
+
+
+def test_momentum_step_clips_each_tensor_to_twice_its_running_norm():
+  """clip_norm="auto" (the default) per tensor and replica, against float64: momentum SGD on
+  the clipped local gradients (no codec: the mean is exact), and the running norms it keeps."""
+  from jaxring._src.optim.momentum import AUTO_CLIP_DECAY, AUTO_CLIP_FACTOR
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+  sizes = {"a": 256, "b": 128}
+  state = jt.TrainState.create(apply_fn=None, params={k: jnp.zeros(n) for k, n in sizes.items()},
+                               tx=optax.sgd(1.0))
+
+  @jt.train_step(mesh, algorithm="ring", momentum=0.9)
+  def step(state, batch):   # replica i's gradient of tensor k is batch[k][i]
+    loss, grads = jt.value_and_grad(lambda p: sum(
+        jnp.sum(p[k] * batch[k].mean(0)) for k in p))(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  rng = np.random.RandomState(0)
+  steps = 30
+  data = {k: rng.randn(steps, 8, n) * (1 + rng.rand(1, 8, 1)) for k, n in sizes.items()}
+  for k in data:   # a tensor's spike on one replica at a time
+    data[k] *= np.where(rng.rand(steps, 8, 1) < 0.1, 30.0, 1.0)
+  avg = {k: np.zeros(8) for k in sizes}
+  vel = {k: np.zeros((8, n)) for k, n in sizes.items()}
+  cut = 0
+  for t in range(steps):
+    before = jax.tree.map(np.asarray, state.params)
+    state, _ = step(state, {k: data[k][t].astype(np.float32) for k in sizes})
+    for k in sizes:
+      g = data[k][t]
+      norm = np.linalg.norm(g, axis=1)
+      limit = np.where(avg[k] > 0, AUTO_CLIP_FACTOR * avg[k], np.inf)
+      cut += int((norm > limit).sum())
+      kept = np.minimum(norm, limit)
+      avg[k] = np.where(avg[k] > 0, AUTO_CLIP_DECAY * avg[k] + (1 - AUTO_CLIP_DECAY) * kept, kept)
+      vel[k] = 0.9 * vel[k] + g * np.minimum(1, limit / norm)[:, None]
+      np.testing.assert_allclose(before[k] - np.asarray(state.params[k]), vel[k].mean(0),
+                                 rtol=1e-4, atol=1e-4 * np.abs(vel[k]).max())
+  assert cut >= 10   # the spikes were clipped
+  for k, n in sizes.items():
+    leaf = np.asarray(state.residuals[k])
+    np.testing.assert_allclose([momentum_parts(x, n)[2] for x in leaf], avg[k], rtol=1e-5)
 
 
 def test_momentum_in_the_step_refuses_a_second_momentum_and_topk_refuses_stateful_optimizers():
@@ -204,8 +249,10 @@ def test_topk_momentum_step_resumes_bit_for_bit_from_a_checkpoint(tmp_path):
     return [np.asarray(x) for x in jax.tree.leaves((state.step, state.params, state.residuals))]
   for a, b in zip(leaves(straight), leaves(resumed), strict=True):
     np.testing.assert_array_equal(a, b)
-  velocity = np.asarray(jax.tree.leaves(resumed.residuals)[0])[:, 1]
-  assert np.abs(velocity).max() > 0
+  leaf = np.asarray(jax.tree.leaves(resumed.residuals)[0])
+  size = (leaf.shape[1] - 1) // 2
+  assert np.abs(leaf[:, size:2 * size]).max() > 0        # the velocity
+  assert (leaf[:, 2 * size] > 0).all()                   # the running gradient norm
 
 
 def test_one_replica_with_a_codec_is_exact_and_keeps_its_placement(monkeypatch):

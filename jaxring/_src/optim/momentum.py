@@ -84,15 +84,22 @@ def clip_local(flats: dict, clip_norm, members: int, grad_norm):
     return flats, grad_norm
   norm = sparse.global_norm(flats)
   if clip_norm == "auto":
-    started = grad_norm > 0
-    limit = jnp.where(started, AUTO_CLIP_FACTOR * grad_norm, jnp.inf)
-    kept = jnp.minimum(norm, limit)
-    average = jnp.where(started, AUTO_CLIP_DECAY * grad_norm + (1 - AUTO_CLIP_DECAY) * kept, kept)
-    grad_norm = jnp.where(jnp.isfinite(norm), average, grad_norm)
+    scale, grad_norm = auto_clip(norm, grad_norm)
   else:
     limit = jnp.float32(float(clip_norm) / members ** 0.5)
-  scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
+    scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
   return {d: f * scale.astype(f.dtype) for d, f in flats.items()}, grad_norm
+
+
+def auto_clip(norms, averages):
+  """``clip_norm="auto"`` elementwise: ``(scales, new averages)`` for gradients of ``norms``
+  given the running ``averages`` of earlier clipped norms (0: none yet, no limit)."""
+  started = averages > 0
+  limit = jnp.where(started, AUTO_CLIP_FACTOR * averages, jnp.inf)
+  kept = jnp.minimum(norms, limit)
+  new = jnp.where(started, AUTO_CLIP_DECAY * averages + (1 - AUTO_CLIP_DECAY) * kept, kept)
+  new = jnp.where(jnp.isfinite(norms), new, averages)   # a non-finite step leaves it
+  return jnp.where(norms > limit, limit / jnp.maximum(norms, 1e-30), 1.0), new
 
 
 MASKINGS = ("flush", "zero", "none")

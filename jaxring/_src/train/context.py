@@ -31,6 +31,7 @@ class ReduceConfig:
   policy: Policy | None = None
   momentum: float | None = None   # momentum correction in the reduction (jaxring._src.optim)
   nesterov: bool = False
+  clip_norm: str | None = "auto"  # momentum correction's clipping, per tensor ("auto" or None)
   shard: str = "none"             # "none" | "optimizer" | "params" (jaxring._src.train.sharding)
   param_compression: Any = None   # the parameters' all-gather codec (shard="params")
   hpz: bool = False               # shard="params": the backward pass gathers within the node
@@ -58,7 +59,8 @@ class ReduceConfig:
   @property
   def corrects_momentum(self) -> bool:
     """Whether each replica keeps a velocity beside its residual (then each residual leaf is
-    ``(2, *shape)``: the residual, then the velocity)."""
+    flat, ``(2 * size + 1,)``: the residual, the velocity, the tensor's running gradient norm;
+    jaxring._src.train.grad.momentum_parts)."""
     return self.error_feedback and bool(self.momentum)
 
 

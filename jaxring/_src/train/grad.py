@@ -27,7 +27,7 @@ from jax import lax
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.error_feedback import next_residual
-from jaxring._src.optim.momentum import corrected_mean
+from jaxring._src.optim.momentum import auto_clip, corrected_mean
 from jaxring._src.train.buckets import (
   Bucket,
   auto_bucket_bytes,
@@ -68,14 +68,15 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
   """
   dtype = jnp.dtype(cts[0].dtype)
   acc = accum_dtype(dtype)
-  flat = jnp.concatenate([jnp.ravel(c).astype(acc) for c in cts])
+  grads = [jnp.ravel(c).astype(acc) for c in cts]
   if inv_scale is not None:
-    flat = flat * inv_scale.astype(acc)
+    grads = [g * inv_scale.astype(acc) for g in grads]
+  flat = jnp.concatenate(grads)
   nonfinite = None
   if check_finite:
     nonfinite = jnp.logical_not(jnp.all(jnp.isfinite(flat))).astype(jnp.float32)
   if residuals is not None and cfg.corrects_momentum:
-    return _reduce_bucket_with_momentum(cfg, cts, flat, residuals, tok, dtype) + (nonfinite,)
+    return _reduce_bucket_with_momentum(cfg, cts, grads, residuals, tok, dtype) + (nonfinite,)
   if residuals is not None:
     flat = flat + jnp.concatenate([jnp.ravel(r).astype(acc) for r in residuals])
   flat = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
@@ -93,20 +94,40 @@ def _segments(cts: Sequence) -> tuple[int, ...]:
   return engine.segment_sizes(cts) + (1,)
 
 
-def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, flat, residuals, tok, dtype):
+def momentum_parts(leaf, size: int):
+  """A momentum-corrected residual leaf (one replica's, flat): ``(residual, velocity, running
+  gradient norm)`` of a tensor of ``size`` values."""
+  return leaf[:size], leaf[size:2 * size], leaf[2 * size]
+
+
+def momentum_leaf_size(size: int) -> int:
+  """Values in a momentum-corrected residual leaf of a tensor of ``size`` values."""
+  return 2 * size + 1
+
+
+def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, grads, residuals, tok, dtype):
   """reduce_bucket's momentum-corrected form: the velocity is accumulated before compression
-  (jaxring.momentum_correction's rule, one source: corrected_mean)."""
-  acc = flat.dtype
+  (jaxring.momentum_correction's rule, one source: corrected_mean). With ``clip_norm="auto"``
+  each tensor's gradient is first clipped to twice the running average of its norm on this
+  replica (momentum_correction's auto rule, per tensor: the bucket is reduced before the rest of
+  the gradient exists)."""
+  acc = grads[0].dtype
+  parts = [momentum_parts(x, g.size) for x, g in zip(residuals, grads)]
+  norms = jnp.stack([p[2] for p in parts])
+  if cfg.clip_norm == "auto":
+    scales, norms = auto_clip(jnp.stack([jnp.linalg.norm(g) for g in grads]), norms)
+    grads = [g * s.astype(acc) for g, s in zip(grads, scales)]
   zero = jnp.zeros((1,), acc)
-  r = jnp.concatenate([jnp.ravel(x[0]).astype(acc) for x in residuals] + [zero])
-  u = jnp.concatenate([jnp.ravel(x[1]).astype(acc) for x in residuals] + [zero])
-  g = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
+  r = jnp.concatenate([p[0] for p in parts] + [zero])
+  u = jnp.concatenate([p[1] for p in parts] + [zero])
+  g = jnp.concatenate(grads + [jnp.reshape(tok, (1,)).astype(acc)])
   binding = engine.bind(cfg.axes, "value_and_grad")
   mean, u, r = corrected_mean(u, g, r, dtype, binding, cfg.algorithm, cfg.compression,
                               momentum=float(cfg.momentum), nesterov=cfg.nesterov,
                               masking="flush", segments=_segments(cts))
-  like = [x[0] for x in residuals]
-  new_res = [jnp.stack([a, b]) for a, b in zip(_split(r[:-1], like), _split(u[:-1], like))]
+  flat = [jnp.ravel(c) for c in cts]
+  new_res = [jnp.concatenate([a, b, n[None].astype(acc)])
+             for a, b, n in zip(_split(r[:-1], flat, acc), _split(u[:-1], flat, acc), norms)]
   return _split(mean[:-1], cts), new_res, (mean[-1] * replica_count(cfg.axes)).astype(jnp.float32)
 
 

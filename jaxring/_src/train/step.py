@@ -38,6 +38,7 @@ from jaxring._src.train.context import (
   step_context,
 )
 from jaxring._src.train.fsdp import gather_params
+from jaxring._src.train.grad import momentum_leaf_size
 from jaxring._src.train.precision import DynamicLossScale, as_policy, select_tree
 from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
 
@@ -170,9 +171,14 @@ class TrainStep:
 
   def _zero_residuals(self, params):
     r = self.num_replicas
-    lead = (r, 2) if self.config.corrects_momentum else (r,)
-    shapes = jax.tree_util.tree_map(lambda p: (lead + tuple(np.shape(p)), accum_dtype(p.dtype)),
-                                    params, is_leaf=lambda x: hasattr(x, "dtype"))
+
+    def shape(p):
+      if self.config.corrects_momentum:   # flat: residual, velocity, running norm
+        return (r, momentum_leaf_size(int(np.size(p))))
+      return (r, *np.shape(p))
+
+    shapes = jax.tree_util.tree_map(lambda p: (shape(p), accum_dtype(p.dtype)), params,
+                                    is_leaf=lambda x: hasattr(x, "dtype"))
     make = jax.jit(lambda: jax.tree_util.tree_map(lambda sd: jnp.zeros(*sd), shapes,
                                                   is_leaf=lambda x: isinstance(x, tuple)),
                    out_shardings=jax.tree_util.tree_map(lambda _: self._residual_sharding, params))
@@ -350,8 +356,8 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
                compression: Any = None, error_feedback: bool = True,
                bucket_bytes: int | str = 25 << 20,
                overlap: bool = True, donate: bool = True, precision: Any = None,
-               momentum: float | None = None, nesterov: bool = False, shard: str = "none",
-               hpz: bool = False):
+               momentum: float | None = None, nesterov: bool = False,
+               clip_norm: str | None = "auto", shard: str = "none", hpz: bool = False):
   """Turns a per-replica ``step(state, batch) -> (state, metrics)`` into a data-parallel step.
 
   The batch is split over the replicas along its leading axis; arguments after it
@@ -379,9 +385,14 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       reduction: each replica accumulates its velocity before compression, with error feedback;
       the state's optimizer must then be momentum-free (``optax.sgd(lr)``). Needed for momentum
       with ``topk_chunks``, where momentum in the optimizer is refused (it trains to chance).
-      The velocity is kept beside the residuals (``state.residuals`` leaves ``(replicas, 2,
-      *shape)``) and checkpointed with them.
+      The velocity is kept beside the residuals and checkpointed with them: ``state.residuals``
+      leaves are then ``(replicas, 2 * size + 1)``, each replica's residual, velocity and the
+      tensor's running gradient norm, flat (``jaxring._src.train.grad.momentum_parts``).
     nesterov: Nesterov momentum (with ``momentum``).
+    clip_norm: with ``momentum``, ``"auto"`` (default) clips each tensor's gradient on each
+      replica to twice the running average of its norm before it enters the velocity
+      (:func:`jaxring.momentum_correction`'s ``"auto"``, per tensor, since a bucket is reduced
+      before the rest of the gradient exists); None: no clipping.
     shard: ``"none"`` (replicated state), ``"optimizer"`` (ZeRO-1/2: optimizer state split over
       the replicas, gradients reduce-scattered, parameters all-gathered after the update) or
       ``"params"`` (FSDP/ZeRO-3: parameters split too, gathered bucket by bucket where the
@@ -423,12 +434,16 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
                      f"{mesh.axis_names}")
   if momentum is not None and not 0.0 <= float(momentum) < 1.0:
     raise ValueError(f"train_step: momentum must be None or in [0, 1), got {momentum!r}")
+  if clip_norm not in ("auto", None):
+    raise ValueError(f"train_step: clip_norm must be 'auto' or None (momentum correction's "
+                     f"per-tensor clipping), got {clip_norm!r}")
   if momentum and not error_feedback:
     raise ValueError("train_step: momentum= keeps each replica's velocity with its error-feedback "
                      "residual; it needs error_feedback=True")
   config = ReduceConfig(axes, algorithm, compression, error_feedback,
                         guards.validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
-                        momentum=momentum, nesterov=bool(nesterov), shard=shard,
+                        momentum=momentum, nesterov=bool(nesterov), clip_norm=clip_norm,
+                        shard=shard,
                         param_compression=param_compression, hpz=bool(hpz))
 
   def decorate(fn: Callable) -> TrainStep:
