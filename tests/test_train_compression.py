@@ -192,6 +192,12 @@ def test_momentum_step_clips_each_tensor_to_twice_its_running_norm():
     np.testing.assert_allclose([momentum_parts(x, n)[2] for x in leaf], avg[k], rtol=1e-5)
 
 
+def test_momentum_step_takes_auto_or_no_clipping():
+  for bad in (5.0, "adaptive"):
+    with pytest.raises(ValueError, match="clip_norm must be 'auto' or None"):
+      jt.train_step(momentum=0.9, clip_norm=bad)
+
+
 def test_momentum_in_the_step_refuses_a_second_momentum_and_topk_refuses_stateful_optimizers():
   model = MLP()
   p0 = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 16)))["params"]

@@ -120,6 +120,18 @@ def check_residuals(state) -> None:
     state.residuals.fresh = False  # warned once
 
 
+def validate_momentum(momentum, clip_norm, error_feedback: bool) -> None:
+  """train_step's momentum correction arguments (ValueError naming the one that is wrong)."""
+  if momentum is not None and not 0.0 <= float(momentum) < 1.0:
+    raise ValueError(f"train_step: momentum must be None or in [0, 1), got {momentum!r}")
+  if clip_norm not in ("auto", None):
+    raise ValueError(f"train_step: clip_norm must be 'auto' or None (momentum correction's "
+                     f"per-tensor clipping), got {clip_norm!r}")
+  if momentum and not error_feedback:
+    raise ValueError("train_step: momentum= keeps each replica's velocity with its error-feedback "
+                     "residual; it needs error_feedback=True")
+
+
 def validate_bucket_bytes(bucket_bytes) -> int | str:
   if bucket_bytes == "auto":
     return bucket_bytes

@@ -432,19 +432,11 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
   if mesh is not None and not set(axes) <= set(mesh.axis_names):
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "
                      f"{mesh.axis_names}")
-  if momentum is not None and not 0.0 <= float(momentum) < 1.0:
-    raise ValueError(f"train_step: momentum must be None or in [0, 1), got {momentum!r}")
-  if clip_norm not in ("auto", None):
-    raise ValueError(f"train_step: clip_norm must be 'auto' or None (momentum correction's "
-                     f"per-tensor clipping), got {clip_norm!r}")
-  if momentum and not error_feedback:
-    raise ValueError("train_step: momentum= keeps each replica's velocity with its error-feedback "
-                     "residual; it needs error_feedback=True")
+  guards.validate_momentum(momentum, clip_norm, error_feedback)
   config = ReduceConfig(axes, algorithm, compression, error_feedback,
                         guards.validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
                         momentum=momentum, nesterov=bool(nesterov), clip_norm=clip_norm,
-                        shard=shard,
-                        param_compression=param_compression, hpz=bool(hpz))
+                        shard=shard, param_compression=param_compression, hpz=bool(hpz))
 
   def decorate(fn: Callable) -> TrainStep:
     return TrainStep(fn, mesh, config, donate)
