@@ -1,5 +1,5 @@
 // The FFI handler symbols, one per target and platform (defined in cpu_handlers.cc and, when
-// CUDA is built, cuda_kernels.cu). ext.cc hands them to Python.
+// CUDA is built, cuda_handlers.cu). ext.cc hands them to Python.
 #ifndef JAXRING_XLA_EXT_HANDLERS_H_
 #define JAXRING_XLA_EXT_HANDLERS_H_
 

@@ -1,9 +1,11 @@
 // Layouts of the int8 dequantize kernel timed side by side on one GPU (CUDA events, median of 11
 // samples of 20 launches, 64 M codes, 256-code blocks), each output checked bit for bit against a
-// host reference after the buffer is poisoned. Decides how xla_ext/cuda_kernels.cu lays out
-// jaxring_dequantize_int8; it is not part of the library.
+// host reference after the buffer is poisoned. Decides how xla_ext/cuda_kernels.cuh lays out
+// jaxring_dequantize_int8; it is not part of the library. The "flat" rows run the library's own
+// DequantizeFlatKernel at each layout.
 //
-//   nvcc -O3 -arch=sm_90 --fmad=false -o /tmp/dv benchmarks/scripts/dequantize_variants.cu && /tmp/dv
+//   nvcc -O3 -arch=sm_90 --fmad=false -std=c++17 -o /tmp/dv \
+//       benchmarks/scripts/dequantize_variants.cu && /tmp/dv
 //
 // Variants: "warp" gives each warp one quantization block (4 codes per lane access, the layout
 // shipped before); "flat V×U" lets each thread take U accesses of V codes, the U accesses a thread
@@ -20,6 +22,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "../../xla_ext/cuda_kernels.cuh"
 
 #define CHECK(x)                                                                     \
   do {                                                                               \
@@ -59,25 +63,21 @@ __global__ void Warp(const int8_t* q, const float* scales, int64_t n, int64_t bs
   }
 }
 
-template <typename T, int V, int U, bool kScale>
-__global__ void Flat(const int8_t* q, const float* scales, int64_t nvec, int shift, T* out) {
+// The ceiling: the flat layout with no scale at all (codes converted, nothing else).
+template <typename T, int V, int U>
+__global__ void Convert(const int8_t* q, int64_t nvec, T* out) {
   const int64_t step = int64_t{gridDim.x} * blockDim.x * U;
   for (int64_t base = int64_t{blockIdx.x} * blockDim.x * U + threadIdx.x; base < nvec;
        base += step) {
     Pack<int8_t, V> c[U];
-    float s[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + int64_t{u} * blockDim.x < nvec)
+        c[u] = reinterpret_cast<const Pack<int8_t, V>*>(q)[base + int64_t{u} * blockDim.x];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t v = base + int64_t{u} * blockDim.x;
-      if (v < nvec) {
-        c[u] = reinterpret_cast<const Pack<int8_t, V>*>(q)[v];
-        s[u] = kScale ? scales[(v * V) >> shift] : 1.0f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t v = base + int64_t{u} * blockDim.x;
-      if (v < nvec) StoreCodes<T, V>(out + v * V, c[u], s[u]);
+      if (v < nvec) StoreCodes<T, V>(out + v * V, c[u], 1.0f);
     }
   }
 }
@@ -157,7 +157,14 @@ void Run(const char* tname, const int8_t* dq, const float* ds, const std::vector
     constexpr int V = decltype(v)::value, U = decltype(u)::value;
     constexpr bool S = decltype(scale)::value;
     const int64_t nvec = n / V, grid = std::min<int64_t>((nvec + 256 * U - 1) / (256 * U), grid_cap);
-    row(name, S, [&] { Flat<T, V, U, S><<<grid, 256>>>(dq, ds, nvec, shift, out); });
+    using C = std::conditional_t<sizeof(T) == 4, jaxring::DF32, jaxring::DBf16>;
+    if constexpr (S)
+      row(name, S, [&] {
+        jaxring::DequantizeFlatKernel<C, V, U><<<grid, 256>>>(
+            dq, ds, nvec, shift, reinterpret_cast<typename C::T*>(out));
+      });
+    else
+      row(name, S, [&] { Convert<T, V, U><<<grid, 256>>>(dq, nvec, out); });
   };
   using std::integral_constant;
   const int64_t big = int64_t{1} << 30, persistent = int64_t{sms} * 8;
