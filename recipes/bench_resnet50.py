@@ -32,13 +32,21 @@ GPU_DEFAULTS = {"batch_size": 256, "image_size": 224, "dtype": "bfloat16"}
 CPU_DEFAULTS = {"batch_size": 16, "image_size": 64, "dtype": "float32"}
 
 
-def _contenders(config, mesh, schedule):
+def _contenders(config, mesh, schedule, compare_norms: bool):
+  import dataclasses
+
   import jax
   from recipes import train
 
-  plain = jax.jit(train.train_step_fn(schedule, config.label_smoothing), donate_argnums=(0,))
-  return {"plain jit": plain,
-          "jaxring train_step": train.make_train_step(config, schedule, mesh)}
+  step = train.train_step_fn(schedule, config.label_smoothing)
+  contenders = {"plain jit": jax.jit(step, donate_argnums=(0,)),
+                "jaxring train_step": train.make_train_step(config, schedule, mesh)}
+  if compare_norms:  # the same step and state, the model's other BatchNorm (same parameter tree)
+    other = "flax" if config.norm == "fused" else "fused"
+    apply = train.create_model(dataclasses.replace(config, norm=other)).apply
+    contenders[f"plain jit, {other} BatchNorm"] = jax.jit(
+        lambda state, batch: step(state.replace(apply_fn=apply), batch), donate_argnums=(0,))
+  return contenders
 
 
 def run(args) -> dict:
@@ -56,7 +64,7 @@ def run(args) -> dict:
   config = dataclasses.replace(
       imagenet_resnet50.get_config(), depth=args.depth, width=args.width,
       batch_size=args.batch_size, image_size=args.image_size, dtype=args.dtype,
-      compression=args.compression, algorithm=args.algorithm, dataset="synthetic")
+      compression=args.compression, algorithm=args.algorithm, dataset="synthetic", norm=args.norm)
   mesh = jt.default_mesh("data")
   if config.batch_size % mesh.size:
     raise SystemExit(f"--batch-size {config.batch_size} is not a multiple of {mesh.size} devices")
@@ -73,7 +81,7 @@ def run(args) -> dict:
   batch = jax.tree_util.tree_map(
       lambda x: jax.make_array_from_process_local_data(sharded, x), batch)
 
-  contenders = _contenders(config, mesh, schedule)
+  contenders = _contenders(config, mesh, schedule, args.compare_norms)
   states = bench.warm_up_contenders(contenders, lambda: fresh, batch, args.warmup, replicated)
   times = bench.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps)
 
@@ -88,7 +96,8 @@ def run(args) -> dict:
           "params": n_params, "image_size": config.image_size, "dtype": config.dtype,
           "global_batch": config.batch_size, "devices": mesh.size,
           "platform": jax.devices()[0].platform, "compression": config.compression,
-          "algorithm": config.algorithm, "steps_per_rep": args.steps, "reps": args.reps,
+          "algorithm": config.algorithm, "norm": config.norm, "steps_per_rep": args.steps,
+          "reps": args.reps,
           "warmup": args.warmup, "machine": bench.machine(), "rows": rows}
 
 
@@ -103,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
                   help="compute dtype (GPU bfloat16, CPU float32)")
   ap.add_argument("--depth", type=int, default=50, help="ResNet depth (18, 34, 50, 101, 152)")
   ap.add_argument("--width", type=int, default=64, help="channels of the first stage")
+  ap.add_argument("--norm", choices=["fused", "flax"], default="fused",
+                  help="the model's BatchNorm (recipes.models.NORMS)")
+  ap.add_argument("--compare-norms", action="store_true",
+                  help="add a plain-jit contender with the other BatchNorm")
   ap.add_argument("--compression", default="none",
                   help="none, bf16, fp16, int8[:block], topk[:density] (jaxring.codecs.parse)")
   ap.add_argument("--algorithm", default="auto", help="auto, xla, ring, hierarchical")
@@ -131,7 +144,7 @@ def main(argv=None) -> int:
   print(f"\n{result['model']}, {result['params']:,} params, {result['dtype']}, "
         f"{result['image_size']}x{result['image_size']}, global batch {result['global_batch']} on "
         f"{result['devices']} {result['platform']} device(s), jaxring compression "
-        f"{result['compression']} ({result['algorithm']}), allocator "
+        f"{result['compression']} ({result['algorithm']}), {result['norm']} BatchNorm, allocator "
         f"{result['machine']['allocator']}")
   bench.print_table(result["rows"], [
       ("contender", "contender", ""), ("median_ms", "median ms/step", ".1f"),

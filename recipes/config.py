@@ -22,6 +22,7 @@ class Config:
   width: int = 64                    # channels of the first stage
   stem: str = "imagenet"             # "imagenet" (7x7/2 + max-pool) or "cifar" (3x3/1)
   dtype: str = "bfloat16"            # compute dtype; parameters and statistics stay f32
+  norm: str = "fused"                # BatchNorm: "fused" (two-pass gradient) or "flax"
   # data
   dataset: str = "folder"            # "folder" (ImageNet layout), "generated", "synthetic"
   data_dir: str = ""                 # root with train/ and val/ ("generated": written there)

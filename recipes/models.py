@@ -23,8 +23,25 @@ from typing import Any, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from recipes import batchnorm
+
 STAGE_SIZES = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3),
                152: (3, 8, 36, 3)}
+
+
+class FlaxBatchNorm(nn.BatchNorm):
+  """``flax.linen.BatchNorm``, then ``nn.relu`` if ``relu``: the reference for
+  :class:`recipes.batchnorm.BatchNorm`, with the same parameter tree."""
+
+  relu: bool = False
+
+  @nn.compact
+  def __call__(self, x, use_running_average=None):
+    y = super().__call__(x, use_running_average=use_running_average)
+    return nn.relu(y) if self.relu else y
+
+
+NORMS = {"fused": batchnorm.BatchNorm, "flax": FlaxBatchNorm}
 
 
 class BasicBlock(nn.Module):
@@ -37,8 +54,8 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    y = nn.relu(self.norm(name="bn1")(self.conv(self.features, (3, 3), self.strides,
-                                                name="conv1")(x)))
+    y = self.norm(name="bn1", relu=True)(self.conv(self.features, (3, 3), self.strides,
+                                                   name="conv1")(x))
     y = self.norm(name="bn2", scale_init=nn.initializers.zeros)(
         self.conv(self.features, (3, 3), name="conv2")(y))
     if x.shape != y.shape:
@@ -57,9 +74,9 @@ class BottleneckBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    y = nn.relu(self.norm(name="bn1")(self.conv(self.features, (1, 1), name="conv1")(x)))
-    y = nn.relu(self.norm(name="bn2")(self.conv(self.features, (3, 3), self.strides,
-                                                name="conv2")(y)))
+    y = self.norm(name="bn1", relu=True)(self.conv(self.features, (1, 1), name="conv1")(x))
+    y = self.norm(name="bn2", relu=True)(self.conv(self.features, (3, 3), self.strides,
+                                                   name="conv2")(y))
     y = self.norm(name="bn3", scale_init=nn.initializers.zeros)(
         self.conv(4 * self.features, (1, 1), name="conv3")(y))
     if x.shape != y.shape:
@@ -78,6 +95,8 @@ class ResNet(nn.Module):
     width: channels of the first stage (64 in the paper); doubles at every stage.
     stem: ``"imagenet"`` (7x7/2 conv + 3x3/2 max-pool) or ``"cifar"`` (3x3/1 conv).
     dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters and BatchNorm statistics stay f32.
+    norm: ``"fused"`` (:mod:`recipes.batchnorm`: BatchNorm + ReLU with a two-pass gradient) or
+      ``"flax"`` (``flax.linen.BatchNorm`` then ``nn.relu``); same parameters, same checkpoints.
 
   Example:
     >>> model = resnet(50, num_classes=1000, dtype=jnp.bfloat16)
@@ -91,21 +110,24 @@ class ResNet(nn.Module):
   width: int = 64
   stem: str = "imagenet"
   dtype: Any = jnp.float32
+  norm: str = "fused"
 
   @nn.compact
   def __call__(self, x, train: bool = True):
+    if self.norm not in NORMS:
+      raise ValueError(f"norm must be one of {sorted(NORMS)}, got {self.norm!r}")
     conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
                              kernel_init=nn.initializers.variance_scaling(2.0, "fan_out",
                                                                           "normal"))
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+    norm = functools.partial(NORMS[self.norm], use_running_average=not train, momentum=0.9,
                              epsilon=1e-5, dtype=self.dtype)
     x = x.astype(self.dtype)
     if self.stem == "imagenet":
       x = conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="stem_conv")(x)
-      x = nn.relu(norm(name="stem_bn")(x))
+      x = norm(name="stem_bn", relu=True)(x)
       x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
     elif self.stem == "cifar":
-      x = nn.relu(norm(name="stem_bn")(conv(self.width, (3, 3), name="stem_conv")(x)))
+      x = norm(name="stem_bn", relu=True)(conv(self.width, (3, 3), name="stem_conv")(x))
     else:
       raise ValueError(f"stem must be 'imagenet' or 'cifar', got {self.stem!r}")
     for i, blocks in enumerate(self.stage_sizes):
@@ -119,7 +141,7 @@ class ResNet(nn.Module):
 
 
 def resnet(depth: int, *, num_classes: int = 1000, width: int = 64, stem: str = "imagenet",
-           dtype: Any = jnp.float32) -> ResNet:
+           dtype: Any = jnp.float32, norm: str = "fused") -> ResNet:
   """The ResNet v1.5 of ``depth`` layers (18, 34: basic blocks; 50, 101, 152: bottlenecks).
 
   Example:
@@ -128,4 +150,5 @@ def resnet(depth: int, *, num_classes: int = 1000, width: int = 64, stem: str = 
   if depth not in STAGE_SIZES:
     raise ValueError(f"ResNet depth must be one of {sorted(STAGE_SIZES)}, got {depth}")
   block = BasicBlock if depth < 50 else BottleneckBlock
-  return ResNet(STAGE_SIZES[depth], block, num_classes, width=width, stem=stem, dtype=dtype)
+  return ResNet(STAGE_SIZES[depth], block, num_classes, width=width, stem=stem, dtype=dtype,
+                norm=norm)

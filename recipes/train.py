@@ -65,7 +65,7 @@ def topk_correct(logits: jax.Array, labels: jax.Array, ks=(1, 5)) -> dict[str, j
 
 def create_model(config: Config) -> models.ResNet:
   return models.resnet(config.depth, num_classes=config.num_classes, width=config.width,
-                       stem=config.stem, dtype=DTYPES[config.dtype])
+                       stem=config.stem, dtype=DTYPES[config.dtype], norm=config.norm)
 
 
 def create_train_state(config: Config, model, tx: optax.GradientTransformation) -> jt.TrainState:

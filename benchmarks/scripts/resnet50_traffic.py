@@ -56,7 +56,7 @@ def traffic(hlo: str) -> dict[str, list[int]]:
   return dict(kinds)
 
 
-def compiled_step(batch_size: int) -> tuple[str, float]:
+def compiled_step(norm: str, batch_size: int) -> tuple[str, float]:
   """The recipe's plain-jit ResNet-50 step: its compiled HLO text and median seconds per step."""
   import dataclasses
 
@@ -68,7 +68,8 @@ def compiled_step(batch_size: int) -> tuple[str, float]:
   from jaxring.data import SyntheticImages
   from recipes import imagenet_resnet50, optim, train
   config = dataclasses.replace(imagenet_resnet50.get_config(), batch_size=batch_size,
-                               image_size=224, dtype="bfloat16", dataset="synthetic")
+                               image_size=224, dtype="bfloat16", dataset="synthetic",
+                               norm=norm)
   schedule = optim.learning_rate_schedule(
       optim.peak_learning_rate(config.learning_rate, batch_size), 10_000, 100)
   tx = optim.make_optimizer(schedule, weight_decay=config.weight_decay,
@@ -96,6 +97,8 @@ def compiled_step(batch_size: int) -> tuple[str, float]:
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--batch-size", type=int, default=256)
+  ap.add_argument("--norm", choices=["fused", "flax"], default="fused",
+                  help="the model's BatchNorm (recipes.models.NORMS)")
   ap.add_argument("--hlo", help="read this compiled HLO text instead of building the step")
   ap.add_argument("--save-hlo", help="write the compiled HLO text here")
   ap.add_argument("--copy-gbs", type=float, default=2900.0,
@@ -105,7 +108,7 @@ def main() -> int:
     with open(args.hlo) as f:
       hlo, step_s = f.read(), None
   else:
-    hlo, step_s = compiled_step(args.batch_size)
+    hlo, step_s = compiled_step(args.norm, args.batch_size)
     if args.save_hlo:
       with open(args.save_hlo, "w") as f:
         f.write(hlo)
