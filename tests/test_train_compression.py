@@ -150,16 +150,18 @@ def test_momentum_in_the_step_gives_every_gradient_momentum_sgds_weight(nesterov
   assert held
 
 
-def test_momentum_step_clips_each_tensor_to_twice_its_running_norm():
-  """clip_norm="auto" (the default) per tensor and replica, against float64: momentum SGD on
-  the clipped local gradients (no codec: the mean is exact), and the running norms it keeps."""
+def test_momentum_step_clips_each_bucket_to_twice_its_running_norm():
+  """clip_norm="auto" (the default) per bucket and replica, against float64: momentum SGD on
+  the clipped local gradients (no codec: the mean is exact), and the running norm every leaf of
+  the bucket keeps. Two buckets: tensors "a" and "b" together, "c" alone."""
   from jaxring._src.optim.momentum import AUTO_CLIP_DECAY, AUTO_CLIP_FACTOR
   mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
-  sizes = {"a": 256, "b": 128}
+  sizes = {"a": 256, "b": 128, "c": 512}
+  buckets = (("a", "b"), ("c",))
   state = jt.TrainState.create(apply_fn=None, params={k: jnp.zeros(n) for k, n in sizes.items()},
                                tx=optax.sgd(1.0))
 
-  @jt.train_step(mesh, algorithm="ring", momentum=0.9)
+  @jt.train_step(mesh, algorithm="ring", momentum=0.9, bucket_bytes=4 * 384)
   def step(state, batch):   # replica i's gradient of tensor k is batch[k][i]
     loss, grads = jt.value_and_grad(lambda p: sum(
         jnp.sum(p[k] * batch[k].mean(0)) for k in p))(state.params)
@@ -170,26 +172,28 @@ def test_momentum_step_clips_each_tensor_to_twice_its_running_norm():
   data = {k: rng.randn(steps, 8, n) * (1 + rng.rand(1, 8, 1)) for k, n in sizes.items()}
   for k in data:   # a tensor's spike on one replica at a time
     data[k] *= np.where(rng.rand(steps, 8, 1) < 0.1, 30.0, 1.0)
-  avg = {k: np.zeros(8) for k in sizes}
+  avg = {b: np.zeros(8) for b in buckets}
   vel = {k: np.zeros((8, n)) for k, n in sizes.items()}
   cut = 0
   for t in range(steps):
     before = jax.tree.map(np.asarray, state.params)
     state, _ = step(state, {k: data[k][t].astype(np.float32) for k in sizes})
-    for k in sizes:
-      g = data[k][t]
-      norm = np.linalg.norm(g, axis=1)
-      limit = np.where(avg[k] > 0, AUTO_CLIP_FACTOR * avg[k], np.inf)
+    for b in buckets:
+      norm = np.sqrt(sum(np.sum(data[k][t] ** 2, axis=1) for k in b))
+      limit = np.where(avg[b] > 0, AUTO_CLIP_FACTOR * avg[b], np.inf)
       cut += int((norm > limit).sum())
       kept = np.minimum(norm, limit)
-      avg[k] = np.where(avg[k] > 0, AUTO_CLIP_DECAY * avg[k] + (1 - AUTO_CLIP_DECAY) * kept, kept)
-      vel[k] = 0.9 * vel[k] + g * np.minimum(1, limit / norm)[:, None]
-      np.testing.assert_allclose(before[k] - np.asarray(state.params[k]), vel[k].mean(0),
-                                 rtol=1e-4, atol=1e-4 * np.abs(vel[k]).max())
+      avg[b] = np.where(avg[b] > 0, AUTO_CLIP_DECAY * avg[b] + (1 - AUTO_CLIP_DECAY) * kept, kept)
+      for k in b:
+        vel[k] = 0.9 * vel[k] + data[k][t] * np.minimum(1, limit / norm)[:, None]
+        np.testing.assert_allclose(before[k] - np.asarray(state.params[k]), vel[k].mean(0),
+                                   rtol=1e-4, atol=1e-4 * np.abs(vel[k]).max())
   assert cut >= 10   # the spikes were clipped
-  for k, n in sizes.items():
-    leaf = np.asarray(state.residuals[k])
-    np.testing.assert_allclose([momentum_parts(x, n)[2] for x in leaf], avg[k], rtol=1e-5)
+  for b in buckets:
+    for k in b:
+      leaf = np.asarray(state.residuals[k])
+      np.testing.assert_allclose([momentum_parts(x, sizes[k])[2] for x in leaf], avg[b],
+                                 rtol=1e-5)
 
 
 def test_momentum_step_takes_auto_or_no_clipping():

@@ -31,7 +31,7 @@ class ReduceConfig:
   policy: Policy | None = None
   momentum: float | None = None   # momentum correction in the reduction (jaxring._src.optim)
   nesterov: bool = False
-  clip_norm: str | None = "auto"  # momentum correction's clipping, per tensor ("auto" or None)
+  clip_norm: str | None = "auto"  # momentum correction's clipping, per bucket ("auto" or None)
   shard: str = "none"             # "none" | "optimizer" | "params" (jaxring._src.train.sharding)
   param_compression: Any = None   # the parameters' all-gather codec (shard="params")
   hpz: bool = False               # shard="params": the backward pass gathers within the node

@@ -108,15 +108,18 @@ def momentum_leaf_size(size: int) -> int:
 def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, grads, residuals, tok, dtype):
   """reduce_bucket's momentum-corrected form: the velocity is accumulated before compression
   (jaxring.momentum_correction's rule, one source: corrected_mean). With ``clip_norm="auto"``
-  each tensor's gradient is first clipped to twice the running average of its norm on this
-  replica (momentum_correction's auto rule, per tensor: the bucket is reduced before the rest of
-  the gradient exists)."""
+  the bucket's gradient is first clipped to twice the running average of its norm on this
+  replica: momentum_correction's auto rule over as much of the gradient as exists when the
+  bucket is reduced (all of it when the model fits one bucket). Every leaf of the bucket keeps
+  the bucket's running norm."""
   acc = grads[0].dtype
   parts = [momentum_parts(x, g.size) for x, g in zip(residuals, grads)]
   norms = jnp.stack([p[2] for p in parts])
   if cfg.clip_norm == "auto":
-    scales, norms = auto_clip(jnp.stack([jnp.linalg.norm(g) for g in grads]), norms)
-    grads = [g * s.astype(acc) for g, s in zip(grads, scales)]
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads))
+    scale, average = auto_clip(norm, norms[0])
+    grads = [g * scale.astype(acc) for g in grads]
+    norms = jnp.broadcast_to(average, norms.shape)
   zero = jnp.zeros((1,), acc)
   r = jnp.concatenate([p[0] for p in parts] + [zero])
   u = jnp.concatenate([p[1] for p in parts] + [zero])

@@ -126,7 +126,7 @@ def validate_momentum(momentum, clip_norm, error_feedback: bool) -> None:
     raise ValueError(f"train_step: momentum must be None or in [0, 1), got {momentum!r}")
   if clip_norm not in ("auto", None):
     raise ValueError(f"train_step: clip_norm must be 'auto' or None (momentum correction's "
-                     f"per-tensor clipping), got {clip_norm!r}")
+                     f"per-bucket clipping), got {clip_norm!r}")
   if momentum and not error_feedback:
     raise ValueError("train_step: momentum= keeps each replica's velocity with its error-feedback "
                      "residual; it needs error_feedback=True")

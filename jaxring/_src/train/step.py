@@ -387,11 +387,11 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       with ``topk_chunks``, where momentum in the optimizer is refused (it trains to chance).
       The velocity is kept beside the residuals and checkpointed with them: ``state.residuals``
       leaves are then ``(replicas, 2 * size + 1)``, each replica's residual, velocity and the
-      tensor's running gradient norm, flat (``jaxring._src.train.grad.momentum_parts``).
+      bucket's running gradient norm, flat (``jaxring._src.train.grad.momentum_parts``).
     nesterov: Nesterov momentum (with ``momentum``).
-    clip_norm: with ``momentum``, ``"auto"`` (default) clips each tensor's gradient on each
+    clip_norm: with ``momentum``, ``"auto"`` (default) clips each bucket's gradient on each
       replica to twice the running average of its norm before it enters the velocity
-      (:func:`jaxring.momentum_correction`'s ``"auto"``, per tensor, since a bucket is reduced
+      (:func:`jaxring.momentum_correction`'s ``"auto"`` per bucket, since a bucket is reduced
       before the rest of the gradient exists); None: no clipping.
     shard: ``"none"`` (replicated state), ``"optimizer"`` (ZeRO-1/2: optimizer state split over
       the replicas, gradients reduce-scattered, parameters all-gathered after the update) or
