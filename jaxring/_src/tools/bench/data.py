@@ -20,7 +20,7 @@ libjpeg-turbo decoding at each scale, PIL's decode, OpenCV's and PIL's resize of
 
 Example:
   $ jaxring bench data --image-sizes 224 --workers 1,2 --decoders turbo,pil --stages
-  $ jaxring bench data --workers 1,8,16 --gpu-rate 6150     # on a 16-core GPU host
+  $ jaxring bench data --workers 1,8,16 --gpu-rate 6480     # on a 16-core GPU host
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Steps, each in its own process with a time limit: ``jaxring doctor --require cuda,gpu`` (the
 kernels registered for CUDA and matching their references on the card), ``pytest -m gpu``,
 ``jaxring bench kernels`` (GB/s beside the card's device-to-device copy) and ``jaxring bench
-resnet50 --data synthetic`` in bf16 (images/s, jaxring's step beside a plain jit step). One JSON
+resnet50 --data synthetic --compare-norms`` in bf16 (images/s, jaxring's step beside a plain jit
+step, and the plain step with flax's BatchNorm). One JSON
 under ``benchmarks/results/gpu-check-<timestamp>.json`` holds every step's exit code, the tail of
 its output and the results its benchmark wrote. The exit code is non-zero when a step failed.
 
@@ -30,7 +31,7 @@ STEPS = {
     "kernels": (["-m", "jaxring._src.tools.bench.kernels", "--sizes", "16", "64", "256",
                  "--launches", "50", "--save-choice"], 600),
     "resnet50": (["-m", "jaxring", "bench", "resnet50", "--data", "synthetic", "--dtype",
-                  "bfloat16"], 900),
+                  "bfloat16", "--compare-norms"], 900),
 }
 
 
