@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 
 def _sums(*operands, axes):
-  """Σ over ``axes`` of every operand. XLA fuses sibling reductions of the same input into one
-  kernel; one variadic ``lax.reduce`` instead measured 1% slower on an H100 and 25% on a CPU."""
+  """Σ over ``axes`` of every operand. XLA:GPU merges the sibling reductions into one kernel
+  with several outputs (XLA:CPU keeps them apart); one variadic ``lax.reduce`` instead measured
+  1% slower on an H100 and 28% on a CPU."""
   return tuple(jnp.sum(o, axis=axes) for o in operands)
 
 
