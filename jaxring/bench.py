@@ -8,7 +8,9 @@ Example:
   '3MiB'
 """
 from jaxring._src.tools.allocator import allocator_in_use as allocator_in_use
-from jaxring._src.tools.allocator import maybe_reexec_with_tcmalloc as maybe_reexec_with_tcmalloc
+from jaxring._src.tools.allocator import (
+  maybe_reexec_with_fast_allocator as maybe_reexec_with_fast_allocator,
+)
 from jaxring._src.tools.bench.common import fmt_bytes as fmt_bytes
 from jaxring._src.tools.bench.common import machine as machine
 from jaxring._src.tools.bench.common import print_table as print_table

@@ -143,7 +143,8 @@ def main(argv=None) -> int:
 
   args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
   # before jax starts: XLA:CPU collectives are allocator-bound (jaxring._src.tools.allocator)
-  bench.maybe_reexec_with_tcmalloc(sys.argv[1:] if argv is None else argv, module="recipes.demo")
+  bench.maybe_reexec_with_fast_allocator(sys.argv[1:] if argv is None else argv,
+                                         module="recipes.demo")
   bench.set_cpu_devices(args.devices)
   config = demo_config(args)
   t0 = time.perf_counter()

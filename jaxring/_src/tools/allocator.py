@@ -1,20 +1,32 @@
-"""Which heap allocator a process runs with, and where tcmalloc is installed.
+"""Which heap allocator a process runs with, and how benchmarks get a fast one.
 
-XLA:CPU collectives are dominated by allocating fresh output buffers, so the allocator moves CPU
-timings by 10-40% (4-5x for a single collective): benchmarks preload tcmalloc when it is installed
-(``make tcmalloc``), say which allocator they ran with, and ``jaxring doctor`` warns without it.
+XLA:CPU collectives are dominated by allocating fresh output buffers. Plain glibc malloc serves
+every buffer over 32 MiB with a fresh ``mmap`` and returns it on free, so each call page-faults its
+outputs in again: single collectives run 2-3x slower than with tcmalloc. Two remedies, in order:
+
+- tcmalloc, preloaded where it is installed (``make tcmalloc``);
+- otherwise glibc malloc tuned through ``GLIBC_TUNABLES`` (nothing to install): large blocks come
+  from the heap and stay there, in one arena (``GLIBC_TUNED``).
+
+``jaxring bench``, ``jaxring demo`` and the processes ``jaxring cluster run`` starts use the first
+that applies and say which; ``JAXRING_NO_TCMALLOC=1`` keeps plain glibc malloc deliberately.
 """
 from __future__ import annotations
 
 import glob
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 _TCMALLOC_GLOBS = ("/usr/lib/*/libtcmalloc_minimal.so*", "/usr/lib/*/libtcmalloc.so*",
                    "/usr/lib/libtcmalloc*.so*", "/usr/lib64/libtcmalloc*.so*")
 INSTALL_HINT = ("install it with `make tcmalloc` (apt-get install libtcmalloc-minimal4); "
-                "JAXRING_NO_TCMALLOC=1 keeps glibc malloc deliberately")
+                "JAXRING_NO_TCMALLOC=1 keeps plain glibc malloc deliberately")
+ENV_OPT_OUT = "JAXRING_NO_TCMALLOC"
+# Blocks up to 1 GiB from the heap (not mmap), freed memory kept up to 1 GiB, one arena (so that
+# a block freed by one of XLA's threads serves the next allocation of another)
+GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_threshold=1073741824",
+               "glibc.malloc.arena_max=1")
 
 
 def tcmalloc_libraries() -> list[str]:
@@ -27,31 +39,65 @@ def tcmalloc_libraries() -> list[str]:
   return sorted({p for g in _TCMALLOC_GLOBS for p in glob.glob(g)})
 
 
-def allocator_in_use() -> str:
-  """``tcmalloc (<path>)`` when this process preloads it, else ``glibc malloc``.
+def _tuned(env: Mapping[str, str]) -> bool:
+  have = set(env.get("GLIBC_TUNABLES", "").split(":"))
+  return all(t in have for t in GLIBC_TUNED)
+
+
+def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
+  """``tcmalloc (<path>)``, ``glibc malloc, tuned`` or ``glibc malloc``, for this process (or a
+  process started with ``env``).
 
   Example:
-    >>> allocator_in_use().split()[0] in ("glibc", "tcmalloc")
+    >>> allocator_in_use({"GLIBC_TUNABLES": ":".join(GLIBC_TUNED)})
+    'glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept, one arena)'
+    >>> allocator_in_use({})
+    'glibc malloc'
+  """
+  env = os.environ if env is None else env
+  pre = env.get("LD_PRELOAD", "")
+  if "tcmalloc" in pre:
+    return f"tcmalloc ({pre})"
+  if _tuned(env):
+    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept, one arena)"
+  return "glibc malloc"
+
+
+def fast_allocator_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+  """``env`` (default: this process's) changed so that a process started with it runs tcmalloc
+  where installed, else tuned glibc malloc; unchanged when it has one already or opts out
+  (``JAXRING_NO_TCMALLOC``). A caller's own ``GLIBC_TUNABLES`` entries are kept.
+
+  Example:
+    >>> e = fast_allocator_env({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"})
+    >>> "tcmalloc" in e.get("LD_PRELOAD", "") or e["GLIBC_TUNABLES"].startswith("glibc.malloc.tc")
+    True
+    >>> fast_allocator_env({ENV_OPT_OUT: "1"}) == {ENV_OPT_OUT: "1"}
     True
   """
-  pre = os.environ.get("LD_PRELOAD", "")
-  return f"tcmalloc ({pre})" if "tcmalloc" in pre else "glibc malloc"
-
-
-def maybe_reexec_with_tcmalloc(argv: Sequence[str], module: str = "jaxring") -> None:
-  """Re-executes ``python -m <module> <argv>`` with tcmalloc preloaded when it is installed and not
-  yet loaded; says on stderr when the run stays on glibc malloc, so that no figure silently
-  depends on what happened to be installed. JAXRING_NO_TCMALLOC=1 opts out.
-  """
-  if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
-    return
-  if os.environ.get("JAXRING_NO_TCMALLOC"):
-    print("jaxring: JAXRING_NO_TCMALLOC set: running with glibc malloc", file=sys.stderr)
-    return
+  out = dict(os.environ if env is None else env)
+  if out.get(ENV_OPT_OUT) or allocator_in_use(out) != "glibc malloc":
+    return out
   libs = tcmalloc_libraries()
-  if not libs:
-    print(f"jaxring: tcmalloc is not installed, running with glibc malloc (CPU collectives "
-          f"10-40% slower); {INSTALL_HINT}", file=sys.stderr)
+  if libs:
+    out["LD_PRELOAD"] = ":".join(p for p in (libs[0], out.get("LD_PRELOAD")) if p)
+  else:
+    out["GLIBC_TUNABLES"] = ":".join(t for t in (out.get("GLIBC_TUNABLES"), *GLIBC_TUNED) if t)
+  return out
+
+
+def maybe_reexec_with_fast_allocator(argv: Sequence[str], module: str = "jaxring") -> None:
+  """Re-executes ``python -m <module> <argv>`` with :func:`fast_allocator_env` when this process
+  runs plain glibc malloc, so that no figure depends on what happened to be installed; says on
+  stderr which allocator a run uses when it is not tcmalloc. ``JAXRING_NO_TCMALLOC=1`` opts out.
+  """
+  if os.environ.get(ENV_OPT_OUT):
+    print(f"jaxring: {ENV_OPT_OUT} set: running with plain glibc malloc", file=sys.stderr)
     return
-  env = dict(os.environ, LD_PRELOAD=libs[0])
+  env = fast_allocator_env()
+  if env == dict(os.environ):
+    if not allocator_in_use().startswith("tcmalloc"):
+      print(f"jaxring: running with {allocator_in_use()}; tcmalloc is not installed: "
+            f"{INSTALL_HINT}", file=sys.stderr)
+    return
   os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)

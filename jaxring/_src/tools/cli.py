@@ -106,7 +106,7 @@ def bench_main(argv: list[str]) -> int:
     print(f"usage: jaxring bench {{{','.join(names)}}} [args]", file=sys.stderr)
     return 2
   from jaxring._src.tools.bench import common
-  common.maybe_reexec_with_tcmalloc(["bench", *argv])
+  common.maybe_reexec_with_fast_allocator(["bench", *argv])
   if argv[0] in RECIPE_BENCHES:
     return exec_recipe(RECIPE_BENCHES[argv[0]], argv[1:], f"bench {argv[0]}")
   return _module_main(BENCHES[argv[0]], argv[1:])

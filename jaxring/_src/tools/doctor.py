@@ -192,8 +192,9 @@ def _allocator(r: Report, require: set[str]) -> None:
   r.add("allocator", "this process", allocator.allocator_in_use())
   r.add("allocator", "tcmalloc installed", libs[0] if libs else "no")
   if not libs:
-    msg = ("glibc malloc only: XLA:CPU collectives and the CPU benchmarks run 10-40% slower (4-5x "
-           f"for single collectives); `jaxring bench` preloads tcmalloc when installed: "
+    msg = ("tcmalloc is not installed: `jaxring bench` and `jaxring cluster run` tune glibc malloc "
+           "instead (GLIBC_TUNABLES, jaxring._src.tools.allocator); for XLA:CPU collectives in "
+           f"your own programs export GLIBC_TUNABLES={':'.join(allocator.GLIBC_TUNED)}, or "
            f"{allocator.INSTALL_HINT}")
     (r.errors if "tcmalloc" in require else r.warnings).append(msg)
 

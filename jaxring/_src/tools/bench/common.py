@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxring._src.tools.allocator import allocator_in_use as allocator  # noqa: F401 (re-export)
-from jaxring._src.tools.allocator import maybe_reexec_with_tcmalloc  # noqa: F401 (re-export)
+from jaxring._src.tools.allocator import maybe_reexec_with_fast_allocator  # noqa: F401 (re-export)
 
 RESULTS_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "benchmarks",
                            "results")

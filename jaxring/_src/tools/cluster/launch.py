@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxring._src import distributed as dist_env
+from jaxring._src.tools import allocator
 from jaxring._src.tools.cluster.netns import ClusterError, ClusterState, sh
 
 EXIT_TIMEOUT = 124
@@ -47,8 +48,9 @@ USER_SETTINGS = ("JAXRING_FLIGHT_DIR", "JAXRING_FLIGHT_RECORDER", "JAXRING_CACHE
 
 def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
   """The caller's environment without settings that would give a process the wrong devices or
-  the wrong identity (``USER_SETTINGS`` stay)."""
-  env = dict(os.environ if base is None else base)
+  the wrong identity (``USER_SETTINGS`` stay), with the fast allocator (tcmalloc where installed,
+  else tuned glibc malloc: ``allocator.fast_allocator_env``)."""
+  env = allocator.fast_allocator_env(os.environ if base is None else base)
   for key in [k for k in env if k.startswith(("JAXRING_", "PMI_", "OMPI_"))
               and k not in USER_SETTINGS]:
     del env[key]
