@@ -94,10 +94,9 @@ def test_a_member_that_never_arrives_is_named(monkeypatch):
 @pytest.mark.parametrize("codec", [jaxring.codecs.int8(block_size=64), jaxring.codecs.bf16()],
                          ids=["int8", "bf16"])
 def test_hierarchical_all_reduce_gathers_in_shared_memory_to_the_same_bits(codec):
-  """With check_vma=False the all-gather phase's local level runs in shared memory; with
-  check_vma=True a native collective gathers (it types the result invariant). Same
-  reduce-scatter, same node ring, the payload decoded at the end either way: the same bits, on
-  every device, and within the codec's error of the exact sum."""
+  """The all-gather phase's local level runs in shared memory with check_vma False and True (where
+  it types the result invariant). Same reduce-scatter, same node ring, the payload decoded at the
+  end either way: the same bits, on every device, and within the codec's error of the exact sum."""
   x = np.random.RandomState(7).randn(8 * 4096).astype(np.float32)
 
   def f(v):
@@ -111,3 +110,32 @@ def test_hierarchical_all_reduce_gathers_in_shared_memory_to_the_same_bits(codec
   exact = x.astype(np.float64).reshape(8, -1).sum(0)
   err = np.abs(rows[0] - exact).max()
   assert 0 < err < 0.05 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("codec", [None, jaxring.codecs.int8(block_size=64)], ids=["none", "int8"])
+def test_check_vma_all_reduce_returns_invariant_from_shared_memory(codec):
+  """Under check_vma=True a hierarchical psum whose fast level is in-process ends in shared
+  memory too, typed invariant: shard_map returns it with out_specs=P(), no all-gather over the
+  local level is compiled, and the value is check_vma=False's to the bit (and lax.psum's without a codec)."""
+  x = np.random.RandomState(3).randn(8 * 1024).astype(np.float32)
+  comp = None if codec is None else {"node": codec}
+
+  def f(v):
+    return jaxring.psum(v, ("local", "node"), algorithm="hierarchical", compression=comp)
+
+  mesh = _mesh()
+  xs = jax.device_put(x, jax.NamedSharding(mesh, P(AXES)))
+  step = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXES), out_specs=P(), check_vma=True))
+  hlo = step.lower(xs).compile().as_text()
+  local_gathers = [ln for ln in hlo.splitlines() if " all-gather(" in ln and
+                   "replica_groups={{0,1,2,3},{4,5,6,7}}" in ln]
+  assert not local_gathers and "jaxring_local_all_gather" in hlo
+  got = np.asarray(step(xs))
+  free = _run(f, x, check_vma=False).reshape(8, -1)
+  assert (got.view(np.uint32) == free[0].view(np.uint32)).all()
+  exact = x.astype(np.float64).reshape(8, -1).sum(0)
+  if codec is None:
+    want = _run(lambda v: jax.lax.psum(v, AXES), x, out=P()).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+  else:
+    assert 0 < np.abs(got - exact).max() < 0.05 * np.abs(exact).max()

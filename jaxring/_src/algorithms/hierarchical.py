@@ -91,10 +91,11 @@ def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str],
         err = lax.dynamic_update_slice(
             err, lax.dynamic_slice(err, (offsets[depth + 1],), (e.shape[0],)) + e.astype(err.dtype),
             (offsets[depth + 1],))
-    if algos[depth] == "shm" and not vma.is_varying(payload[0], g.axes):
-      # shared memory where nothing needs typing invariant (check_vma=False, pmap); otherwise
-      # only a native collective can type the result invariant
-      payload = inprocess.all_gather(payload, g)
+    if algos[depth] == "shm" and (depth == 0 or not vma.is_varying(payload[0], g.axes)):
+      # shared memory; the last gather leaves every member of every level the same result, so
+      # it is typed invariant over all the axes (check_vma=True) as lax.psum's result is. A
+      # middle level's result still varies over the faster levels: a native collective types it.
+      payload = inprocess.all_gather(payload, g, invariant=axes if depth == 0 else ())
     else:
       payload = ring.all_gather_payload(payload, g, transport)
     replicas *= g.size

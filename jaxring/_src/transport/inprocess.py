@@ -58,7 +58,7 @@ def _member(group: Group):
   return jnp.stack([jnp.asarray(group.rank(), jnp.int32), jnp.asarray(gid, jnp.int32)])
 
 
-def _call(target: str, result, x, group: Group):
+def _call(target: str, result, x, group: Group, invariant: tuple = ()):
   member = _member(group)
   axes = tuple(sorted(vma.varying_axes(x) | vma.varying_axes(member), key=str))
   x, member = vma.pvary(x, axes), vma.pvary(member, axes)
@@ -68,7 +68,9 @@ def _call(target: str, result, x, group: Group):
   # orders a call alike on all of them; each call site has its own ``site``, so no two are merged.
   out = jax.ffi.ffi_call(f"jaxring_{target}", result, vmap_method="sequential")(
       x, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms)
-  return vma.pvary(out, axes)
+  # The custom call's result is typed invariant (its ShapeDtypeStruct names no axes), so it is
+  # marked varying over every axis except those the caller knows it is the same across.
+  return vma.pvary(out, tuple(a for a in axes if a not in invariant))
 
 
 def reduce_scatter(x, group: Group):
@@ -79,10 +81,16 @@ def reduce_scatter(x, group: Group):
                                                             jnp.float32), x, group)
 
 
-def all_gather(payload: tuple, group: Group) -> tuple:
-  """Every member's arrays, concatenated in member order (any dtype)."""
+def all_gather(payload: tuple, group: Group, invariant: tuple = ()) -> tuple:
+  """Every member's arrays, concatenated in member order (any dtype).
+
+  ``invariant``: mesh axes over which the result is the same on every device (the last gather of
+  an all-reduce, over all of its axes), typed invariant over them as ``all_gather_invariant``
+  types its result, so that ``shard_map(check_vma=True)`` can return it with ``out_specs=P()``.
+  Naming an axis the result varies over makes that output wrong.
+  """
   if group.size == 1:
     return payload
   return tuple(_call("local_all_gather", jax.ShapeDtypeStruct((a.shape[0] * group.size,),
-                                                              a.dtype), a, group)
+                                                              a.dtype), a, group, invariant)
                for a in payload)
