@@ -159,7 +159,7 @@ def test_auto_bucket_bytes_margin_is_on_the_reductions_not_the_step():
                                         backward_seconds=10.0, profile=prof)
   # 25 MiB: the first bucket ends before backprop does, the last 7 MiB (xla, 0.1323 s) starts at
   # 10 s; 1 MiB buckets leave 10 ms. The gain (1.2% of the step) is 20% of the default's
-  # reductions (0.469 + 0.132 s), above the 5% margin
+  # reductions (0.469 + 0.132 s), above the planner's margin
   assert choice.bucket_bytes == MiB
   assert choice.finish_s == pytest.approx(10.01)
   assert choice.exposed_s == pytest.approx(0.01)

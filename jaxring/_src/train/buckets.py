@@ -199,7 +199,7 @@ def auto_bucket_bytes(leaves: Sequence, forward_order: Sequence[int], axes, *,
   fixed; ``jaxring._src.algorithms.planner.reduction_seconds``); reductions run one at a time,
   in order (:func:`bucket_timeline`). The size with the earliest predicted end of the last
   reduction wins; the default is kept unless it ends earlier by more than the planner's margin
-  (5%) of the default's predicted reduction time, as ``auto`` keeps its default plan.
+  (2.5%) of the default's predicted reduction time, as ``auto`` keeps its default plan.
 
   Args:
     leaves: the differentiated leaves (arrays or ``jax.ShapeDtypeStruct``), flattened.
