@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.error("--reps must be at least 5 (medians of fewer are noise on a shared machine)")
   if not args.no_tcmalloc:
     common.maybe_reexec_with_fast_allocator(sys.argv[1:] if argv is None else list(argv),
-                                      module="jaxring._src.tools.bench.train")
+                                            module="jaxring._src.tools.bench.train")
   common.set_cpu_devices(args.devices)
 
   result = run(args)
