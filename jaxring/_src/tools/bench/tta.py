@@ -22,9 +22,10 @@ rate decayed to 0 along a cosine over ``--steps``, where top-k with momentum cor
 Contenders take turns, ``--eval-every`` steps each (so the machine's drifting load hits all
 alike); after each turn the test accuracy of the replicated parameters is measured outside the
 timed span, and a contender stops once it reaches ``--target`` (or ``--steps``). Time to target is
-the timed training time until the first evaluation at or above the target. Before that, every
-node times the same step on its own devices only (no link crossed) while the others do too:
-that is the compute share, and the uncompressed step minus it the communication share. One
+the timed training time until the first evaluation at or above the target. Before that and after
+every turn, every node times the same step on its own devices only (no link crossed) while the
+others do too: the median is the compute share, and the uncompressed step minus it the
+communication share. One
 step is in flight at a time (``block_until_ready`` after each): with 50 queued, the hand-written
 step deadlocked in XLA:CPU's gloo all-reduces after ~15 steps (jax 0.10.2, 10 Mbit/s).
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -164,39 +166,53 @@ def _eval(fn):
   return _JITTED[fn]
 
 
-def compute_share(params, batch_of, args) -> float:
+class ComputeShare:
   """Seconds of one step's computation: this node's devices each compute their gradients and
   apply them, with no collective at all (not even inside the process: with a local ``pmean`` of
   every leaf, which goes through gloo's loopback, the figure was 69 ms where this one is 14 ms;
   quiet machine, tta-20261123-195440 and -201457), timed on every node at once, as the
-  contenders run."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  import optax
-  from jax.sharding import AxisType, Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
+  contenders run. Sampled at the start and again every turn (:meth:`sample`): one sample moved
+  between 20 and 37 ms from run to run; :attr:`seconds` is the median of the samples."""
 
-  import jaxring.train as jt
-  local = Mesh(np.asarray(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
+  def __init__(self, params, batch_of, args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-  def alone(state, batch):
-    loss, grads = jax.value_and_grad(_loss)(state.params, batch, args.model)
-    return state.apply_gradients(grads=grads), {"loss": loss}
+    import jaxring.train as jt
+    local = Mesh(np.asarray(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
 
-  step = jax.jit(jax.shard_map(alone, mesh=local, in_specs=(P(), P("data")),
-                               out_specs=(P(), P()), check_vma=False), donate_argnums=(0,))
-  state = jax.device_put(jt.TrainState.create(apply_fn=None, params=jax.tree.map(jnp.copy, params),
-                                              tx=optax.sgd(0.0, momentum=MOMENTUM)),
-                         NamedSharding(local, P()))
-  b = jax.device_put(batch_of.local(0), NamedSharding(local, P("data")))
-  state = common.warm_up(step, state, b, 2)
-  t0 = time.perf_counter()
-  for _ in range(args.compute_steps):
-    state, m = step(state, b)
-    jax.block_until_ready(m)
-  jax.block_until_ready((state, m))
-  return (time.perf_counter() - t0) / args.compute_steps
+    def alone(state, batch):
+      loss, grads = jax.value_and_grad(_loss)(state.params, batch, args.model)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+
+    self._step = jax.jit(jax.shard_map(alone, mesh=local, in_specs=(P(), P("data")),
+                                       out_specs=(P(), P()), check_vma=False),
+                         donate_argnums=(0,))
+    state = jt.TrainState.create(apply_fn=None, params=jax.tree.map(jnp.copy, params),
+                                 tx=optax.sgd(0.0, momentum=MOMENTUM))
+    self._state = jax.device_put(state, NamedSharding(local, P()))
+    self._batch = jax.device_put(batch_of.local(0), NamedSharding(local, P("data")))
+    self._state = common.warm_up(self._step, self._state, self._batch, 2)
+    self.samples: list[float] = []
+    self.sample(args.compute_steps)
+
+  def sample(self, steps: int) -> float:
+    """Times ``steps`` computation-only steps; returns their mean seconds (kept in samples)."""
+    import jax
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      self._state, m = self._step(self._state, self._batch)
+      jax.block_until_ready(m)
+    self.samples.append((time.perf_counter() - t0) / steps)
+    return self.samples[-1]
+
+  @property
+  def seconds(self) -> float:
+    return float(statistics.median(self.samples))
 
 
 def worker(args) -> int:
@@ -221,7 +237,7 @@ def worker(args) -> int:
                      NamedSharding(mesh, P("data")))
   params = MODELS[args.model][0](jax.random.key(args.seed))
   n_params = sum(int(np.size(p)) for p in jax.tree.leaves(params))
-  compute = compute_share(params, batch_of, args)
+  compute = ComputeShare(params, batch_of, args)
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size,
                         args.model, args.schedule, args.steps)
@@ -261,10 +277,13 @@ def worker(args) -> int:
       if me == 0:
         print(f"  {name}: step {done[name]}, {curves[name][-1][0]:.1f} s, {acc:.2f}%", flush=True)
       # the curve so far, every turn: a run cut short by its timeout still reports
-      cluster_worker.emit(contender=name, node=me, curve=curves[name], compute_s=compute,
+      cluster_worker.emit(contender=name, node=me, curve=curves[name], compute_s=compute.seconds,
+                          compute_samples=compute.samples,
                           tx_per_step=tx_bytes[name] / max(done[name] - 1, 1), params=n_params)
       if (acc >= args.target and not args.full) or done[name] >= args.steps:
         left.discard(name)
+    jaxring.distributed.barrier(f"compute-{turn}", timeout_s=900)
+    compute.sample(max(2, args.compute_steps // 3))   # every node at once, as the steps ran
     turn += 1
   jaxring.distributed.barrier("done", timeout_s=300)
   return 0
@@ -390,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr)
   rows = rows_of(recs, args.target)
   first = next(r for r in recs if r["node"] == 0)
-  compute = max(r["compute_s"] for r in recs)
+  # each node's median over all of its samples (its last record), the slowest node's
+  compute = max({r["node"]: r["compute_s"] for r in recs}.values())
   base = next((r for r in rows if r["contender"] == BASE), rows[0])
   print(f"\n{args.model} ({first['params']:,} params = {common.fmt_bytes(4 * first['params'])} of "
         f"f32 gradients) on hard_shapes, {args.nodes} nodes x {args.devices_per_node} devices x "
