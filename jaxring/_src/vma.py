@@ -1,8 +1,9 @@
 """Varying-manual-axes (vma) typing across jax versions, in one place.
 
 Inside ``shard_map(check_vma=True)`` every value is typed as varying or invariant over each manual
-axis. There is no communication-free cast from varying to invariant, so a ring all-reduce must end
-with a collective whose output is typed invariant (``all_gather_invariant``); with
+axis. jax has no communication-free cast from varying to invariant, so a ring all-reduce must end
+with a collective whose output is typed invariant (``all_gather_invariant``, or the in-process
+gather's custom call, typed by its declared result: transport/inprocess.py); with
 ``check_vma=False`` (and in ``pmap``) no value is typed varying and the plain ``all_gather`` is used,
 whose transpose is a reduce-scatter, matching ``lax.psum``'s transpose in that mode.
 """

@@ -224,14 +224,11 @@ def main(argv: list[str] | None = None) -> int:
       r["vs_best_baseline"] = r["ms"] / min(base) if base else None
       r["vs_t_min"] = r["ms"] / r["t_min_ms"] if r["t_min_ms"] else None
       # auto against every contender it could have been: the baselines when lossless, and every
-      # jaxring plan of the same codec run in the same mode (check_vma=False lets the all-gather
-      # back use shared memory, a program auto under check_vma=True cannot be)
+      # jaxring plan of the same codec, in either check_vma mode (they compile the same program)
       if " auto " in r["contender"]:
-        mode = "check_vma=False" in r["contender"]
         rivals = [o["ms"] for o in rows if "ms" in o and o is not r and o["job"] == r["job"]
                   and "node-ring" not in o["contender"] and " auto " not in o["contender"]
-                  and ((o["codec"] == r["codec"] and ("check_vma=False" in o["contender"])
-                        == mode) or (r["codec"] == "none" and o in base_rows))]
+                  and (o["codec"] == r["codec"] or (r["codec"] == "none" and o in base_rows))]
         r["auto_vs_best"] = r["ms"] / min(rivals) if rivals else None
         # the same question without timing auto's program a second time: the row of the plan it
         # chose (where there is one) against the best row (on a loaded machine two timings of one
