@@ -3,6 +3,8 @@
 Both change how bytes move, never the values: results must be bit-identical to the plain schedule
 and within float32 rounding of a float64 NumPy sum; the compiled HLO must show the new schedule.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,15 +106,18 @@ def test_psum_scatter_with_pieces_matches_lax():
 
 
 def test_local_all_gather_carries_the_node_levels_int8():
-  """After the node ring, the local level's all-gather moves the int8 payload (a quarter of the
-  f32 bytes) and the result is decoded once at the end."""
+  """After the node ring, the local level's all-gather (in shared memory: every member of it is
+  in this process) moves the int8 payload, a quarter of the f32 bytes, and the result is decoded
+  once at the end; no native all-gather spans the local level."""
   n = 1 << 16
   x = jnp.zeros((8, n), jnp.float32)
   with jaxring.use_topology(topology(1)):
     f = reducer("mesh", "hierarchical", codecs.int8())
     gathers = [c for c in compiled_wire_bytes(f, x).collectives if c.op == "all-gather"]
-  local = [c for c in gathers if c.group_size == 4]
-  assert [c.dtypes for c in local] == [("u8",)], local   # values and scales, one message
-  # each member contributes the node-reduced n/4 elements of its local shard: int8 values plus one
-  # f32 scale per 256 (decoded first, they would be 4 n/4 bytes)
-  assert sum(c.operand_bytes for c in local) == n // 4 + 4 * (n // 4 // 256), local
+    hlo = f.lower(x).compile().as_text()
+  assert not [c for c in gathers if c.group_size == 4], gathers
+  # each member contributes the node-reduced n/4 elements of its local shard: int8 values and
+  # one f32 scale per 256 (decoded first, they would be 4 n/4 bytes)
+  operands = re.findall(r'custom_call_target="jaxring_local_all_gather", '
+                        r'operand_layout_constraints=\{(\w+)\[(\d+)\]', hlo)
+  assert sorted(operands) == [("f32", str(n // 4 // 256)), ("s8", str(n // 4))], operands
