@@ -6,7 +6,7 @@ outputs in again: single collectives run 2-3x slower than with tcmalloc. Two rem
 
 - tcmalloc, preloaded where it is installed (``make tcmalloc``);
 - otherwise glibc malloc tuned through ``GLIBC_TUNABLES`` (nothing to install): large blocks come
-  from the heap and stay there, in one arena (``GLIBC_TUNED``).
+  from the heap and stay there (``GLIBC_TUNED``).
 
 ``jaxring bench``, ``jaxring demo`` and the processes ``jaxring cluster run`` starts use the first
 that applies and say which; ``JAXRING_NO_TCMALLOC=1`` keeps plain glibc malloc deliberately.
@@ -23,10 +23,10 @@ _TCMALLOC_GLOBS = ("/usr/lib/*/libtcmalloc_minimal.so*", "/usr/lib/*/libtcmalloc
 INSTALL_HINT = ("install it with `make tcmalloc` (apt-get install libtcmalloc-minimal4); "
                 "JAXRING_NO_TCMALLOC=1 keeps plain glibc malloc deliberately")
 ENV_OPT_OUT = "JAXRING_NO_TCMALLOC"
-# Blocks up to 1 GiB from the heap (not mmap), freed memory kept up to 1 GiB, one arena (so that
-# a block freed by one of XLA's threads serves the next allocation of another)
-GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_threshold=1073741824",
-               "glibc.malloc.arena_max=1")
+# Blocks up to 1 GiB from the heap (not mmap), freed memory kept up to 1 GiB. Not one arena:
+# glibc.malloc.arena_max=1 made single collectives steadier but cost the demo's training step 40%
+# (lock contention between XLA's threads: 272 against 438 images/s, docs/benchmarks.md)
+GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_threshold=1073741824")
 
 
 def tcmalloc_libraries() -> list[str]:
@@ -50,7 +50,7 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
 
   Example:
     >>> allocator_in_use({"GLIBC_TUNABLES": ":".join(GLIBC_TUNED)})
-    'glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept, one arena)'
+    'glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept)'
     >>> allocator_in_use({})
     'glibc malloc'
   """
@@ -59,7 +59,7 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
   if "tcmalloc" in pre:
     return f"tcmalloc ({pre})"
   if _tuned(env):
-    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept, one arena)"
+    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept)"
   return "glibc malloc"
 
 
