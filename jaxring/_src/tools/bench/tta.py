@@ -25,9 +25,9 @@ timed span, and a contender stops once it reaches ``--target`` (or ``--steps``).
 the timed training time until the first evaluation at or above the target. Before that and after
 every turn, every node times the same step on its own devices only (no link crossed) while the
 others do too: the median is the compute share, and the uncompressed step minus it the
-communication share. One
-step is in flight at a time (``block_until_ready`` after each): with 50 queued, the hand-written
-step deadlocked in XLA:CPU's gloo all-reduces after ~15 steps (jax 0.10.2, 10 Mbit/s).
+communication share. One step is in flight at a time (``block_until_ready`` after each): with 50
+queued, the hand-written step deadlocked in XLA:CPU's gloo all-reduces after ~15 steps (jax
+0.10.2, 10 Mbit/s).
 
 Prints a table (time to target, steps, final accuracy, MiB per node link and step), writes JSON
 under benchmarks/results/ and, with matplotlib (``pip install jaxring[plot]``), a PNG of accuracy
