@@ -14,6 +14,8 @@ import pytest
 from jaxring._src.tools import allocator
 from jaxring._src.tools.cluster import launch
 
+# malloc through ctypes, as XLA:CPU allocates: numpy asks for huge pages on large arrays, which
+# would hide the per-page faults this counts
 _FAULTS = """
 import ctypes, resource
 libc = ctypes.CDLL(None)
@@ -35,8 +37,7 @@ def _faults(env) -> int:
 
 
 def _plain_env() -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
-  return env
+  return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
 
 
 def _thp_always() -> bool:
@@ -67,7 +68,8 @@ def test_fast_env_keeps_the_callers_tunables_and_is_idempotent(monkeypatch):
 
 
 def test_fast_env_prefers_tcmalloc_and_honours_the_opt_out(monkeypatch):
-  monkeypatch.setattr(allocator, "tcmalloc_libraries", lambda: ["/usr/lib/x/libtcmalloc_minimal.so.4"])
+  monkeypatch.setattr(allocator, "tcmalloc_libraries",
+                      lambda: ["/usr/lib/x/libtcmalloc_minimal.so.4"])
   env = allocator.fast_allocator_env({"LD_PRELOAD": "/opt/other.so"})
   assert env["LD_PRELOAD"] == "/usr/lib/x/libtcmalloc_minimal.so.4:/opt/other.so"
   assert "GLIBC_TUNABLES" not in env

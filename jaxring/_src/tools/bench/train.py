@@ -172,7 +172,8 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=2, help="steps timed per repetition")
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--int8", action="store_true", help="also time int8 ring + error feedback")
-  ap.add_argument("--no-tcmalloc", action="store_true")
+  ap.add_argument("--no-tcmalloc", action="store_true",
+                  help="keep this process's allocator (no tcmalloc, no glibc tuning)")
   ap.add_argument("--out-dir", default=None)
   args = ap.parse_args(argv)
   if args.reps < 5:
