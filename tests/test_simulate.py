@@ -241,7 +241,7 @@ def test_step_validation_adds_each_reduction_to_the_computation_less_the_token_b
             "rows": [{"contender": tta.HAND, "s_per_step": 0.5},
                      {"contender": tta.BASE, "s_per_step": 0.3},
                      {"contender": tta.INT8, "s_per_step": 0.1}]}
-  rows = {r["contender"]: r for r in validate.predict_tta_steps(result, {"jax": model})}
+  rows = {r["contender"]: r for r in validate.predict_steps(result, {"jax": model})}
   init = MODELS[net or "resnet"][0]             # the network the run trained: its leaves
   leaves = [4 * x.size for x in jax.tree.leaves(jax.eval_shape(init, jax.random.key(0)))]
   assert len(leaves) == (24 if net else 17)
@@ -264,6 +264,35 @@ def test_step_validation_adds_each_reduction_to_the_computation_less_the_token_b
   link = 2 * 3 / 4 * (total / 2) * int8.ratio / (rate / 2)
   other = 6e-3 + 2 * 3 / 4 * (total / 2) * 4e-9 + 0.01
   assert rows[tta.INT8]["predicted_s"] == pytest.approx(step(link + ring(4), other))
+
+
+def test_train_cluster_steps_count_every_gradient_bucket_and_statistic():
+  from jaxring._src.tools.bench import train_cluster as tc
+  from jaxring._src.tools.simulate import calibrated, validate
+  model = calibrated.Calibrated((2, 4), {**dict.fromkeys(calibrated.NAMES, 0.0),
+                                         "alpha_native": 0.01, "link_native": 1.0,
+                                         "alpha_node": 1e-3})
+  grads = [3 << 20, 1 << 20, 2 << 20, 4096]       # bytes per leaf, in tree order
+  result = {"bench": "train-cluster", "link": "1gbit", "compute_s": 0.5,
+            "args": {"bucket_mib": 4.0}, "leaf_bytes": {"grads": grads, "batch_stats": [256] * 3},
+            "rows": [{"contender": tc.HAND, "ms": 900.0}, {"contender": tc.BASE, "ms": 700.0},
+                     {"contender": "train_step int8+EF, overlap", "ms": 600.0}]}
+  plans, _ = validate.step_plans(result)
+  # hand-written: every gradient leaf, every statistic and the loss by itself
+  assert sorted(n for _, _, _, n in plans[tc.HAND]) == sorted(grads + [256] * 3 + [4])
+  # train_step: 4 MiB buckets filled in backward order (4 KiB, 2 MiB, 1 MiB: under 4 MiB; the
+  # 3 MiB leaf closes it, one bucket of all), then the statistics and the loss, natively
+  base = [(a, n) for a, _, _, n in plans[tc.BASE]]
+  assert base == [("xla", (6 << 20) + 4096), ("xla", 256), ("xla", 256), ("xla", 256), ("xla", 4)]
+  int8 = plans["train_step int8+EF, overlap"]
+  assert [(a, c) for a, c, _, _ in int8[:1]] == [("hierarchical", "int8")]
+  assert sum(n for _, _, _, n in int8) == sum(grads) + 3 * 256 + 4
+  rows = {r["contender"]: r for r in validate.predict_steps(result, {"jax": model})}
+  # 1 Gbit/s: the native calls' cost per call (10 ms) decides the hand-written step's excess
+  assert rows[tc.HAND]["other_s"] == pytest.approx(0.01 * 8)
+  assert rows[tc.BASE]["other_s"] == pytest.approx(0.01 * 5)
+  assert rows[tc.BASE]["measured_s"] == 0.7
+  assert rows[tc.HAND]["predicted_s"] > rows[tc.BASE]["predicted_s"] > 0.5
 
 
 def test_gradientflow_reproduction_orders_the_plans_as_the_paper_builds_them_up():

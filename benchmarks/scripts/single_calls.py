@@ -11,6 +11,7 @@ and fastest ms of 15 calls on node 0: gloo's psum (4 B, the 10.8 KB of 2,695 chu
   sudo jaxring cluster down --name jrp
 """
 import json
+import os
 import statistics
 import time
 
@@ -25,7 +26,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxring  # noqa: E402
 
-PAUSE_S, CALLS = 0.25, 15
+PAUSE_S, CALLS = float(os.environ.get("PAUSE", "0.25")), 15
 me = jax.process_index()
 mesh = jaxring.distributed.process_mesh()
 axes = ("node", "local")

@@ -26,12 +26,16 @@ from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
 from jaxring._src.transport import mpi_axis
 
-# Three sizes, log-spaced over the range gradient buckets and psums take (the default bucket is
-# 25 MiB): the smallest pins the per-call latency (buckets of small models, and the packed chunks
-# of top-k 1%), the largest the cost where plans part; costs are interpolated between them
-# (cost_model.Fit.predict). A line through 1 and 16 MiB chose the slower plan at 32 MiB on the
-# emulated cluster (docs/benchmarks.md).
-DEFAULT_SIZES = (64 << 10, 1 << 20, 32 << 20)
+# Four sizes, log-spaced over the range gradient buckets and psums take (the default bucket is
+# 25 MiB): the smallest pins the per-call latency (the statistics, losses and chunk norms a
+# training step reduces beside its gradients: 4 bytes to ~10 KB), the next the small buckets and
+# the packed chunks of top-k 1%, the largest the cost where plans part; costs are interpolated
+# between them (cost_model.Fit.predict). A line through 1 and 16 MiB chose the slower plan at
+# 32 MiB on the emulated cluster (docs/benchmarks.md).
+DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 32 << 20)
+#: Seconds of timed calls a large point gets at most: a plan that is quick at the largest size
+#: (top-k) is called more than ``reps`` times, up to three times as many (docs/simulations.md).
+POINT_BUDGET_S = 0.5
 DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
 
 
@@ -137,13 +141,22 @@ def _target(mesh, axes):
   return _MpiTarget(binding)
 
 
-def _time(fn, x, reps: int, warmup: int) -> float:
+def _time(fn, x, reps: int, warmup: int, agree=None) -> float:
+  """The median seconds of ``reps`` calls of ``fn(x)`` after ``warmup`` untimed ones.
+
+  ``agree(ms) -> [every process's ms]`` (a large point): the calls become as many as fit in
+  :data:`POINT_BUDGET_S` at the slowest process's warm-up time, between ``reps`` and three times
+  that, the same count on every process (the calls are collective)."""
   # compiled before the clock starts: a first call that compiles, among three timed at 32 MiB,
   # makes their median the slower of the other two. The first call of the compiled program is
   # often slow too (the warm-up; docs/simulations.md, "Calibration's warm-up call")
   fn = fn.lower(x).compile()
+  t = time.perf_counter()
   for _ in range(warmup):
     jax.block_until_ready(fn(x))
+  if agree is not None and warmup:
+    slowest = max(agree(int(1e3 * (time.perf_counter() - t) / warmup) + 1)) / 1e3
+    reps = min(3 * reps, max(reps, int(POINT_BUDGET_S / slowest)))
   times = []
   for _ in range(reps):
     t = time.perf_counter()
@@ -155,11 +168,14 @@ def _time(fn, x, reps: int, warmup: int) -> float:
   return float(np.median(times))
 
 
+_LARGE = 4 << 20
+
+
 def _reps(nbytes: int, reps: int) -> int:
   """Calls timed at a size: three times ``reps`` below 4 MiB, where a call costs tens of ms and
   varies by 2x on the emulated cluster's shared cores, and its median needs more of them. The
   same on every process (the calls are collective)."""
-  return reps if nbytes >= 4 << 20 else 3 * reps
+  return reps if nbytes >= _LARGE else 3 * reps
 
 
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
@@ -178,7 +194,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       are interpolated, ``cost_model.Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
-      below 4 MiB). Each program is compiled before its calls are timed; the warm-up call after
+      below 4 MiB, and above it up to three times where they fit in :data:`POINT_BUDGET_S`). Each program is compiled before its calls are timed; the warm-up call after
       that costs one more call per plan and size (on the emulated cluster 24 s instead of 20 s)
       and keeps the timings within 14% of the same plans timed 5 times afterwards (up to 73%
       off without it).
@@ -216,7 +232,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     codec_names = planner.codec_key(
         [planner.codec_for(comp, g.name, jnp.float32) for g in target.groups])
     fn, t_plan = target.program(algorithm, comp), time.perf_counter()
-    seconds = [_time(fn, inputs[nbytes], _reps(nbytes, reps), warmup) for nbytes in sizes]
+    seconds = [_time(fn, inputs[nbytes], _reps(nbytes, reps), warmup,
+                     target.gather if nbytes >= _LARGE else None) for nbytes in sizes]
     seconds = [float(t) for t in target.broadcast(np.asarray(seconds, np.float64))]
     fits.append(cost_model.Fit.from_points(algorithm, codec_names, sizes, seconds))
     if log is not None:
@@ -224,8 +241,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
           f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, seconds))
           + f"   ({time.perf_counter() - t_plan:.1f} s with compiling)")
   del inputs
-  meta = {"statistic": f"median of {reps} calls ({3 * reps} below 4 MiB) after {warmup} warm-up, "
-                       "process 0's",
+  meta = {"statistic": f"median of {reps} to {3 * reps} calls ({3 * reps} below 4 MiB; above, as "
+                       f"many as fit in {POINT_BUDGET_S} s) after {warmup} warm-up, process 0's",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),

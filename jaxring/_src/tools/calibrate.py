@@ -71,7 +71,7 @@ def main(argv=None) -> int:
   if me == 0:
     print(f"# {took:.1f} s; profile: {cost_model.profile_path(profile.key)}")
     print("# auto picks (bytes per device -> codecs of the levels: algorithm):")
-    for nbytes, row in calib.choices(profile, [64 << 10, 1 << 20, 32 << 20]).items():
+    for nbytes, row in calib.choices(profile, sizes).items():
       print(f"  {common.fmt_bytes(nbytes):>7}: " + "; ".join(f"{k}: {v}" for k, v in row.items()))
     if args.out:
       with open(args.out, "w") as f:

@@ -105,6 +105,49 @@ def warm_up(step, state, batch, steps: int, name: str | None = None):
   return state
 
 
+class ComputeShare:
+  """Seconds of one training step's computation on a node of the emulated cluster: this
+  process's devices each run ``alone(state, batch)`` (the step's gradients and update, with no
+  collective at all: not even inside the process, where gloo's loopback would count), timed on
+  every node at once, as the contenders run. Sampled when made and again by :meth:`sample`
+  (one sample moved between 20 and 37 ms from run to run of ``bench tta``); :attr:`seconds` is
+  the median of the samples.
+
+  ``state`` is replicated over this process's devices, ``local_batch`` a dict of NumPy arrays
+  split over them along the first axis.
+  """
+
+  def __init__(self, alone, state, local_batch, steps: int):
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    local = Mesh(np.asarray(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
+    self._step = jax.jit(jax.shard_map(alone, mesh=local, in_specs=(P(), P("data")),
+                                       out_specs=(P(), P()), check_vma=False),
+                         donate_argnums=(0,))
+    self._state = jax.device_put(jax.tree.map(np.copy, state), NamedSharding(local, P()))
+    self._batch = jax.device_put(local_batch, NamedSharding(local, P("data")))
+    self._state = warm_up(self._step, self._state, self._batch, 2)
+    self.samples: list[float] = []
+    self.sample(steps)
+
+  def sample(self, steps: int) -> float:
+    """Times ``steps`` computation-only steps; returns their mean seconds (kept in samples)."""
+    import jax
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      self._state, m = self._step(self._state, self._batch)
+      jax.block_until_ready(m)
+    self.samples.append((time.perf_counter() - t0) / steps)
+    return self.samples[-1]
+
+  @property
+  def seconds(self) -> float:
+    return float(statistics.median(self.samples))
+
+
 def warm_up_contenders(contenders: dict, make_state: Callable[[], object], batch, steps: int,
                        replicated) -> dict:
   """Each train-step contender's state, made by ``make_state()`` and warmed up by ``steps`` steps.
@@ -125,12 +168,13 @@ def warm_up_contenders(contenders: dict, make_state: Callable[[], object], batch
 
 
 def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps: int,
-                     around=None) -> dict[str, list[float]]:
+                     around=None, between=None) -> dict[str, list[float]]:
   """Seconds per step of each train-step contender, ``reps`` repetitions of ``steps`` steps.
 
   Contenders run one after the other within each repetition, so the machine's drifting load hits
   all alike; ``states`` is updated in place. ``around(name)``, if given, is a context manager
-  entered around each contender's timed steps (a barrier, a byte counter).
+  entered around each contender's timed steps (a barrier, a byte counter); ``between()``, if
+  given, runs after each repetition.
   """
   import contextlib
 
@@ -145,4 +189,6 @@ def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps:
         jax.block_until_ready((state, metrics))
         times[name].append((time.perf_counter() - t0) / steps)
       states[name] = state
+    if between is not None:
+      between()
   return times

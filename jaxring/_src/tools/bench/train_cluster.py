@@ -11,7 +11,10 @@ ResNet-18-style step as ``jaxring bench train`` (``jaxring._src.tools.bench.trai
 
 Contenders are interleaved repetition by repetition; each repetition times ``--steps`` steps.
 Reported: median ms/step, steps/s, images/s and the ratio to the uncompressed ``train_step``
-(median of per-repetition ratios), and the bytes each node put on its link per step.
+(median of per-repetition ratios), the bytes each node put on its link per step, and the step's
+computation alone (``common.ComputeShare``: each node's devices with no collective, sampled
+after every repetition; the slowest node's median), which ``jaxring simulate --validate-steps``
+adds the modelled reductions to.
 
 Example:
   sudo jaxring bench train-cluster                 # 4 nodes x 2 devices, 1gbit
@@ -29,6 +32,7 @@ import sys
 from jaxring._src.tools.bench import common
 
 WORKER = "jaxring._src.tools.bench.train_cluster"
+HAND = "hand-written jit(shard_map)+pmean"
 BASE = "train_step none"
 
 
@@ -39,7 +43,8 @@ def worker(args) -> int:
   import jax.numpy as jnp
   import numpy as np
   import optax
-  from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import AxisType, Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import jaxring
   import jaxring.train as jt
@@ -51,7 +56,7 @@ def worker(args) -> int:
   bucket = int(args.bucket_mib * (1 << 20))
   int8 = {"node": jaxring.codecs.int8()}
   contenders = {
-      "hand-written jit(shard_map)+pmean": train._hand_written(mesh),
+      HAND: train._hand_written(mesh),
       BASE: train._decorated(mesh, bucket_bytes=bucket),
       "train_step int8+EF, overlap": train._decorated(mesh, bucket_bytes=bucket, compression=int8),
       "train_step int8+EF, overlap=False": train._decorated(mesh, bucket_bytes=bucket,
@@ -63,16 +68,26 @@ def worker(args) -> int:
   local = args.batch_per_device * jax.local_device_count()
   rng = np.random.RandomState(me)
   sharded = NamedSharding(mesh, P("data"))
-  batch = {"x": jax.make_array_from_process_local_data(
-               sharded, rng.randn(local, 32, 32, 3).astype(np.float32)),
-           "y": jax.make_array_from_process_local_data(
-               sharded, rng.randint(0, 10, local).astype(np.int32))}
+  local_batch = {"x": rng.randn(local, 32, 32, 3).astype(np.float32),
+                 "y": rng.randint(0, 10, local).astype(np.int32)}
+  batch = {k: jax.make_array_from_process_local_data(sharded, v) for k, v in local_batch.items()}
+
+  def make_state():
+    return jt.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                tx=optax.sgd(0.05, momentum=0.9),
+                                batch_stats=variables["batch_stats"])
+
+  def alone(state, b):   # the step's computation, no collective (common.ComputeShare)
+    (loss, stats), grads = jax.value_and_grad(
+        train._loss_fn(state.apply_fn, state.batch_stats, b), has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss}
+
+  jaxring.distributed.barrier("compute", timeout_s=600)
+  compute = common.ComputeShare(alone, make_state(), local_batch, args.steps)
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   states, tx = {}, {k: 0 for k in contenders}
   for name, step in contenders.items():
-    state = jt.TrainState.create(apply_fn=model.apply, params=variables["params"],
-                                 tx=optax.sgd(0.05, momentum=0.9),
-                                 batch_stats=variables["batch_stats"])
+    state = make_state()
     if hasattr(step, "prepare"):
       state = step.prepare(state)
     else:  # copies: donation must not delete `variables`, shared by every contender
@@ -88,12 +103,19 @@ def worker(args) -> int:
     yield
     tx[name] += cluster_worker.tx_bytes(iface) - b0
 
+  def sample_compute():   # every node at once, as the contenders ran
+    jaxring.distributed.barrier(f"compute-{next(barriers)}", timeout_s=600)
+    compute.sample(args.steps)
+
   times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps,
-                                  around=counted)
+                                  around=counted, between=sample_compute)
+  leaves = {"grads": [4 * int(np.size(p)) for p in jax.tree.leaves(variables["params"])],
+            "batch_stats": [4 * int(np.size(p)) for p in jax.tree.leaves(variables["batch_stats"])]}
   for name in contenders:
     cluster_worker.emit(contender=name, node=me, times=times[name],
                         tx_per_step=tx[name] / (args.reps * args.steps), params=n_params,
-                        global_batch=local * jax.process_count())
+                        global_batch=local * jax.process_count(), compute_s=compute.seconds,
+                        compute_samples=compute.samples, leaf_bytes=leaves)
   jaxring.distributed.barrier("done", timeout_s=120)
   return 0
 
@@ -154,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                  "vs_uncompressed": statistics.median(t / b for t, b in zip(r["times"], base)),
                  "tx_mib": sum(txs) / len(txs) / (1 << 20), "times_s": r["times"]})
   first = next(iter(node0.values()))
+  compute = max(r["compute_s"] for r in recs)
   print(f"\nResNet-18 (width {args.width}, {first['params']:,} params = "
         f"{common.fmt_bytes(4 * first['params'])} of f32 gradients), 32x32, global batch "
         f"{first['global_batch']}, {args.nodes} nodes x {args.devices_per_node} devices, links "
@@ -163,11 +186,14 @@ def main(argv: list[str] | None = None) -> int:
       ("steps_per_s", "steps/s", ".2f"), ("images_per_s", "images/s", ".1f"),
       ("vs_uncompressed", "time vs train_step none", ".3f"),
       ("tx_mib", "MiB/node link/step", ".1f")])
+  print(f"computation alone (no collective, slowest node): {compute * 1e3:.0f} ms a step; "
+        f"'{BASE}' {statistics.median(base) * 1e3:.0f} ms")
   import jax
   path = common.write_json("train-cluster", {
       "bench": "train-cluster", "args": vars(args), "link": state.rate,
       "allocator": common.allocator(), "jax": jax.__version__, "machine": common.machine(),
-      "rows": rows, "raw": recs}, args.out_dir)
+      "compute_s": compute, "leaf_bytes": first["leaf_bytes"], "rows": rows, "raw": recs},
+      args.out_dir)
   print(f"wrote {path}")
   return 0
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -166,53 +165,22 @@ def _eval(fn):
   return _JITTED[fn]
 
 
-class ComputeShare:
-  """Seconds of one step's computation: this node's devices each compute their gradients and
-  apply them, with no collective at all (not even inside the process: with a local ``pmean`` of
+def compute_share(params, batch_of, args) -> common.ComputeShare:
+  """The step's computation alone (:class:`common.ComputeShare`): gradients of ``_loss`` and a
+  momentum SGD update on this process's devices, with no collective (with a local ``pmean`` of
   every leaf, which goes through gloo's loopback, the figure was 69 ms where this one is 14 ms;
-  quiet machine, tta-20261123-195440 and -201457), timed on every node at once, as the
-  contenders run. Sampled at the start and again every turn (:meth:`sample`): one sample moved
-  between 20 and 37 ms from run to run; :attr:`seconds` is the median of the samples."""
+  quiet machine, tta-20261123-195440 and -201457)."""
+  import jax
+  import optax
 
-  def __init__(self, params, batch_of, args):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from jax.sharding import AxisType, Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+  import jaxring.train as jt
 
-    import jaxring.train as jt
-    local = Mesh(np.asarray(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
+  def alone(state, batch):
+    loss, grads = jax.value_and_grad(_loss)(state.params, batch, args.model)
+    return state.apply_gradients(grads=grads), {"loss": loss}
 
-    def alone(state, batch):
-      loss, grads = jax.value_and_grad(_loss)(state.params, batch, args.model)
-      return state.apply_gradients(grads=grads), {"loss": loss}
-
-    self._step = jax.jit(jax.shard_map(alone, mesh=local, in_specs=(P(), P("data")),
-                                       out_specs=(P(), P()), check_vma=False),
-                         donate_argnums=(0,))
-    state = jt.TrainState.create(apply_fn=None, params=jax.tree.map(jnp.copy, params),
-                                 tx=optax.sgd(0.0, momentum=MOMENTUM))
-    self._state = jax.device_put(state, NamedSharding(local, P()))
-    self._batch = jax.device_put(batch_of.local(0), NamedSharding(local, P("data")))
-    self._state = common.warm_up(self._step, self._state, self._batch, 2)
-    self.samples: list[float] = []
-    self.sample(args.compute_steps)
-
-  def sample(self, steps: int) -> float:
-    """Times ``steps`` computation-only steps; returns their mean seconds (kept in samples)."""
-    import jax
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      self._state, m = self._step(self._state, self._batch)
-      jax.block_until_ready(m)
-    self.samples.append((time.perf_counter() - t0) / steps)
-    return self.samples[-1]
-
-  @property
-  def seconds(self) -> float:
-    return float(statistics.median(self.samples))
+  state = jt.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.0, momentum=MOMENTUM))
+  return common.ComputeShare(alone, state, batch_of.local(0), args.compute_steps)
 
 
 def worker(args) -> int:
@@ -237,7 +205,7 @@ def worker(args) -> int:
                      NamedSharding(mesh, P("data")))
   params = MODELS[args.model][0](jax.random.key(args.seed))
   n_params = sum(int(np.size(p)) for p in jax.tree.leaves(params))
-  compute = ComputeShare(params, batch_of, args)
+  compute = compute_share(params, batch_of, args)
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size,
                         args.model, args.schedule, args.steps)

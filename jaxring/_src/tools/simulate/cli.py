@@ -8,7 +8,7 @@ Examples:
   jaxring simulate --reproduce blueconnect           # hierarchical vs flat ring, ResNet-50, 192 GPUs
   jaxring simulate --validate benchmarks/results/cluster-20261123-160415.json   # vs measured
   jaxring simulate --validate RUN.json --calibration OTHER_RUN.json  # model fitted elsewhere
-  jaxring simulate --validate-steps TTA.json --calibration CLUSTER.json  # training steps
+  jaxring simulate --validate-steps TTA_OR_TRAIN_CLUSTER.json --calibration CLUSTER.json  # steps
 
 Prints a table per cluster (step ms, reduction ms, exposed ms, efficiency, images/s), writes JSON
 under benchmarks/results/ and, where matplotlib is installed (``pip install jaxring[plot]``), a
@@ -54,9 +54,9 @@ def _parser():
   ap.add_argument("--reproduce", choices=("baidu", "gradientflow", "blueconnect"), default=None)
   ap.add_argument("--validate", default=None, metavar="CLUSTER_JSON",
                   help="predict every row of a `jaxring bench cluster` result and compare")
-  ap.add_argument("--validate-steps", default=None, metavar="TTA_JSON",
-                  help="predict the step time of every contender of a `jaxring bench tta` result "
-                       "(needs --calibration)")
+  ap.add_argument("--validate-steps", default=None, metavar="RUN_JSON",
+                  help="predict the step time of every contender of a `jaxring bench tta` or "
+                       "`jaxring bench train-cluster` result (needs --calibration)")
   ap.add_argument("--calibration", default=None, metavar="CLUSTER_JSON",
                   help="fit the calibrated model to this `jaxring bench cluster` run's "
                        "calibration (--validate: default the validated run's own)")
@@ -277,10 +277,12 @@ def _validate(path: str, out_dir, calibration_path: str | None = None) -> int:
 def _validate_steps(path: str, calibration_path: str, out_dir) -> int:
   from jaxring._src.tools.bench import common
   from jaxring._src.tools.simulate import validate
-  result, calibration = validate.load(path, "tta"), validate.load(calibration_path)
+  result = validate.load(path, ("tta", "train-cluster"))
+  calibration = validate.load(calibration_path)
   fitted = validate.models(calibration)
-  rows = validate.predict_tta_steps(result, fitted)
-  print(f"# {path}: {result['args'].get('batch_per_device')} images per device, links "
+  rows = validate.predict_steps(result, fitted)
+  print(f"# {path} (bench {result['bench']}): {result['args'].get('batch_per_device')} images "
+        f"per device, links "
         f"{result['link']}; computation {result['compute_s'] * 1e3:.0f} ms a step (measured), "
         f"reductions from the model fitted to {calibration_path}")
   common.print_table(rows, [("contender", "contender", ""), ("measured_s", "measured s/step", ".3f"),

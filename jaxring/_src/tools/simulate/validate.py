@@ -97,13 +97,17 @@ def predict_cluster_rows(result: dict, plan_for_codec, calibration: dict | None 
   return rows
 
 
-def load(path: str, bench: str = "cluster") -> dict:
+def load(path: str, bench: str | tuple[str, ...] = "cluster") -> dict:
   """A ``jaxring bench <bench>`` result (ValueError if the file holds another benchmark's)."""
   with open(path) as f:
     result = json.load(f)
-  if result.get("bench") != bench:
-    raise ValueError(f"{path}: not a `jaxring bench {bench}` result "
+  wanted = (bench,) if isinstance(bench, str) else bench
+  if result.get("bench") not in wanted:
+    raise ValueError(f"{path}: not a `jaxring bench {' / '.join(wanted)}` result "
                      f"(bench={result.get('bench')!r})")
+  if result["bench"] in ("tta", "train-cluster") and "compute_s" not in result:
+    raise ValueError(f"{path}: no measured computation (compute_s): a run from before "
+                     f"`bench {result['bench']}` measured it")
   return result
 
 
@@ -111,7 +115,7 @@ def load(path: str, bench: str = "cluster") -> dict:
 #
 # XLA:CPU runs a collective and the computation beside it in turn (docs/benchmarks.md, "Inter-node
 # step alone"), so on the emulated cluster a step is its computation plus its reductions; only the
-# links' token buckets let link time hide behind the rest (predict_tta_steps).
+# links' token buckets let link time hide behind the rest (predict_steps).
 
 BURST = 256 * 1024   # bytes: the tbf bucket of every emulated link (jaxring cluster up's default)
 
@@ -137,8 +141,53 @@ def tta_reductions(contender: str, leaf_bytes: list[int], bucket_bytes: int, chu
   return None
 
 
-def predict_tta_steps(tta_result: dict, fitted: dict) -> list[dict]:
-  """Predicted against measured seconds per step for each contender of a ``bench tta`` result.
+def train_cluster_reductions(contender: str, leaf_bytes: dict, bucket_bytes: int):
+  """The all-reduces one step of a ``bench train-cluster`` contender issues, as
+  :func:`tta_reductions` lists them: the gradients (leaf by leaf in the hand-written step, in
+  ``train_step``'s buckets otherwise), every batch-norm statistic by itself (both steps
+  ``pmean`` them leaf by leaf), and the loss."""
+  import numpy as np
+
+  from jaxring._src.tools.bench import train_cluster
+  from jaxring._src.train.buckets import make_buckets
+  grads = leaf_bytes["grads"]
+  native = [("xla", "none", "Codec()", b) for b in leaf_bytes["batch_stats"] + [4]]
+  if contender == train_cluster.HAND:
+    return [("xla", "none", "Codec()", b) for b in grads] + native
+  leaves = [np.zeros(b // 4, np.float32) for b in grads]
+  buckets = [b.nbytes for b in make_buckets(leaves, range(len(leaves)), bucket_bytes)]
+  if contender == train_cluster.BASE:    # lossless auto without a profile: the native all-reduce
+    return [("xla", "none", "Codec()", b) for b in buckets] + native
+  if contender.startswith("train_step int8+EF"):   # overlapped or not: XLA:CPU runs them in turn
+    return [("hierarchical", "int8", "Int8(block_size=256, stochastic=False)", b)
+            for b in buckets] + native
+  return None
+
+
+def step_plans(result: dict) -> tuple[dict, float]:
+  """``({contender: its reductions}, bytes per second of a node's link)`` of a ``bench tta`` or
+  ``bench train-cluster`` result."""
+  from jaxring._src.tools.bench.models import MODELS
+  from jaxring._src.tools.cluster import netns
+  args = result["args"]
+  link = netns.rate_bytes_per_second(result["link"])
+  if result["bench"] == "train-cluster":
+    bucket = int(args["bucket_mib"] * (1 << 20))
+    return {r["contender"]: train_cluster_reductions(r["contender"], result["leaf_bytes"], bucket)
+            for r in result["rows"]}, link
+  import jax
+  init = MODELS[args.get("model", "resnet")][0]   # runs before --model existed trained "resnet"
+  shapes = jax.eval_shape(init, jax.random.key(int(args.get("seed", 0))))
+  leaf_bytes = [4 * int(s.size) for s in jax.tree.leaves(shapes)]
+  return {r["contender"]: tta_reductions(r["contender"], leaf_bytes,
+                                         int(args["bucket_mib"] * (1 << 20)),
+                                         int(args["chunk_size"]))
+          for r in result["rows"]}, link
+
+
+def predict_steps(result: dict, fitted: dict) -> list[dict]:
+  """Predicted against measured seconds per step for each contender of a ``bench tta`` or
+  ``bench train-cluster`` result.
 
   A step is the measured computation (``compute_s``: one node's devices with nothing on the
   link) plus the calibrated model's time for each reduction at the run's link rate, ``other``
@@ -148,20 +197,11 @@ def predict_tta_steps(tta_result: dict, fitted: dict) -> list[dict]:
   that remains is ``link - min(burst / rate, compute + other)``, not below zero. (A 32 MiB
   ``bench cluster`` call is ~130 buckets; there this is the plain sum.)
   """
-  import jax
-
-  from jaxring._src.tools.bench.models import MODELS
-  from jaxring._src.tools.cluster import netns
-  args = tta_result["args"]
-  link = netns.rate_bytes_per_second(tta_result["link"])
-  init = MODELS[args.get("model", "resnet")][0]   # runs before --model existed trained "resnet"
-  shapes = jax.eval_shape(init, jax.random.key(int(args.get("seed", 0))))
-  leaf_bytes = [4 * int(s.size) for s in jax.tree.leaves(shapes)]
+  plans, link = step_plans(result)
   model = fitted.get("jax")
   rows = []
-  for r in tta_result["rows"]:
-    plan = tta_reductions(r["contender"], leaf_bytes, int(args["bucket_mib"] * (1 << 20)),
-                          int(args["chunk_size"]))
+  for r in result["rows"]:
+    plan = plans.get(r["contender"])
     if plan is None or model is None:
       continue
     link_s = other_s = 0.0
@@ -169,12 +209,12 @@ def predict_tta_steps(tta_result: dict, fitted: dict) -> list[dict]:
       on_link, rest = model.with_wire(codec, calibrated.wire_of(text)).split(
           algorithm, codec, nbytes, link)
       link_s, other_s = link_s + on_link, other_s + rest
-    compute = tta_result["compute_s"]
+    compute = result["compute_s"]
     idle = compute + other_s
     predicted = idle + max(0.0, link_s - min(BURST / link, idle))
-    rows.append({"contender": r["contender"], "measured_s": r["s_per_step"],
+    measured = r["s_per_step"] if "s_per_step" in r else r["ms"] / 1e3
+    rows.append({"contender": r["contender"], "measured_s": measured,
                  "compute_s": compute, "link_s": link_s, "other_s": other_s,
                  "reduce_s": link_s + other_s, "predicted_s": predicted,
-                 "error": predicted / r["s_per_step"] - 1})
+                 "error": predicted / measured - 1})
   return rows
-
