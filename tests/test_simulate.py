@@ -141,6 +141,25 @@ def test_calibrated_fit_recovers_the_coefficients_and_moves_to_another_link_rate
           truth.all_reduce_seconds(*plan, 8 << 20, rate), rel=1e-6)
 
 
+def test_the_native_all_reduce_is_fitted_from_its_own_points_alone():
+  from jaxring._src.tools.simulate import calibrated
+  sizes, link = (2, 4), 125e6
+  native = calibrated.Calibrated(sizes, {**dict.fromkeys(calibrated.NAMES, 0.0),
+                                         "alpha_native": 10e-3, "link_native": 1.05,
+                                         "alpha_node": 1e-3, "kappa_topk": 1e-9})
+  profile = _profile(native, sizes, link, PLANS, nbytes=(1 << 10, 64 << 10, 1 << 20, 32 << 20))
+  for f in profile["fits"]:   # top-k timed faster than its norms' native call allows
+    if f["codecs"][-1].startswith("TopK"):
+      f["seconds"] = [t * 0.6 for t in f["seconds"]]
+  model = calibrated.fit(profile, sizes, link)
+  # a joint fit lowers the native call's cost to suit the top-k points; its own points hold it
+  assert model.coef["alpha_native"] == pytest.approx(10e-3, rel=1e-6)
+  assert model.coef["link_native"] == pytest.approx(1.05, rel=1e-6)
+  for n in (1 << 10, 32 << 20):
+    assert model.all_reduce_seconds("xla", "none", n, link) == pytest.approx(
+        native.all_reduce_seconds("xla", "none", n, link), rel=1e-6)
+
+
 def test_link_bytes_of_small_calls_come_from_the_probe_and_reach_each_call_of_a_plan():
   from jaxring._src.tools.simulate import calibrated, validate
   sizes, rate = (2, 4), 1.25e6
