@@ -5,8 +5,9 @@ Chunk-wise selection keeps the ring dense: all members agree on one set of chunk
 those, densely, with the bandwidth-optimal ring.
 
 1. Each member computes the L2 norm of every ``chunk_size``-value chunk of its buffer.
-2. The norms are summed over the members (``lax.psum`` of ``n / chunk_size`` floats: tiny), so all
-   members see the same totals bit for bit.
+2. The norms are summed over the members (``n / chunk_size`` floats: tiny; the lossless plan
+   ``auto`` picks for that size, ``lax.psum`` without a measured profile), so all members see
+   the same totals bit for bit.
 3. All pick the same ``k = ceil(density * chunks)`` chunks with the largest summed norm (ties to
    the lower chunk index; a nan norm counts as the largest, so that non-finite values surface).
 4. The chosen chunks are packed into one dense buffer (``gather_chunks``), all-reduced by the

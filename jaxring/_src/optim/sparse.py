@@ -3,7 +3,7 @@ density warm-up of sparsifying codecs, and per-member state trees.
 
 Momentum masking (Lin et al. 2018) needs to know which coordinates a step sent. ``topk_chunks``
 inside the engine chooses its chunks out of sight, so here the chunks are chosen first
-(``TopKChunks.select``, on norms summed by the transport's native all-reduce, identical on every
+(``TopKChunks.select``, on norms summed by ``auto``'s lossless plan, identical on every
 member) and only the dense buffer of chosen chunks goes through the planned algorithm
 (``TopKChunks.reduce_selected``), with the codec's ``inner`` per-hop codec.
 """
@@ -63,8 +63,7 @@ def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float |
   if density is not None:
     codec = dataclasses.replace(codec, density=density)
   dense = _dense_part(compression)
-  idx = codec.select(flat, lambda v: engine.all_reduce_flat(v, v.dtype, binding, "xla", None)[0],
-                     segments)
+  idx = codec.select(flat, lambda v: engine.sum_norms(v, binding), segments)
   total, err = codec.reduce_selected(
       flat, idx, want_error=True,
       reduce_dense=lambda buf, want: engine.all_reduce_flat(buf, dtype, binding, algorithm, dense,

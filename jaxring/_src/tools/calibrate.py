@@ -7,7 +7,9 @@ axes, sizes, transport, process count, platform and jaxring version):
   jaxring cluster run --procs-per-node 1 --devices-per-proc 2 -- jaxring calibrate   # a cluster
 
 In a job started by ``jaxring cluster run`` (or any launcher ``jaxring.distributed.initialize``
-understands) it starts the multi-process runtime and calibrates the (node, local) process mesh.
+understands) it starts the multi-process runtime and calibrates the (node, local) process mesh,
+or with ``--axes NAME`` (one name) a flat mesh of every device, process by process, as
+``Mesh(devices, ("data",))`` programs reduce over it.
 It prints each plan's timings and what ``auto`` picks at a few sizes, and writes the profile
 (human-readable JSON) where ``auto`` reads it; ``--out`` writes a copy.
 """
@@ -25,9 +27,10 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--devices", type=int, default=None, help="emulated CPU devices (one process)")
   ap.add_argument("--mesh", default=None, help="e.g. 2x4 (one process; default: all devices flat)")
   ap.add_argument("--axes", default=None, help="axis names, comma-separated (default node,local "
-                  "for two mesh dimensions, i for one)")
+                  "for two mesh dimensions, i for one; in a multi-process job one name "
+                  "calibrates a flat mesh of every device)")
   ap.add_argument("--sizes", default=None, help="bytes per device, comma-separated (default "
-                  "64KiB,1MiB,32MiB)")
+                  "1KiB,64KiB,1MiB,32MiB)")
   ap.add_argument("--codecs", default="none,bf16,int8,topk")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--fresh", action="store_true", help="measure even if a profile is cached")
@@ -40,6 +43,10 @@ def _mesh(args):
   if os.environ.get("JAXRING_COORDINATOR") or os.environ.get("JAXRING_NUM_PROCESSES"):
     import jaxring.distributed
     jaxring.distributed.initialize()
+    if args.axes and "," not in args.axes:
+      import numpy as np
+      devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+      return jax.sharding.Mesh(np.asarray(devices), (args.axes,)), (args.axes,)
     return jaxring.distributed.process_mesh(), ("node", "local")
   if args.devices:
     jax.config.update("jax_num_cpu_devices", args.devices)

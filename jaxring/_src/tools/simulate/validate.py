@@ -136,8 +136,16 @@ def tta_reductions(contender: str, leaf_bytes: list[int], bucket_bytes: int, chu
     return [("hierarchical", "int8", "Int8(block_size=256, stochastic=False)", b)
             for b in buckets] + scalar
   if contender in (tta.TOPK, tta.TOPK_PT):   # the same chunks and bytes, chosen differently
-    text = f"TopKChunks(density=0.01, chunk_size={chunk_size}, inner=None)"
-    return [("hierarchical", "topk", text, b) for b in buckets] + scalar
+    # with momentum correction the step chooses the chunks itself (optim.sparse): the norms
+    # and then the packed chunks, each by the lossless default, the native all-reduce
+    import jaxring
+    codec = jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size)
+    out = []
+    for b in buckets:
+      n = b // 4
+      out += [("xla", "none", "Codec()", 4 * codec.num_chunks(n)),
+              ("xla", "none", "Codec()", 4 * codec.num_selected(n) * chunk_size)]
+    return out + scalar
   return None
 
 
