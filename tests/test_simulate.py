@@ -303,6 +303,9 @@ def test_train_cluster_steps_count_every_gradient_bucket_and_statistic():
   # 3 MiB leaf closes it, one bucket of all), then the statistics and the loss, natively
   base = [(a, n) for a, _, _, n in plans[tc.BASE]]
   assert base == [("xla", (6 << 20) + 4096), ("xla", 256), ("xla", 256), ("xla", 256), ("xla", 4)]
+  fused = validate.step_plans({**result, "fused_statistics": True})[0]   # one pmean of them all
+  assert [(a, n) for a, _, _, n in fused[tc.BASE]] == [("xla", (6 << 20) + 4096), ("xla", 772)]
+  assert len(fused[tc.HAND]) == len(plans[tc.HAND])                      # the user's own step
   int8 = plans["train_step int8+EF, overlap"]
   assert [(a, c) for a, c, _, _ in int8[:1]] == [("hierarchical", "int8")]
   assert sum(n for _, _, _, n in int8) == sum(grads) + 3 * 256 + 4

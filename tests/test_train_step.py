@@ -151,3 +151,32 @@ def test_a_loop_without_host_sync_does_not_deadlock_xla_cpu():
   assert p.returncode == 0, p.stderr[-3000:]
   w = np.array(eval(p.stdout.split("W", 1)[1]))
   np.testing.assert_allclose(w, np.linspace(-1, 1, 16)[:3], atol=1e-3)
+
+
+def test_batch_statistics_and_metrics_are_averaged_by_one_all_reduce():
+  """Leaf by leaf, XLA:CPU ran the statistics' means as one all-reduce of many operands, which
+  gloo reduced one after the other (docs/benchmarks.md, "Training on the emulated cluster")."""
+  import re
+  state = _init(CNN(axis_name=None))
+
+  @jt.train_step(bucket_bytes=1 << 30)
+  def step(state, batch):
+    (loss, stats), grads = jt.value_and_grad(_loss_fn(state, batch), has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss, "n": 3}
+
+  xs, ys = _data()
+  batch = {"x": xs[0], "y": ys[0]}
+  text = step.lower(state, batch).as_text()
+  stats = sum(int(np.size(x)) for x in jax.tree.leaves(state.batch_stats))
+  assert len(jax.tree.leaves(state.batch_stats)) == 4
+  # the gradients' one bucket, then the statistics with the loss and the count: one all-reduce
+  assert len(re.findall(r"stablehlo\.all_reduce", text)) == 2
+  assert f"tensor<{stats + 2}xf32>" in text
+  new, metrics = step(state, batch)
+  assert float(metrics["n"]) == 3.0 and np.asarray(metrics["n"]).dtype == np.float32
+  stats_of = jax.jit(lambda s, b: jax.value_and_grad(_loss_fn(s, b), has_aux=True)(s.params)[0][1])
+  shards = [stats_of(state, {k: v.reshape(8, -1, *v.shape[1:])[r] for k, v in batch.items()})
+            for r in range(8)]                    # each replica's statistics, then their mean
+  want = jax.tree.map(lambda *x: np.mean(np.asarray(x, np.float64), 0), *shards)
+  for got, ref in zip(jax.tree.leaves(new.batch_stats), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-6)

@@ -40,17 +40,12 @@ from jaxring._src.train.context import (
 from jaxring._src.train.fsdp import gather_params
 from jaxring._src.train.grad import momentum_leaf_size
 from jaxring._src.train.precision import DynamicLossScale, as_policy, select_tree
-from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
-
-
-def _mean_over(tree, axis_name):
-  def mean(x):
-    x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      x = x.astype(jnp.float32)
-    return lax.pmean(x, axis_name)
-  return jax.tree_util.tree_map(mean, tree)
-
+from jaxring._src.train.state import (
+  Residuals,
+  replica_mean,
+  residual_tree,
+  with_residual_tree,
+)
 
 # Steps Python may dispatch ahead of the devices on XLA:CPU (TrainStep._pace).
 MAX_STEPS_IN_FLIGHT = 8
@@ -299,9 +294,11 @@ class TrainStep:
     new_residuals = residuals
     if residuals is not None and ctx.new_residuals is not None:
       new_residuals = ctx.new_residuals
-    if getattr(new_state, "batch_stats", None) is not None:
-      new_state = new_state.replace(batch_stats=_mean_over(new_state.batch_stats, cfg.axis_name))
-    metrics = _mean_over(metrics, cfg.axis_name)
+    if getattr(new_state, "batch_stats", None) is not None:   # one pmean with the metrics
+      stats, metrics = replica_mean((new_state.batch_stats, metrics), cfg.axis_name)
+      new_state = new_state.replace(batch_stats=stats)
+    else:
+      metrics = replica_mean(metrics, cfg.axis_name)
     if scaling:
       new_state, metrics = self._skip_on_overflow(state, new_state, metrics, ctx.finite)
       if residuals is not None:

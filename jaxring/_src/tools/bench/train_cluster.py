@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
   path = common.write_json("train-cluster", {
       "bench": "train-cluster", "args": vars(args), "link": state.rate,
       "allocator": common.allocator(), "jax": jax.__version__, "machine": common.machine(),
-      "compute_s": compute, "leaf_bytes": first["leaf_bytes"], "rows": rows, "raw": recs},
+      "compute_s": compute, "leaf_bytes": first["leaf_bytes"],
+      # train_step averages the batch statistics and metrics in one pmean (train/state.py)
+      "fused_statistics": True, "rows": rows, "raw": recs},
       args.out_dir)
   print(f"wrote {path}")
   return 0

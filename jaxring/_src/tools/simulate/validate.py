@@ -149,19 +149,23 @@ def tta_reductions(contender: str, leaf_bytes: list[int], bucket_bytes: int, chu
   return None
 
 
-def train_cluster_reductions(contender: str, leaf_bytes: dict, bucket_bytes: int):
+def train_cluster_reductions(contender: str, leaf_bytes: dict, bucket_bytes: int,
+                             fused_statistics: bool = True):
   """The all-reduces one step of a ``bench train-cluster`` contender issues, as
   :func:`tta_reductions` lists them: the gradients (leaf by leaf in the hand-written step, in
-  ``train_step``'s buckets otherwise), every batch-norm statistic by itself (both steps
-  ``pmean`` them leaf by leaf), and the loss."""
+  ``train_step``'s buckets otherwise), the batch-norm statistics and the loss (leaf by leaf in
+  the hand-written step; in ``train_step`` one fused ``pmean``, or leaf by leaf in runs from
+  before it fused them: ``fused_statistics=False``)."""
   import numpy as np
 
   from jaxring._src.tools.bench import train_cluster
   from jaxring._src.train.buckets import make_buckets
   grads = leaf_bytes["grads"]
-  native = [("xla", "none", "Codec()", b) for b in leaf_bytes["batch_stats"] + [4]]
+  each = [("xla", "none", "Codec()", b) for b in leaf_bytes["batch_stats"] + [4]]
   if contender == train_cluster.HAND:
-    return [("xla", "none", "Codec()", b) for b in grads] + native
+    return [("xla", "none", "Codec()", b) for b in grads] + each
+  native = ([("xla", "none", "Codec()", sum(leaf_bytes["batch_stats"]) + 4)] if fused_statistics
+            else each)
   leaves = [np.zeros(b // 4, np.float32) for b in grads]
   buckets = [b.nbytes for b in make_buckets(leaves, range(len(leaves)), bucket_bytes)]
   if contender == train_cluster.BASE:    # lossless auto without a profile: the native all-reduce
@@ -181,7 +185,9 @@ def step_plans(result: dict) -> tuple[dict, float]:
   link = netns.rate_bytes_per_second(result["link"])
   if result["bench"] == "train-cluster":
     bucket = int(args["bucket_mib"] * (1 << 20))
-    return {r["contender"]: train_cluster_reductions(r["contender"], result["leaf_bytes"], bucket)
+    fused = bool(result.get("fused_statistics", False))
+    return {r["contender"]: train_cluster_reductions(r["contender"], result["leaf_bytes"], bucket,
+                                                     fused)
             for r in result["rows"]}, link
   import jax
   init = MODELS[args.get("model", "resnet")][0]   # runs before --model existed trained "resnet"
