@@ -277,8 +277,8 @@ def test_topk_chunk_norms_take_the_lossless_plan_auto_measured_fastest():
         mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local")),
         check_vma=False))
     text = f.lower(x).as_text()
-    everyone = len(re.findall(r"all_reduce.*\n?.*replica_groups = dense<\[\[0, 1, 2, 3, 4, 5, 6, 7\]\]>",
-                              text))
+    every = r"all_reduce.*\n?.*replica_groups = dense<\[\[0, 1, 2, 3, 4, 5, 6, 7\]\]>"
+    everyone = len(re.findall(every, text))
     return np.asarray(f(x)), everyone
 
   native_out, native_calls = run()

@@ -194,10 +194,11 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       are interpolated, ``cost_model.Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
-      below 4 MiB, and above it up to three times where they fit in :data:`POINT_BUDGET_S`). Each program is compiled before its calls are timed; the warm-up call after
-      that costs one more call per plan and size (on the emulated cluster 24 s instead of 20 s)
-      and keeps the timings within 14% of the same plans timed 5 times afterwards (up to 73%
-      off without it).
+      below 4 MiB, and above it up to three times where they fit in :data:`POINT_BUDGET_S`).
+      Each program is compiled before its calls are timed; the warm-up call after that costs
+      one more call per plan and size (on the emulated cluster 24 s instead of 20 s) and keeps
+      the timings within 14% of the same plans timed 5 times afterwards (up to 73% off
+      without it).
     reuse: return the cached profile of these axes if every process has the same one.
     save: write the profile to the cache, where ``auto`` finds it.
     log: a callable receiving one line per measured plan (e.g. ``print``).

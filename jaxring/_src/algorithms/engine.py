@@ -155,8 +155,8 @@ def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error:
 def sum_norms(norms, binding):
   """A sparsifying codec's chunk norms (f32) summed over ``binding``, identically on every
   member, by the lossless plan ``auto`` picks for their size: the native all-reduce without a
-  measured profile; with one, what it measured fastest (in JAX's shape, 4 nodes x 2 devices:
-  the hierarchical plan, 7.6 ms against the native 11.9 at 1 KiB; docs/benchmarks.md)."""
+  measured profile; with one, what it measured fastest (on the emulated cluster's (node,
+  local) mesh, the hierarchical plan: docs/simulations.md, "`bench train-cluster` steps")."""
   return all_reduce_flat(norms, norms.dtype, binding, "auto", None)[0]
 
 
