@@ -103,3 +103,25 @@ def test_cosine_schedule_reaches_every_contenders_optimizer():
       v = 0.9 * v + 1.0 if momentum else 1.0
       want -= rate * v
     np.testing.assert_allclose(np.asarray(params["w"]), want, rtol=1e-6, err_msg=name)
+
+
+def test_compute_share_times_the_step_alone_and_before_a_psum():
+  from jaxring._src.tools.bench import common
+  mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
+
+  def alone(state, batch):
+    loss, grads = jax.value_and_grad(lambda p: ((batch["x"] @ p["w"]) ** 2).mean())(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  state = jt.TrainState.create(apply_fn=None, params={"w": np.ones((16, 4), np.float32)},
+                               tx=optax.sgd(0.1, momentum=0.9))
+  share = common.ComputeShare(alone, state, {"x": np.ones((8 * 3, 16), np.float32)}, 2, mesh)
+  share.sample(2)
+  assert len(share.samples) == len(share.synced) == len(share.sync) == 2
+  assert all(t > 0 for t in share.samples + share.synced + share.sync)
+  want = max(0.0, float(np.median(share.synced)) - share.seconds - float(np.median(share.sync)))
+  assert share.skew == want
+  assert common.ComputeShare(alone, state, {"x": np.ones((8, 16), np.float32)}, 1).skew is None
+  recs = [{"node": 0, "skew_s": 0.01}, {"node": 1, "skew_s": 0.03}, {"node": 1, "skew_s": 0.03},
+          {"node": 2, "skew_s": 0.02}, {"node": 3}]
+  assert common.skew_of(recs) == 0.02 and common.skew_of([{"node": 0}]) == 0.0

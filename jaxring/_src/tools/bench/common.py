@@ -113,39 +113,100 @@ class ComputeShare:
   (one sample moved between 20 and 37 ms from run to run of ``bench tta``); :attr:`seconds` is
   the median of the samples.
 
+  Given the job's ``mesh`` (one axis over every device), it also times the same computation
+  followed by a scalar ``psum`` over all devices, and that ``psum`` alone: the difference,
+  :attr:`skew`, is what the first collective after a step's computation waits for the slowest
+  device (8 devices on 2 shared cores finish their computation at different times: a 4 MiB
+  int8 all-reduce after ~40 ms of computation took 19 ms longer than alone).
+
   ``state`` is replicated over this process's devices, ``local_batch`` a dict of NumPy arrays
   split over them along the first axis.
   """
 
-  def __init__(self, alone, state, local_batch, steps: int):
+  def __init__(self, alone, state, local_batch, steps: int, mesh=None):
     import jax
     import numpy as np
+    from jax import lax
     from jax.sharding import AxisType, Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    def spmd(fn, on):
+      return jax.jit(jax.shard_map(fn, mesh=on, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                                   check_vma=False), donate_argnums=(0,))
+
     local = Mesh(np.asarray(jax.local_devices()), ("data",), axis_types=(AxisType.Auto,))
-    self._step = jax.jit(jax.shard_map(alone, mesh=local, in_specs=(P(), P("data")),
-                                       out_specs=(P(), P()), check_vma=False),
-                         donate_argnums=(0,))
+    self._step = spmd(alone, local)
     self._state = jax.device_put(jax.tree.map(np.copy, state), NamedSharding(local, P()))
     self._batch = jax.device_put(local_batch, NamedSharding(local, P("data")))
     self._state = warm_up(self._step, self._state, self._batch, 2)
+    self._synced = None
+    if mesh is not None:
+      (axis,) = mesh.axis_names
+
+      def synced(state, batch):   # a scalar that depends on every updated leaf, then summed
+        state, metrics = alone(state, batch)
+        last = sum(leaf.ravel()[0].astype("float32") for leaf in jax.tree.leaves(state.params))
+        return state, {**metrics, "sync": lax.psum(last, axis)}
+
+      self._synced = jax.jit(jax.shard_map(synced, mesh=mesh, in_specs=(P(), P(axis)),
+                                           out_specs=(P(), P()), check_vma=False),
+                             donate_argnums=(0,))
+      self._sync = jax.jit(jax.shard_map(lambda v: lax.psum(v, axis), mesh=mesh,
+                                         in_specs=P(axis), out_specs=P(), check_vma=False))
+      glob = lambda x, spec: jax.make_array_from_process_local_data(   # noqa: E731
+          NamedSharding(mesh, spec), np.asarray(x))
+      self._gstate = jax.tree.map(lambda x: glob(x, P()), state)
+      self._gbatch = {k: glob(v, P(axis)) for k, v in local_batch.items()}
+      self._one = glob(np.ones(len(jax.local_devices()), np.float32), P(axis))
+      self._gstate = warm_up(self._synced, self._gstate, self._gbatch, 2)
+      jax.block_until_ready(self._sync(self._one))
     self.samples: list[float] = []
+    self.synced: list[float] = []
+    self.sync: list[float] = []
     self.sample(steps)
 
   def sample(self, steps: int) -> float:
-    """Times ``steps`` computation-only steps; returns their mean seconds (kept in samples)."""
+    """Times ``steps`` computation-only steps (and, with a mesh, as many followed by the
+    ``psum`` and the ``psum`` alone); returns the computation's mean seconds."""
     import jax
-    t0 = time.perf_counter()
-    for _ in range(steps):
+
+    def mean_seconds(call) -> float:
+      t0 = time.perf_counter()
+      for _ in range(steps):
+        jax.block_until_ready(call())
+      return (time.perf_counter() - t0) / steps
+
+    def alone():
       self._state, m = self._step(self._state, self._batch)
-      jax.block_until_ready(m)
-    self.samples.append((time.perf_counter() - t0) / steps)
+      return m
+
+    self.samples.append(mean_seconds(alone))
+    if self._synced is not None:
+      def synced():
+        self._gstate, m = self._synced(self._gstate, self._gbatch)
+        return m
+      self.synced.append(mean_seconds(synced))
+      self.sync.append(mean_seconds(lambda: self._sync(self._one)))
     return self.samples[-1]
 
   @property
   def seconds(self) -> float:
     return float(statistics.median(self.samples))
+
+  @property
+  def skew(self) -> float | None:
+    """Median seconds the step's computation followed by a ``psum`` took beyond the
+    computation and the ``psum`` alone (None without a mesh)."""
+    if not self.synced:
+      return None
+    return max(0.0, statistics.median(self.synced) - self.seconds - statistics.median(self.sync))
+
+
+def skew_of(recs: list[dict]) -> float:
+  """The median over nodes of each node's :attr:`ComputeShare.skew` in a cluster job's records
+  (0 where none was measured)."""
+  skews = list({r["node"]: r["skew_s"] for r in recs if r.get("skew_s") is not None}.values())
+  return float(statistics.median(skews)) if skews else 0.0
 
 
 def warm_up_contenders(contenders: dict, make_state: Callable[[], object], batch, steps: int,

@@ -83,7 +83,7 @@ def worker(args) -> int:
     return state.apply_gradients(grads=grads, batch_stats=stats), {"loss": loss}
 
   jaxring.distributed.barrier("compute", timeout_s=600)
-  compute = common.ComputeShare(alone, make_state(), local_batch, args.steps)
+  compute = common.ComputeShare(alone, make_state(), local_batch, args.steps, mesh)
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   states, tx = {}, {k: 0 for k in contenders}
   for name, step in contenders.items():
@@ -115,7 +115,8 @@ def worker(args) -> int:
     cluster_worker.emit(contender=name, node=me, times=times[name],
                         tx_per_step=tx[name] / (args.reps * args.steps), params=n_params,
                         global_batch=local * jax.process_count(), compute_s=compute.seconds,
-                        compute_samples=compute.samples, leaf_bytes=leaves)
+                        compute_samples=compute.samples, skew_s=compute.skew,
+                        leaf_bytes=leaves)
   jaxring.distributed.barrier("done", timeout_s=120)
   return 0
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                  "vs_uncompressed": statistics.median(t / b for t, b in zip(r["times"], base)),
                  "tx_mib": sum(txs) / len(txs) / (1 << 20), "times_s": r["times"]})
   first = next(iter(node0.values()))
-  compute = max(r["compute_s"] for r in recs)
+  compute, skew = max(r["compute_s"] for r in recs), common.skew_of(recs)
   print(f"\nResNet-18 (width {args.width}, {first['params']:,} params = "
         f"{common.fmt_bytes(4 * first['params'])} of f32 gradients), 32x32, global batch "
         f"{first['global_batch']}, {args.nodes} nodes x {args.devices_per_node} devices, links "
@@ -186,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
       ("steps_per_s", "steps/s", ".2f"), ("images_per_s", "images/s", ".1f"),
       ("vs_uncompressed", "time vs train_step none", ".3f"),
       ("tx_mib", "MiB/node link/step", ".1f")])
-  print(f"computation alone (no collective, slowest node): {compute * 1e3:.0f} ms a step; "
-        f"'{BASE}' {statistics.median(base) * 1e3:.0f} ms")
+  print(f"computation alone (no collective, slowest node): {compute * 1e3:.0f} ms a step, and "
+        f"{skew * 1e3:.0f} ms more before a psum after it; '{BASE}' "
+        f"{statistics.median(base) * 1e3:.0f} ms")
   import jax
   path = common.write_json("train-cluster", {
       "bench": "train-cluster", "args": vars(args), "link": state.rate,
       "allocator": common.allocator(), "jax": jax.__version__, "machine": common.machine(),
-      "compute_s": compute, "leaf_bytes": first["leaf_bytes"],
+      "compute_s": compute, "skew_s": skew, "leaf_bytes": first["leaf_bytes"],
       # train_step averages the batch statistics and metrics in one pmean (train/state.py)
       "fused_statistics": True, "rows": rows, "raw": recs},
       args.out_dir)

@@ -165,7 +165,7 @@ def _eval(fn):
   return _JITTED[fn]
 
 
-def compute_share(params, batch_of, args) -> common.ComputeShare:
+def compute_share(params, batch_of, args, mesh=None) -> common.ComputeShare:
   """The step's computation alone (:class:`common.ComputeShare`): gradients of ``_loss`` and a
   momentum SGD update on this process's devices, with no collective (with a local ``pmean`` of
   every leaf, which goes through gloo's loopback, the figure was 69 ms where this one is 14 ms;
@@ -180,7 +180,7 @@ def compute_share(params, batch_of, args) -> common.ComputeShare:
     return state.apply_gradients(grads=grads), {"loss": loss}
 
   state = jt.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.0, momentum=MOMENTUM))
-  return common.ComputeShare(alone, state, batch_of.local(0), args.compute_steps)
+  return common.ComputeShare(alone, state, batch_of.local(0), args.compute_steps, mesh)
 
 
 def worker(args) -> int:
@@ -205,7 +205,7 @@ def worker(args) -> int:
                      NamedSharding(mesh, P("data")))
   params = MODELS[args.model][0](jax.random.key(args.seed))
   n_params = sum(int(np.size(p)) for p in jax.tree.leaves(params))
-  compute = compute_share(params, batch_of, args)
+  compute = compute_share(params, batch_of, args, mesh)
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size,
                         args.model, args.schedule, args.steps)
@@ -246,7 +246,7 @@ def worker(args) -> int:
         print(f"  {name}: step {done[name]}, {curves[name][-1][0]:.1f} s, {acc:.2f}%", flush=True)
       # the curve so far, every turn: a run cut short by its timeout still reports
       cluster_worker.emit(contender=name, node=me, curve=curves[name], compute_s=compute.seconds,
-                          compute_samples=compute.samples,
+                          compute_samples=compute.samples, skew_s=compute.skew,
                           tx_per_step=tx_bytes[name] / max(done[name] - 1, 1), params=n_params)
       if (acc >= args.target and not args.full) or done[name] >= args.steps:
         left.discard(name)
@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
   first = next(r for r in recs if r["node"] == 0)
   # each node's median over all of its samples (its last record), the slowest node's
   compute = max({r["node"]: r["compute_s"] for r in recs}.values())
+  skew = common.skew_of(recs)
   base = next((r for r in rows if r["contender"] == BASE), rows[0])
   print(f"\n{args.model} ({first['params']:,} params = {common.fmt_bytes(4 * first['params'])} of "
         f"f32 gradients) on hard_shapes, {args.nodes} nodes x {args.devices_per_node} devices x "
@@ -399,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   path = common.write_json("tta", {
       "bench": "tta", "args": vars(args), "link": state.rate, "compute_s": compute,
+      "skew_s": skew,
       "load_before": load, "load_after": os.getloadavg(), "allocator": common.allocator(),
       "job_exit": rc, "progress": [ln for ln in log.splitlines() if ": step " in ln],
       "jax": jax.__version__, "machine": common.machine(), "rows": rows, "raw": recs},

@@ -283,8 +283,9 @@ def _validate_steps(path: str, calibration_path: str, out_dir) -> int:
   rows = validate.predict_steps(result, fitted)
   print(f"# {path} (bench {result['bench']}): {result['args'].get('batch_per_device')} images "
         f"per device, links "
-        f"{result['link']}; computation {result['compute_s'] * 1e3:.0f} ms a step (measured), "
-        f"reductions from the model fitted to {calibration_path}")
+        f"{result['link']}; computation {result['compute_s'] * 1e3:.0f} ms a step and its "
+        f"skew {result.get('skew_s', 0.0) * 1e3:.0f} ms (measured), reductions from the model "
+        f"fitted to {calibration_path}")
   common.print_table(rows, [("contender", "contender", ""), ("measured_s", "measured s/step", ".3f"),
                             ("reduce_s", "reductions s", ".3f"),
                             ("predicted_s", "predicted s/step", ".3f"), ("error", "error", "+.0%")])

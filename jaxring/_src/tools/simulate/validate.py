@@ -204,7 +204,9 @@ def predict_steps(result: dict, fitted: dict) -> list[dict]:
   ``bench train-cluster`` result.
 
   A step is the measured computation (``compute_s``: one node's devices with nothing on the
-  link) plus the calibrated model's time for each reduction at the run's link rate, ``other``
+  link; plus ``skew_s`` where the run measured it, what the first collective after it waits
+  for the slowest device) and the calibrated model's time for each reduction at the run's link
+  rate, ``other``
   (latencies, codecs) and ``link`` (bytes at the link rate). The emulated links are token
   buckets (tbf, ``BURST`` bytes): the bucket refills while the link is idle, during the
   computation and the latencies, and then sends at line rate what it holds. So the link time
@@ -223,7 +225,7 @@ def predict_steps(result: dict, fitted: dict) -> list[dict]:
       on_link, rest = model.with_wire(codec, calibrated.wire_of(text)).split(
           algorithm, codec, nbytes, link)
       link_s, other_s = link_s + on_link, other_s + rest
-    compute = result["compute_s"]
+    compute = result["compute_s"] + result.get("skew_s", 0.0)
     idle = compute + other_s
     predicted = idle + max(0.0, link_s - min(BURST / link, idle))
     measured = r["s_per_step"] if "s_per_step" in r else r["ms"] / 1e3
