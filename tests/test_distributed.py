@@ -311,3 +311,23 @@ def test_a_process_whose_stuck_peer_left_first_repeats_why_the_peer_left():
   assert "no other process reported a failure" not in results[0].stderr, mp.report(results)
   # process 0 left on process 1's word, well before its own 20 s timeout
   assert results[0].ended_at - died_at < timeouts[1] + SLACK, mp.report(results)
+
+
+@pytest.mark.timeout(240)
+def test_calibrate_cli_times_a_flat_data_mesh_of_every_process(tmp_path):
+  """``jaxring calibrate --axes data`` in a 2-process job: the profile ``auto`` reads for a
+  ``Mesh(devices, ("data",))`` program (one axis over all 4 devices), the same on both."""
+  port = mp.free_port()
+  outs = [tmp_path / f"profile{i}.json" for i in range(2)]
+  results = mp.spawn(2, lambda i: [sys.executable, "-m", "jaxring", "calibrate", "--axes", "data",
+                                   "--sizes", "1KiB,16KiB", "--codecs", "none", "--reps", "1",
+                                   "--fresh", "--out", str(outs[i])],
+                     _env(2, port, 2), timeout=200)
+  mp.assert_all_ok(results)
+  assert "axes ('data',) of mesh {'data': 4}, 2 process(es)" in results[0].stdout, \
+      mp.report(results)
+  profile = json.loads(outs[0].read_text())       # written by process 0
+  assert profile["key"]["axes"] == ["data"] and profile["key"]["sizes"] == [4]
+  assert profile["key"]["processes"] == 2
+  assert {f["algorithm"] for f in profile["fits"]} >= {"xla", "ring"}
+  assert all(len(f["seconds"]) == 2 and min(f["seconds"]) > 0 for f in profile["fits"])
