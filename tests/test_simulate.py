@@ -374,3 +374,28 @@ def test_any_flax_model_by_module_and_function(tmp_path, monkeypatch):
   assert flat["comm_ms"] == pytest.approx(one_bucket * 1e3)
   with pytest.raises(SystemExit, match="MODULE:FUNCTION"):
     cli.load_model("simmodel.params")
+
+
+def test_bench_cluster_rounds_call_quick_contenders_as_often_as_their_budget_allows():
+  """Every contender once in the first round; then as many calls a round as fit in 0.25 s at
+  the slowest process's first-round time, 1 to 5, the same count on every process."""
+  import types
+
+  from jaxring._src.tools.bench import cluster_worker as cw
+  made, seen, barriers = [], [], []
+  ready = [(name, lambda name=name: made.append(name), {"x": name})
+           for name in ("slow", "quick", "instant")]
+
+  def agree(values):              # other processes took 0.3 s and 0.1 s for the first two
+    seen.append(list(values))
+    return [max(v, w) for v, w in zip(values, (0.3, 0.1, 0.0))]
+
+  out = list(cw.time_rounds(ready, types.SimpleNamespace(reps=3), barriers.append, "lo", agree))
+  assert len(seen) == 1 and len(seen[0]) == 3
+  calls = {label: len(times) for label, times, _, _ in out}
+  assert calls == {"slow": 1 + 2 * 1, "quick": 1 + 2 * 2, "instant": 1 + 2 * 5}
+  assert made.count("quick") == 5 and len(barriers) == len(made) == 3 + 5 + 11
+  assert [extra["x"] for _, _, _, extra in out] == ["slow", "quick", "instant"]
+  plain = list(cw.time_rounds(ready, types.SimpleNamespace(reps=2), barriers.append, "lo"))
+  assert [len(times) for _, times, _, _ in plain] == [2, 2, 2]    # without agree: once a round
+

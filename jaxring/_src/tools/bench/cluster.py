@@ -15,8 +15,10 @@ All contenders run in one invocation, on the same shaped links, one after the ot
   its time against the best contender it could have been, and the chosen plan's own row against
   that best.
 
-Per contender: median of ``--reps`` timed calls after warm-up (in rounds: every contender once per
-round), algbw (bytes per device / time),
+Per contender: median of the timed calls after warm-up, in ``--reps`` rounds (every contender in
+turn each round; after the first, one that is quick is called as often as fits in 0.25 s, up to
+5 times, so top-k's median rests on more calls: ``cluster_worker.time_rounds``), algbw (bytes per
+device / time),
 bytes each node put on its link per call (delta of the interface's tx counter over the timed calls,
 divided by the calls), the link-rate bound T_min = 2(p-1)/p * bytes * wire ratio / link rate with
 p = nodes, the ratio to the faster of gloo and MPICH, and the relative L2 error of the result against
@@ -237,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         r["choice_vs_best"] = same["ms"] / min(rivals) if same and rivals else None
 
   print(f"\nall-reduce of {args.mib} MiB f32 per device, {nodes} nodes x {args.devices_per_node} "
-        f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s), median of {args.reps} "
-        f"after {args.warmup} warm-up, allocator {common.allocator()}")
+        f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s), median over {args.reps} "
+        f"rounds after {args.warmup} warm-up, allocator {common.allocator()}")
   common.print_table([r for r in rows if "ms" in r], [
       ("contender", "contender", ""), ("ms", "median ms", ".1f"), ("algbw", "algbw GB/s", ".3f"),
       ("tx_mib", "MiB/node link/call", ".2f"), ("wire_ratio", "wire", ".3f"),

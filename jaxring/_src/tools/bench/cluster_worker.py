@@ -121,7 +121,12 @@ def run_jax(args) -> int:
       emit(contender=label, node=me, rank=me, error=f"{type(exc).__name__}: {str(exc)[:500]}")
       raise
   barrier = lambda name: jaxring.distributed.barrier(name, timeout_s=300)
-  for label, times, tx, extra in time_rounds(ready, args, barrier, iface):
+
+  def agree(values):   # each value's largest over the processes
+    from jax.experimental import multihost_utils
+    return np.max(np.asarray(multihost_utils.process_allgather(np.asarray(values))), axis=0)
+
+  for label, times, tx, extra in time_rounds(ready, args, barrier, iface, agree):
     emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
          tx_per_call=tx, **extra)
   sizes = [common.parse_size(s) for s in args.probe_sizes.split(",") if s]
@@ -165,23 +170,39 @@ def probe_link(mesh, axes, sizes, codecs, algorithms, barrier, iface, calls: int
       yield algorithm, codec_name, nbytes, (tx_bytes(iface) - b0) / calls
 
 
-def time_rounds(ready, args, barrier, iface):
+#: Seconds of calls a contender gets per round after the first, at most MAX_CALLS_PER_ROUND:
+#: a quick one (top-k, ~50 ms at 32 MiB, whose 5 calls of one run spread over 38-101 ms) is
+#: called several times a round, so that its median rests on more calls.
+ROUND_BUDGET_S = 0.25
+MAX_CALLS_PER_ROUND = 5
+
+
+def time_rounds(ready, args, barrier, iface, agree=None):
   """Times every contender once per round, ``--reps`` rounds, so that all of them see the same
   machine: load that comes and goes (the 2 cores are shared) spreads over every contender instead
   of falling on whichever ran then, and ``auto`` is compared with its rivals under equal terms.
+  ``agree(times) -> the largest of each over every process``: after the first round a contender
+  is called as often as fits in :data:`ROUND_BUDGET_S` per round (at most
+  :data:`MAX_CALLS_PER_ROUND`; the same count on every process, the calls being collective).
   Yields (label, times, tx bytes per call, extra) per contender, in the order given."""
   times = {label: [] for label, _, _ in ready}
   tx = dict.fromkeys(times, 0)
+  calls = dict.fromkeys(times, 1)
   for r in range(args.reps):
     for k, (label, call, _) in enumerate(ready):
-      barrier(f"r{r}-{k}")
-      b0 = tx_bytes(iface)
-      t = time.perf_counter()
-      call()
-      times[label].append(time.perf_counter() - t)
-      tx[label] += tx_bytes(iface) - b0
+      for c in range(calls[label]):
+        barrier(f"r{r}-{k}-{c}")
+        b0 = tx_bytes(iface)
+        t = time.perf_counter()
+        call()
+        times[label].append(time.perf_counter() - t)
+        tx[label] += tx_bytes(iface) - b0
+    if r == 0 and agree is not None:
+      slowest = agree([times[label][0] for label in times])
+      calls = {label: min(MAX_CALLS_PER_ROUND, max(1, int(ROUND_BUDGET_S / max(t, 1e-6))))
+               for label, t in zip(times, slowest)}
   for label, _, extra in ready:
-    yield label, times[label], tx[label] / args.reps, extra
+    yield label, times[label], tx[label] / len(times[label]), extra
 
 
 def run_mpi(args) -> int:
@@ -211,7 +232,9 @@ def _time_mpi(ready, args, comm, iface, node) -> None:
     for _ in range(args.warmup):
       call()
   # the Barriers between calls add a few hundred bytes; negligible next to 32 MiB
-  for label, times, tx, extra in time_rounds(ready, args, lambda name: comm.Barrier(), iface):
+  agree = lambda values: np.max(comm.allgather(np.asarray(values)), axis=0)   # noqa: E731
+  for label, times, tx, extra in time_rounds(ready, args, lambda name: comm.Barrier(), iface,
+                                             agree):
     if comm.Get_rank() % args.procs_per_node == 0:
       emit(contender=label, node=node, rank=comm.Get_rank(), times=times,
            median=statistics.median(times), tx_per_call=tx, size=comm.Get_size(),
