@@ -84,6 +84,10 @@ def worker(args) -> int:
 
   jaxring.distributed.barrier("compute", timeout_s=600)
   compute = common.ComputeShare(alone, make_state(), local_batch, args.steps, mesh)
+  # a calibration profile of this mesh in the cache moves `auto` (train_step none) off the
+  # native all-reduce: recorded, since the step model takes the default
+  from jaxring._src.algorithms import planner
+  auto_profile = planner.find_profile_for(("data",), (len(devices),)) is not None
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   states, tx = {}, {k: 0 for k in contenders}
   for name, step in contenders.items():
@@ -116,7 +120,7 @@ def worker(args) -> int:
                         tx_per_step=tx[name] / (args.reps * args.steps), params=n_params,
                         global_batch=local * jax.process_count(), compute_s=compute.seconds,
                         compute_samples=compute.samples, skew_s=compute.skew,
-                        leaf_bytes=leaves)
+                        leaf_bytes=leaves, auto_profile=auto_profile)
   jaxring.distributed.barrier("done", timeout_s=120)
   return 0
 
@@ -187,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
       ("steps_per_s", "steps/s", ".2f"), ("images_per_s", "images/s", ".1f"),
       ("vs_uncompressed", "time vs train_step none", ".3f"),
       ("tx_mib", "MiB/node link/step", ".1f")])
+  auto_profile = any(r.get("auto_profile") for r in recs)
+  if auto_profile:
+    print("auto read a calibration profile of this mesh (jaxring calibrate --axes data): "
+          f"'{BASE}' ran the plan it chose, not the default native all-reduce")
   print(f"computation alone (no collective, slowest node): {compute * 1e3:.0f} ms a step, and "
         f"{skew * 1e3:.0f} ms more before a psum after it; '{BASE}' "
         f"{statistics.median(base) * 1e3:.0f} ms")
@@ -195,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
       "bench": "train-cluster", "args": vars(args), "link": state.rate,
       "allocator": common.allocator(), "jax": jax.__version__, "machine": common.machine(),
       "compute_s": compute, "skew_s": skew, "leaf_bytes": first["leaf_bytes"],
+      "auto_profile": auto_profile,
       # train_step averages the batch statistics and metrics in one pmean (train/state.py)
       "fused_statistics": True, "rows": rows, "raw": recs},
       args.out_dir)
