@@ -192,6 +192,7 @@ def worker(args) -> int:
   from jax.sharding import PartitionSpec as P
 
   import jaxring.train as jt
+  from jaxring._src.algorithms import planner
   from jaxring._src.data.hard_shapes import hard_shapes
   from jaxring._src.tools.bench import cluster_worker
   from jaxring._src.tools.bench.models import MODELS
@@ -206,6 +207,8 @@ def worker(args) -> int:
   params = MODELS[args.model][0](jax.random.key(args.seed))
   n_params = sum(int(np.size(p)) for p in jax.tree.leaves(params))
   compute = compute_share(params, batch_of, args, mesh)
+  # a cached calibration profile of this mesh moves `auto` off its defaults: recorded
+  auto_profile = planner.find_profile_for(("data",), (len(devices),)) is not None
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size,
                         args.model, args.schedule, args.steps)
@@ -247,6 +250,7 @@ def worker(args) -> int:
       # the curve so far, every turn: a run cut short by its timeout still reports
       cluster_worker.emit(contender=name, node=me, curve=curves[name], compute_s=compute.seconds,
                           compute_samples=compute.samples, skew_s=compute.skew,
+                          auto_profile=auto_profile,
                           tx_per_step=tx_bytes[name] / max(done[name] - 1, 1), params=n_params)
       if (acc >= args.target and not args.full) or done[name] >= args.steps:
         left.discard(name)
@@ -400,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   path = common.write_json("tta", {
       "bench": "tta", "args": vars(args), "link": state.rate, "compute_s": compute,
-      "skew_s": skew,
+      "skew_s": skew, "auto_profile": any(r.get("auto_profile") for r in recs),
       "load_before": load, "load_after": os.getloadavg(), "allocator": common.allocator(),
       "job_exit": rc, "progress": [ln for ln in log.splitlines() if ": step " in ln],
       "jax": jax.__version__, "machine": common.machine(), "rows": rows, "raw": recs},

@@ -282,8 +282,8 @@ def _validate_steps(path: str, calibration_path: str, out_dir) -> int:
   fitted = validate.models(calibration)
   rows = validate.predict_steps(result, fitted)
   if result.get("auto_profile"):
-    print("# note: the run's `auto` read a calibration profile of its mesh; the model takes the "
-          "uncompressed train_step as the native all-reduce (the default without one)")
+    print("# note: the run's `auto` read a calibration profile of its mesh; the model takes "
+          "`auto`'s lossless reductions as the native all-reduce (the default without one)")
   print(f"# {path} (bench {result['bench']}): {result['args'].get('batch_per_device')} images "
         f"per device, links "
         f"{result['link']}; computation {result['compute_s'] * 1e3:.0f} ms a step and its "
