@@ -285,6 +285,24 @@ def test_step_validation_adds_each_reduction_to_the_computation_less_the_token_b
   assert rows[tta.INT8]["predicted_s"] == pytest.approx(step(link + ring(4), other))
 
 
+def test_momentum_corrected_top_k_steps_reduce_norms_then_chunks_natively():
+  import jax
+
+  from jaxring._src.tools.bench import tta
+  from jaxring._src.tools.bench.models import MODELS
+  from jaxring._src.tools.simulate import validate
+  result = {"bench": "tta", "link": "10mbit", "compute_s": 0.02,
+            "args": {"seed": 0, "bucket_mib": 1.0, "chunk_size": 16, "model": "resnet_gn"},
+            "rows": [{"contender": tta.TOPK, "s_per_step": 0.07}]}
+  plan = validate.step_plans(result)[0][tta.TOPK]
+  values = sum(x.size for x in jax.tree.leaves(jax.eval_shape(MODELS["resnet_gn"][0],
+                                                              jax.random.key(0))))
+  chunks = -(-values // 16)
+  # one bucket (under 1 MiB): the chunk norms, the 1% of chunks chosen (rounded up), the loss
+  assert [(a, n) for a, _, _, n in plan] == [("xla", 4 * chunks),
+                                             ("xla", 4 * 16 * -(-chunks // 100)), ("xla", 4)]
+
+
 def test_train_cluster_steps_count_every_gradient_bucket_and_statistic():
   from jaxring._src.tools.bench import train_cluster as tc
   from jaxring._src.tools.simulate import calibrated, validate

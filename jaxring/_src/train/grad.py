@@ -61,6 +61,26 @@ def _split(flat, like: Sequence, dtype=None):
   return out
 
 
+def replica_mean(tree, axis_name):
+  """Every leaf's mean over the replicas (integers as float32), the leaves of one dtype fused
+  into one ``pmean``. Leaf by leaf, XLA:CPU combined the 40 batch-norm statistics and the loss
+  of a ResNet-18 into one all-reduce that gloo ran operand by operand, about 10 ms each across
+  4 processes: 0.45 s of a 0.87 s step (docs/benchmarks.md, "Batch statistics averaged in one
+  `pmean`")."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaves = [jnp.asarray(x) for x in leaves]
+  leaves = [x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32) for x in leaves]
+  out = list(leaves)
+  by_dtype: dict = {}
+  for i, x in enumerate(leaves):
+    by_dtype.setdefault(x.dtype, []).append(i)
+  for idxs in by_dtype.values():
+    mean = lax.pmean(jnp.concatenate([leaves[i].ravel() for i in idxs]), axis_name)
+    for i, x in zip(idxs, _split(mean, [leaves[i] for i in idxs])):
+      out[i] = x
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, check_finite: bool):
   """Mean of one bucket's cotangents over the replicas, in one collective.
 

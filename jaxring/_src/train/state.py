@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 from jax import lax
@@ -154,28 +153,3 @@ class TrainState(train_state.TrainState):
     if per_replica and ctx is not None:
       key = jax.random.fold_in(key, lax.axis_index(ctx.config.axis_name))
     return key
-
-
-def replica_mean(tree, axis_name):
-  """Every leaf's mean over the replicas (integers as float32), the leaves of one dtype fused
-  into one ``pmean``. Leaf by leaf, XLA:CPU combined the 40 batch-norm statistics and the loss
-  of a ResNet-18 into one all-reduce that gloo ran operand by operand, about 10 ms each across
-  4 processes: 0.45 s of a 0.87 s step (docs/benchmarks.md, "Training on the emulated
-  cluster")."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  leaves = [jnp.asarray(x) for x in leaves]
-  leaves = [x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32) for x in leaves]
-  out = list(leaves)
-  by_dtype: dict = {}
-  for i, x in enumerate(leaves):
-    by_dtype.setdefault(x.dtype, []).append(i)
-  for idxs in by_dtype.values():
-    if len(idxs) == 1:
-      out[idxs[0]] = lax.pmean(leaves[idxs[0]], axis_name)
-      continue
-    mean = lax.pmean(jnp.concatenate([leaves[i].ravel() for i in idxs]), axis_name)
-    offset = 0
-    for i in idxs:
-      out[i] = mean[offset:offset + leaves[i].size].reshape(leaves[i].shape)
-      offset += leaves[i].size
-  return jax.tree_util.tree_unflatten(treedef, out)

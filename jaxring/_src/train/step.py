@@ -38,14 +38,9 @@ from jaxring._src.train.context import (
   step_context,
 )
 from jaxring._src.train.fsdp import gather_params
-from jaxring._src.train.grad import momentum_leaf_size
+from jaxring._src.train.grad import momentum_leaf_size, replica_mean
 from jaxring._src.train.precision import DynamicLossScale, as_policy, select_tree
-from jaxring._src.train.state import (
-  Residuals,
-  replica_mean,
-  residual_tree,
-  with_residual_tree,
-)
+from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
 
 # Steps Python may dispatch ahead of the devices on XLA:CPU (TrainStep._pace).
 MAX_STEPS_IN_FLIGHT = 8
