@@ -11,8 +11,9 @@ heads, 1024 context, GPT-2's 50,257-token vocabulary; for GPUs, on the byte-leve
 the embedding rows past 256 are never used). Every width is a multiple of 8, so with
 ``--config.shard=params`` every large leaf is split over 8 replicas (the embedding along its 768).
 
-AdamW (coordinate-wise, as the sharded step requires) with decay on the 2-D weights only, linear
-warm-up then cosine decay; the loss is the mean next-token cross entropy, and evaluation reports
+AdamW with decay on the 2-D weights only, after clipping the gradient's global norm to
+``grad_clip`` (1.0, as GPT-2 reproductions train; with ``shard=params`` the norm is summed over the
+replicas' blocks: jaxring._src.train.global_view), linear warm-up then cosine decay; the loss is the mean next-token cross entropy, and evaluation reports
 it with its perplexity on held-out text.
 
 Launch:
@@ -65,6 +66,7 @@ class LMConfig:
   learning_rate: float = 3e-3        # peak
   warmup_steps: int = 20
   weight_decay: float = 0.1
+  grad_clip: float = 1.0             # global gradient norm; 0: no clipping
   # reduction, as recipes.config.Config
   compression: str = "none"
   algorithm: str = "auto"
@@ -190,13 +192,16 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def make_optimizer(config: LMConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """AdamW (b2 0.95) on the schedule of :func:`recipes.optim.learning_rate_schedule`; weight decay
-  on the matrices (embeddings, kernels), not on LayerNorm scales or biases."""
+  """AdamW (b2 0.95) on the schedule of :func:`recipes.optim.learning_rate_schedule`, after
+  clipping the gradient's global norm to ``grad_clip``; weight decay on the matrices
+  (embeddings, kernels), not on LayerNorm scales or biases."""
   schedule = optim.learning_rate_schedule(config.learning_rate, config.num_steps,
                                           config.warmup_steps)
   decay = lambda params: jax.tree_util.tree_map(lambda p: np.ndim(p) >= 2, params)  # noqa: E731
-  return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay,
-                     mask=decay), schedule
+  adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay)
+  if config.grad_clip > 0:
+    adamw = optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+  return adamw, schedule
 
 
 def create_train_state(config: LMConfig, model: GPT, tx) -> jt.TrainState:

@@ -95,6 +95,8 @@ def _assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   assert len(la) == len(lb)
   for x, y in zip(la, lb):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
@@ -238,28 +240,83 @@ def test_compressed_parameters_and_gradients_train_like_uncompressed():
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(comp.params))
 
 
-def test_an_optimizer_that_reduces_over_leaves_is_refused_naming_it():
-  tx = optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(0.1))
-  step = _mlp_step(shard="params")
-  with pytest.raises(ValueError, match="clip_by_global_norm.*shard='none'"):
-    step(_mlp_state(tx), _data(1, shape=(16,), classes=8)[0])
+WHOLE_LEAF_TXS = {  # optimizers that reduce over leaves or the tree: run with the global view
+    # a trial update would not see this clip: 0 at step 0, then Adam's first step ignores scale
+    "clip_by_global_norm+adamw": lambda: optax.chain(
+        optax.clip_by_global_norm(0.2), optax.adamw(optax.linear_schedule(0.0, 3e-3, 2))),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.sgd(0.05), 2),
+    "lamb": lambda: optax.lamb(3e-3),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=8),  # factored moments
+    "sm3": lambda: optax.sm3(0.1),                   # one accumulator per dimension of a leaf
+    "noisy_sgd": lambda: optax.noisy_sgd(0.01, key=jax.random.key(0)),  # noise drawn whole
+}
 
 
-def test_an_optimizer_with_state_per_dimension_is_refused_not_crashed():
-  # SM3 keeps one accumulator per dimension of a leaf: no replica's block fits it
-  step = _mlp_step(shard="params")
-  with pytest.raises(ValueError, match="cannot update a replica's block.*shard='none'"):
-    step(_mlp_state(optax.sm3(0.1)), _data(1, shape=(16,), classes=8)[0])
+@pytest.mark.parametrize("tx", sorted(WHOLE_LEAF_TXS))
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_an_optimizer_that_reduces_over_leaves_equals_the_replicated_step(shard, tx):
+  batches = _data(4)
+  want, _ = _run(_cnn_step(), _cnn_state(WHOLE_LEAF_TXS[tx]()), batches)
+  state = _cnn_state(WHOLE_LEAF_TXS[tx]())
+  got, metrics = _run(_cnn_step(shard=shard), state, batches)
+  _assert_trees_close(got.params, want.params)
+  _assert_trees_close(got.opt_state, want.opt_state)
+  assert np.isfinite(float(metrics["loss"]))
+  assert got.tx is state.tx   # the user's optimizer comes back
+  kernel = got.params["Conv_1"]["kernel"]
+  assert ("data" in str(kernel.sharding.spec)) == (shard == "params")
 
 
-def test_a_prng_key_in_the_optimizer_state_is_not_taken_for_a_moment():
-  # optax.noisy_sgd keeps a typed key; replicated it trains, sharded its noise differs per block
-  batches = _data(1, shape=(16,), classes=8)
-  tx = lambda: optax.noisy_sgd(0.01, key=jax.random.key(0))  # noqa: E731
-  state, metrics = _run(_mlp_step(), _mlp_state(tx()), batches)   # (float ** int inside)
-  assert np.isfinite(float(metrics["loss"])) and int(state.step) == 1
-  with pytest.raises(ValueError, match="differs when each replica updates its block alone"):
-    _run(_mlp_step(shard="params"), _mlp_state(tx()), batches)
+def _compiled_collectives(step, state, batch) -> tuple[int, int]:
+  hlo = step.lower(state, batch).compile().as_text()
+  return hlo.count(" all-gather("), hlo.count(" all-reduce(")
+
+
+def test_global_norm_clipping_costs_scalar_all_reduces_not_gathered_leaves():
+  batch = _data(1, shape=(16,), classes=8)[0]
+  plain = _mlp_step(shard="params")
+  clipped = _mlp_step(shard="params")
+  with jax.numpy_dtype_promotion("standard"):
+    gathers, _ = _compiled_collectives(plain, _mlp_state(optax.adamw(1e-3)), batch)
+    state = _mlp_state(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
+    gathers_clipped, _ = _compiled_collectives(clipped, state, batch)
+  assert gathers_clipped == gathers, "the clipped optimizer gathered whole leaves"
+
+
+def test_the_global_view_evaluates_any_update_on_blocks_like_the_whole():
+  """Reductions over and along the split dimension, lazy broadcasts, cumulative sums, a branch,
+  and what it cannot split (a matmul, a reshape): gathered, with a warning."""
+  from jaxring._src.train import global_view as gv
+
+  def update(g, state, params=None):
+    w = g["w"]                                           # (16, 24): split along the 24
+    row = jnp.max(w, axis=1, keepdims=True)              # reduced across replicas
+    soft = jnp.exp(w - row) / jnp.sum(jnp.exp(w - row), axis=1, keepdims=True)
+    col = jnp.cumsum(w, axis=0) + jnp.zeros_like(w) + jnp.mean(w, axis=0)  # stays split
+    branch = jax.lax.cond(state["n"] > 0, lambda: soft * 2.0, lambda: soft)
+    gram = (w @ w.T).sum() * jnp.ones_like(w)            # a matmul: needs the whole leaf
+    flat = jnp.reshape(w, (-1,))[::-1].reshape(w.shape)  # a reshape: the same
+    out = {"w": soft + col + branch + gram * 1e-3 + flat, "b": g["b"] / jnp.linalg.norm(g["b"])}
+    return out, {"n": state["n"] + 1, "m": state["m"] + jnp.abs(w).max(axis=0)}
+
+  tx = optax.GradientTransformation(lambda p: None, update)
+  mesh = Mesh(np.asarray(jax.devices()), ("data",))
+  params = {"w": jnp.asarray(np.random.RandomState(0).randn(16, 24), jnp.float32),
+            "b": jnp.asarray(np.random.RandomState(1).randn(10), jnp.float32)}
+  state = {"n": jnp.int32(1), "m": jnp.zeros((24,))}
+  P = jax.sharding.PartitionSpec
+  pspecs, ospecs = {"w": P(None, "data"), "b": P()}, {"n": P(), "m": P("data")}
+  view = gv.global_view(tx, ("data",), 8, [None, 1], jax.tree.structure(params), [0, None],
+                        jax.tree.structure(state))
+  blocks = jax.jit(jax.shard_map(lambda g, s: view.update(g, s), mesh=mesh,
+                                 in_specs=(pspecs, ospecs), out_specs=(pspecs, ospecs),
+                                 check_vma=False))
+  with pytest.warns(UserWarning, match="dot_general.*needs whole leaves"):
+    got = blocks(params, state)
+  want = update(params, state)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-5)
+  assert got[1]["m"].sharding.spec == P("data")
 
 
 def test_bad_arguments_are_named():

@@ -14,11 +14,9 @@ step reduce-scatters gradients, updates the local block and all-gathers the para
 parameters where the forward pass first uses it and again in the backward pass (rematerialized:
 the gathered copy is not kept in between), and reduce-scatters the gradients bucket by bucket.
 
-The optimizer then runs on blocks, which is exact for every transform that works coordinate by
-coordinate (SGD, momentum, Adam, AdamW, RMSProp, ...) and wrong for one that reduces over a whole
-leaf or tree (``optax.clip_by_global_norm``, LAMB's trust ratio, Adafactor's factored moments).
-:func:`check_elementwise` compares one update both ways when the step first sees a state and
-refuses an optimizer whose blocks disagree with the whole.
+The optimizer then runs on blocks with a global view (jaxring._src.train.global_view): its
+whole-leaf reductions (``optax.clip_by_global_norm``, LAMB's trust ratio, Adafactor's factored
+moments) are finished by all-reduces across the replicas.
 """
 from __future__ import annotations
 
@@ -233,68 +231,6 @@ def local_block(full, d: int | None, p: int, index):
     return full
   n = full.shape[d] // p
   return jax.lax.dynamic_slice_in_dim(full, index * n, n, axis=d)
-
-
-# --- the optimizer must work coordinate by coordinate ---------------------------------------------
-
-
-def check_elementwise(tx, params, opt_state, mesh, axis_name, p: int, shard: str) -> None:
-  """Raises ValueError where ``tx.update`` on each replica's blocks differs from the update of
-  the whole (a transform that reduces over a leaf or the tree: global-norm clipping, LAMB).
-
-  One update with random gradients, run both ways on the mesh, compared to float32 rounding.
-  """
-  if tx is None or not jax.tree_util.tree_leaves(params):
-    return
-  dims = param_dims(params, p)
-  if all(d is None for d in jax.tree_util.tree_leaves(dims, is_leaf=lambda x: x is None)):
-    return
-  pspecs = specs_like(params, dims, axis_name)
-  ospecs = opt_state_specs(opt_state, params, pspecs)
-  leaves, pdef = jax.tree_util.tree_flatten(params)
-  keys = list(jax.random.split(jax.random.PRNGKey(0), len(leaves)))
-
-  def draw(w):  # random gradients, drawn alike inside both programs
-    return jax.tree_util.tree_unflatten(pdef, [
-        jax.random.normal(k, np.shape(x), jnp.float32).astype(jnp.result_type(x))
-        for k, x in zip(keys, jax.tree_util.tree_leaves(w))])
-
-  def update(g, s, w):
-    return tx.update(g, s, w)[0]
-
-  blockwise = jax.shard_map(update, mesh=mesh, in_specs=(pspecs, ospecs, pspecs),
-                            out_specs=pspecs, check_vma=False)
-
-  @jax.jit
-  def compare(s, w):  # per leaf: (max |difference|, max |update|), scalars every process reads
-    g = draw(w)
-    a, b = update(g, s, w), blockwise(g, s, w)
-    return [(jnp.max(jnp.abs(x - y)), jnp.max(jnp.abs(x)))
-            for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]
-
-  try:
-    measured = compare(opt_state, params)
-  except (TypeError, ValueError) as e:   # e.g. state shaped per dimension (SM3): no block fits
-    raise ValueError(
-        f"train_step(shard={shard!r}): the optimizer cannot update a replica's block of the "
-        f"parameters alone ({type(e).__name__}: {str(e).splitlines()[0][:200]}). A sharded step "
-        "needs a coordinate-wise optimizer (sgd, momentum, adam, adamw, rmsprop, ...); use "
-        "shard='none' for this one") from e
-  for (diff, scale), path in zip(measured, _paths(params)):
-    diff, scale = (float(np.asarray(v.addressable_data(0))) for v in (diff, scale))
-    if not diff <= 1e-4 * scale + 1e-7:
-      raise ValueError(
-          f"train_step(shard={shard!r}): the optimizer's update of {path} differs when each "
-          f"replica updates its block alone (max |difference| {diff:.3g}, max |update| "
-          f"{scale:.3g}): it reduces over whole leaves or the whole tree "
-          "(optax.clip_by_global_norm, LAMB, Adafactor's factored moments, ...). A sharded step "
-          "needs a coordinate-wise optimizer (sgd, momentum, adam, adamw, rmsprop, ...); use "
-          "shard='none' for this one")
-
-
-def _paths(tree) -> list[str]:
-  return [jax.tree_util.keystr(k) or "the parameters"
-          for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 # --- memory -------------------------------------------------------------------------------------

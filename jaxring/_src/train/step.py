@@ -30,7 +30,7 @@ from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import axis_names, validate_compression
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
-from jaxring._src.train import guards, sharding
+from jaxring._src.train import global_view, guards, sharding
 from jaxring._src.train.context import (
   ReduceConfig,
   ShardedParams,
@@ -65,7 +65,7 @@ class TrainStep:
     self.buckets = None
     self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
     self._calls = 0
-    self._checked_tx = None  # the optimizer check_elementwise passed (sharded steps)
+    self._view = None  # a sharded step's optimizer as the replicas run it (train/global_view.py)
 
   @property
   def mesh(self) -> Mesh:
@@ -109,7 +109,6 @@ class TrainStep:
       state = state.replace(loss_scale=DynamicLossScale.create())
     guards.check_residual_replicas(residuals, self.num_replicas)
     state = _without_residuals(state)
-    self._check_sharded_optimizer(state)
     specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
     state = jax.tree_util.tree_map(
         lambda x, s: sharding.place(x, NamedSharding(self.mesh, s)), state, specs)
@@ -137,17 +136,6 @@ class TrainStep:
           "multiplies). Supported: @jr.train_step(compression=c, momentum=0.9, nesterov=True) "
           "with tx=optax.sgd(lr); for Adam use a dense codec (int8, bf16) or "
           "jr.compressed_adam inside your own shard_map")
-
-  def _check_sharded_optimizer(self, state) -> None:
-    cfg, tx = self.config, getattr(state, "tx", None)
-    if cfg.shard == "none" or tx is None or tx is self._checked_tx:
-      return
-    replicated = NamedSharding(self.mesh, P())
-    params, opt_state = (jax.tree_util.tree_map(lambda x: sharding.place(x, replicated), t)
-                         for t in (state.params, state.opt_state))
-    sharding.check_elementwise(tx, params, opt_state, self.mesh, cfg.split_axis_name,
-                               self.num_replicas, cfg.shard)
-    self._checked_tx = tx
 
   def memory(self, state, batch, *args) -> dict:
     """Bytes per device of the state's parts, and the compiled step's own (``memory_analysis``).
@@ -254,6 +242,8 @@ class TrainStep:
     specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
     if cfg.shard != "none":
       self._dims = sharding.param_dims(state.params, self.num_replicas)
+      self._view = global_view.for_state(state, specs, self._dims, cfg.split_axes,
+                                         self.num_replicas)
     res_specs = jax.tree_util.tree_map(lambda _: data, residuals)
     whole = jax.tree_util.tree_map(lambda _: P(), args)
     body = jax.shard_map(self._per_replica, mesh=self.mesh,
@@ -271,6 +261,8 @@ class TrainStep:
     user_state = state
     if cfg.shard != "none":
       ctx.shard, user_state = self._sharded_view(state)
+      if self._view is not None:   # the optimizer's whole-leaf math, on blocks
+        user_state = user_state.replace(tx=self._view)
     with step_context(ctx):
       try:
         new_state, metrics = guards.state_and_metrics(self._fn(user_state, batch, *args),
@@ -283,6 +275,8 @@ class TrainStep:
       guards.check_gradients_reduced(self._fn, (user_state, batch, *args), new_state)
     self.buckets = ctx.buckets
     new_state = _without_residuals(new_state)
+    if self._view is not None and getattr(new_state, "tx", None) is self._view:
+      new_state = new_state.replace(tx=state.tx)
     if cfg.shard == "optimizer":  # each replica updated its blocks: gather the whole, exactly
       new_state = new_state.replace(params=gather_params(new_state.params, self._dims,
                                                          cfg.split_axes, cfg.algorithm))
@@ -389,8 +383,9 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       the replicas, gradients reduce-scattered, parameters all-gathered after the update) or
       ``"params"`` (FSDP/ZeRO-3: parameters split too, gathered bucket by bucket where the
       forward and backward passes use them). The step function is the same; inside it
-      ``state.params`` are this replica's blocks, which ``jaxring.value_and_grad`` gathers. The
-      optimizer must work coordinate by coordinate (checked): jaxring._src.train.sharding.
+      ``state.params`` are this replica's blocks, which ``jaxring.value_and_grad`` gathers. Any
+      optax optimizer: one that reduces over leaves (global-norm clipping, LAMB, Adafactor) runs
+      with its reductions made collective (jaxring._src.train.global_view).
     hpz: with ``shard="params"`` and a hierarchical ``axis_name`` such as ``("node", "local")``,
       keep between the two passes each gathered bucket's piece for this device's node (1/local
       of the bucket, ZeRO++'s secondary partition), so the backward pass all-gathers over the
