@@ -31,7 +31,9 @@ def problem():
   def loss_fn(apply_fn, params, batch):
     logits = apply_fn({"params": params}, batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-  return MLP(), optax.sgd(0.3, momentum=0.9), data, loss_fn
+  # the clip reduces over every leaf: sharded, its squared sums cross the processes
+  tx = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.3, momentum=0.9))
+  return MLP(), tx, data, loss_fn
 
 
 def run(num_steps: int, metrics_path: str | None, shard: str = "none"):

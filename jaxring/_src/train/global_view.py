@@ -10,7 +10,9 @@ jaxpr is evaluated on the blocks, equation by equation:
 
 * elementwise equations run on the blocks (a replicated operand is sliced to the block);
 * a reduction over the split dimension reduces the block, then all-reduces the partial results
-  (``psum``/``pmax``/``pmin``); one over other dimensions stays split;
+  (``psum``/``pmax``/``pmin``); one over other dimensions stays split. Partial sums stay local
+  through additions (and scaling by a replicated scalar) and are all-reduced where first needed
+  whole, so a global norm's per-leaf terms cost one all-reduce, not one per leaf;
 * a replicated value broadcast to a leaf's shape stays lazy until an elementwise equation needs
   its block, so ``jnp.zeros_like`` or a broadcast scalar never materializes a whole leaf;
 * calls (``jit``, ``custom_jvp``) are evaluated inside; any other equation on a split operand
@@ -18,7 +20,7 @@ jaxpr is evaluated on the blocks, equation by equation:
   at the memory of the replicated step for that value.
 
 A coordinate-wise optimizer runs exactly the equations it would run on the blocks; the global-
-norm clip adds one scalar all-reduce per leaf; every update equals the replicated step's to
+norm clip adds one scalar all-reduce; every update equals the replicated step's to
 float32 rounding. Which optimizers need it is decided by their equations, not by comparing a
 trial update (a warm-up schedule at 0, or Adam's scale-invariant first step, hides a clip).
 """
@@ -52,12 +54,19 @@ CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
 
 class _Value:
   """A value of the traced jaxpr: its block along ``dim`` (``dim`` None: the whole value), or a
-  lazy whole-shaped value, ``make(dim)`` giving its block along ``dim`` (None: the whole)."""
+  lazy whole-shaped value, ``make(dim)`` giving its block along ``dim`` (None: the whole), or
+  (``partial``) this replica's term of a sum over the replicas not yet taken."""
 
-  __slots__ = ("x", "dim", "make", "shape")
+  __slots__ = ("x", "dim", "make", "shape", "partial")
 
-  def __init__(self, x, dim, shape, make: Callable | None = None):
+  def __init__(self, x, dim, shape, make: Callable | None = None, partial: bool = False):
     self.x, self.dim, self.shape, self.make = x, dim, tuple(shape), make
+    self.partial = partial
+
+
+def _is_zero(v: _Value) -> bool:
+  return (v.make is None and v.dim is None and not v.partial and not v.shape
+          and isinstance(v.x, (int, float, np.generic, np.ndarray)) and float(v.x) == 0)
 
 
 class _Evaluator:
@@ -75,6 +84,8 @@ class _Evaluator:
     return self._index
 
   def whole(self, v: _Value):
+    if v.partial:   # the sum over the replicas, taken once
+      v.x, v.partial = lax.psum(v.x, self.axes), False
     if v.make is not None:
       return v.make(None)
     if v.dim is None:
@@ -120,6 +131,14 @@ class _Evaluator:
     shapes = [tuple(v.aval.shape) for v in eqn.outvars]
     split = [v.dim for v in ins if v.dim is not None]
     lazy = any(v.make is not None for v in ins)
+    if any(v.partial for v in ins) and self._stays_partial(name, ins):
+      if name in ("add", "sub"):   # a replicated term enters the sum once: on replica 0's side
+        args = [v.x if v.partial or _is_zero(v) else
+                lax.select(self.index == 0, v.x, lax.full_like(v.x, 0)) for v in ins]
+      else:
+        args = [v.x for v in ins]
+      return [_Value(o.x, None, o.shape, partial=True)
+              for o in self._bind(eqn, args, None, shapes)]
     if not split and not lazy:
       return self._replicated(eqn, ins, shapes)
     if name in IDENTITY:   # sharding annotations of the whole: the layout stays ours
@@ -147,6 +166,19 @@ class _Evaluator:
       if name in CUMULATIVE and params["axis"] != d:
         return self._bind(eqn, [x.x], d, shapes)
     return self._replicated(eqn, ins, shapes)
+
+  @staticmethod
+  def _stays_partial(name: str, ins: list[_Value]) -> bool:
+    """Whether an equation on partial sums is linear in them, so that its result may be summed
+    over the replicas later: the terms of a global norm are added up before one all-reduce."""
+    if name in ("add", "sub"):
+      return all(v.partial or (v.dim is None and v.make is None) for v in ins)
+    if name == "neg":
+      return True
+    if name == "mul":   # by a replicated scalar
+      return sum(v.partial for v in ins) == 1 and all(
+          v.partial or (v.dim is None and v.make is None and not v.shape) for v in ins)
+    return False
 
   def _bind(self, eqn, args, dim, shapes) -> list[_Value]:
     out = eqn.primitive.bind(*args, **eqn.params)
@@ -211,6 +243,8 @@ class _Evaluator:
     local = eqn.primitive.bind(x.x, **eqn.params)
     if d not in axes:
       return _Value(local, d - sum(a < d for a in axes), shape)
+    if eqn.primitive.name == "reduce_sum":   # summed over the replicas where it is needed
+      return _Value(local, None, shape, partial=True)
     collective = ALL_REDUCE[eqn.primitive.name]
     if local.dtype == np.bool_:   # and/or over replicas: min/max of 0/1
       return _Value(collective(local.astype(np.int32), self.axes).astype(np.bool_), None, shape)
