@@ -285,6 +285,32 @@ def test_global_norm_clipping_costs_one_scalar_all_reduce_and_gathers_nothing():
   assert got == (gathers, reduces + 1)
 
 
+def _norm_step(shard):
+  @jt.train_step(shard=shard)
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    unit = jt.whole(lambda g: jax.tree.map(lambda x: x / optax.tree.norm(g), g))(grads)
+    return state.apply_gradients(grads=unit), {
+        "norm": jt.whole(optax.tree.norm)(grads), "of_blocks": optax.tree.norm(grads),
+        "unit": jt.whole(optax.tree.norm)(unit)}
+  return step
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_whole_computes_a_metric_of_the_whole_gradient_from_the_blocks(shard):
+  batches = _data(2, shape=(16,), classes=8)
+  want_state, want = _run(_norm_step("none"), _mlp_state(optax.sgd(0.1)), batches)
+  got_state, got = _run(_norm_step(shard), _mlp_state(optax.sgd(0.1)), batches)
+  np.testing.assert_allclose(float(got["norm"]), float(want["norm"]), rtol=1e-5)
+  np.testing.assert_allclose(float(got["unit"]), 1.0, rtol=1e-5)  # blocks came back as blocks
+  _assert_trees_close(got_state.params, want_state.params)
+  if shard == "params":   # optax.tree.norm of the blocks is not the gradient's norm
+    assert float(got["of_blocks"]) < 0.8 * float(want["norm"])
+
+
 def test_the_global_view_evaluates_any_update_on_blocks_like_the_whole():
   """Reductions over and along the split dimension, lazy broadcasts, cumulative sums, a branch,
   and what it cannot split (a matmul, a reshape): gathered, with a warning."""
@@ -313,7 +339,7 @@ def test_the_global_view_evaluates_any_update_on_blocks_like_the_whole():
   blocks = jax.jit(jax.shard_map(lambda g, s: view.update(g, s), mesh=mesh,
                                  in_specs=(pspecs, ospecs), out_specs=(pspecs, ospecs),
                                  check_vma=False))
-  with pytest.warns(UserWarning, match="dot_general.*needs whole leaves"):
+  with pytest.warns(UserWarning, match="dot_general.*need the whole leaves"):
     got = blocks(params, state)
   want = update(params, state)
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -15,9 +15,9 @@ jaxpr is evaluated on the blocks, equation by equation:
   whole, so a global norm's per-leaf terms cost one all-reduce, not one per leaf;
 * a replicated value broadcast to a leaf's shape stays lazy until an elementwise equation needs
   its block, so ``jnp.zeros_like`` or a broadcast scalar never materializes a whole leaf;
-* calls (``jit``, ``custom_jvp``) are evaluated inside; any other equation on a split operand
-  (a matmul, a reshape, control flow) gathers its operands whole and runs replicated: correct,
-  at the memory of the replicated step for that value.
+* calls (``jit``, ``custom_jvp``) are evaluated inside, ``cond`` runs every branch and selects;
+  any other equation on a split operand (a matmul, a reshape, a loop) gathers its operands whole
+  and runs replicated, with a warning: correct, at the replicated step's memory for that value.
 
 A coordinate-wise optimizer runs exactly the equations it would run on the blocks; the global-
 norm clip adds one scalar all-reduce; every update equals the replicated step's to
@@ -26,15 +26,19 @@ trial update (a warm-up schedule at 0, or Adam's scale-invariant first step, hid
 """
 from __future__ import annotations
 
+import functools
+import math
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.extend.core as jcore
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
 
+from jaxring._src.train.context import current_context
 from jaxring._src.train.sharding import full_shape, local_block
 
 ELEMENTWISE = frozenset("""
@@ -134,7 +138,8 @@ class _Evaluator:
     if any(v.partial for v in ins) and self._stays_partial(name, ins):
       if name in ("add", "sub"):   # a replicated term enters the sum once: on replica 0's side
         args = [v.x if v.partial or _is_zero(v) else
-                lax.select(self.index == 0, v.x, lax.full_like(v.x, 0)) for v in ins]
+                jnp.where(self.index == 0, v.x, 0).astype(var.aval.dtype)
+                for v, var in zip(ins, eqn.invars)]
       else:
         args = [v.x for v in ins]
       return [_Value(o.x, None, o.shape, partial=True)
@@ -265,6 +270,26 @@ def dims_of_specs(specs, axes) -> list:
       specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))]
 
 
+def evaluate(fn: Callable, leaves: Sequence, dims: Sequence, axes: tuple, p: int,
+             out_dims: Callable) -> Any:
+  """``fn(*leaves)`` as it is on the whole leaves, evaluated on this replica's blocks (``leaves``
+  split along ``dims`` over ``axes``; None: whole). ``out_dims(out_shape)`` gives the split
+  dimension of each leaf of the result (None: whole); the result is a tree like ``fn``'s."""
+  types = [jax.typeof(x) for x in leaves]
+  avals = [jax.ShapeDtypeStruct(full_shape(t.shape, d, p), t.dtype, weak_type=t.weak_type)
+           for t, d in zip(types, dims)]
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
+  ev = _Evaluator(axes, p)
+  outs = ev.run(closed.jaxpr, closed.consts,
+                [_Value(x, d, a.shape) for x, d, a in zip(leaves, dims, avals)])
+  if ev.gathered:
+    warnings.warn(f"jaxring: {', '.join(sorted(ev.gathered))} of split leaves need the whole "
+                  "leaves: each replica gathers them (memory of the replicated step for those "
+                  "values)", stacklevel=3)
+  flat = [ev.whole(v) if d is None else ev.block(v, d) for v, d in zip(outs, out_dims(out_shape))]
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
+
+
 def global_view(tx, axes: tuple, p: int, param_dims: Sequence, param_def, opt_dims: Sequence,
                 opt_def) -> optax.GradientTransformationExtraArgs:
   """``tx`` whose ``update``, called on blocks inside the step, computes what the whole-leaf
@@ -289,7 +314,6 @@ def global_view(tx, axes: tuple, p: int, param_dims: Sequence, param_def, opt_di
     w, w_dims = ([], []) if params is None else dims_for(params, param_def, param_dims,
                                                           "parameters")
     e, e_def = jax.tree_util.tree_flatten(extra)
-    leaves, dims = u + s + w + e, u_dims + s_dims + w_dims + [None] * len(e)
     a, b, c = len(u), len(u) + len(s), len(u) + len(s) + len(w)
 
     def whole_update(*flat):
@@ -299,24 +323,44 @@ def global_view(tx, axes: tuple, p: int, param_dims: Sequence, param_def, opt_di
                                                                                 flat[b:c]),
                        **jax.tree_util.tree_unflatten(e_def, flat[c:]))
 
-    types = [jax.typeof(x) for x in leaves]
-    avals = [jax.ShapeDtypeStruct(full_shape(t.shape, d, p), t.dtype, weak_type=t.weak_type)
-             for t, d in zip(types, dims)]
-    closed, out_shape = jax.make_jaxpr(whole_update, return_shape=True)(*avals)
-    ev = _Evaluator(axes, p)
-    outs = ev.run(closed.jaxpr, closed.consts,
-                  [_Value(x, d, a.shape) for x, d, a in zip(leaves, dims, avals)])
-    if ev.gathered:
-      warnings.warn(f"train_step: the optimizer's {', '.join(sorted(ev.gathered))} needs whole "
-                    "leaves: each replica gathers them for it (memory of the replicated step for "
-                    "those values)", stacklevel=2)
-    new_updates, new_state = out_shape
-    want = (dims_for(new_updates, param_def, param_dims, "updates back")[1]
-            + dims_for(new_state, opt_def, opt_dims, "a new optimizer state back")[1])
-    flat = [ev.whole(v) if d is None else ev.block(v, d) for v, d in zip(outs, want)]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
+    def out_dims(out_shape):
+      new_updates, new_state = out_shape
+      return (dims_for(new_updates, param_def, param_dims, "updates back")[1]
+              + dims_for(new_state, opt_def, opt_dims, "a new optimizer state back")[1])
+
+    return evaluate(whole_update, u + s + w + e, u_dims + s_dims + w_dims + [None] * len(e),
+                    axes, p, out_dims)
 
   return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def whole(fn: Callable) -> Callable:
+  """``fn`` of whole leaves, run on this replica's blocks inside a sharded train step
+  (``shard="optimizer"|"params"``): arguments shaped like ``state.params`` (the parameters, the
+  gradients) are taken as split like them, reductions over a split dimension are finished across
+  the replicas, and the result is what ``fn`` gives on the whole leaves (a result shaped like the
+  parameters: this replica's blocks of it). Elsewhere ``fn`` itself.
+
+  Example:
+    >>> grad_norm = jaxring.train.whole(optax.tree.norm)(grads)   # the whole gradient's norm
+  """
+  def wrapped(*args):
+    ctx = current_context()
+    if ctx is None or ctx.shard is None:
+      return fn(*args)
+    split = ctx.shard
+
+    def dims_of(tree):
+      return list(split.dims) if jax.tree_util.tree_structure(tree) == split.treedef else [
+          None] * len(jax.tree_util.tree_leaves(tree))
+
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    dims = [d for a in args for d in dims_of(a)]
+    p = math.prod(int(lax.axis_size(a)) for a in ctx.config.split_axes)
+    return evaluate(lambda *xs: fn(*jax.tree_util.tree_unflatten(treedef, xs)),
+                                leaves, dims, ctx.config.split_axes, p, dims_of)
+
+  return functools.wraps(fn)(wrapped)
 
 
 def for_state(state, specs, dims, axes: tuple, p: int):
