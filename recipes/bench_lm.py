@@ -85,6 +85,10 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
+  if "-h" in argv or "--help" in argv:
+    print(__doc__.strip() + "\n\n--rows=SHARD/GRADS,... picks rows (none/none, params/none, none/int8, params/int8); the recipe's own "
+          "options (python -m recipes.lm --help) set the config.")
+    return 0
   import jax
 
   import jaxring.distributed
