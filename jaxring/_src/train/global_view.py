@@ -230,7 +230,7 @@ class _Evaluator:
       shape = list(out_shape)
       if dim is not None:
         shape[dim] //= self.p
-      return lax.broadcast_in_dim_p.bind(operand, **{**params, "shape": tuple(shape)})
+      return eqn.primitive.bind(operand, **{**params, "shape": tuple(shape)})
 
     if x.dim is not None and x.make is None and x.shape[x.dim] == out_shape[bdims[x.dim]]:
       return [_Value(bind(x.x, bdims[x.dim]), bdims[x.dim], out_shape)]
