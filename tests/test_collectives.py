@@ -255,6 +255,28 @@ def test_all_gather_matches_lax(algorithm, tiled, axis, shape):
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("op", ["all_gather", "psum_scatter"])
+def test_hierarchical_chunk_order_is_restored_by_slices_not_a_gather(op):
+  # the levels (local fast, node slow: TOPO) hand chunks out local-major; member order is
+  # node-major. XLA:CPU runs a gather with constant indices element by element (35 ms a call for
+  # 8 MiB on the emulated cluster)
+  mesh = mesh_of((2, 4), ("node", "local"))
+  axes = ("node", "local")
+  x = jnp.asarray(np.random.RandomState(12).randint(-9, 9, (8, 1 << 14)), jnp.float32)
+  kw = dict(algorithm="hierarchical", compression={"node": jaxring.codecs.int8()})
+  ours = (lambda v: jaxring.all_gather(v, axes, tiled=True, **kw)) if op == "all_gather" else (
+      lambda v: jaxring.psum_scatter(v, axes, tiled=True, algorithm="hierarchical"))
+  ref = (lambda v: lax.all_gather(v, axes, tiled=True)) if op == "all_gather" else (
+      lambda v: lax.psum_scatter(v, axes, tiled=True))
+  mk = lambda fn: jax.jit(jax.shard_map(lambda v: fn(v[0])[None], mesh=mesh, in_specs=P(axes),
+                                        out_specs=P(axes)))
+  got = mk(ours)
+  with jaxring.use_topology(TOPO):
+    np.testing.assert_allclose(got(x), mk(ref)(x), rtol=1e-2, atol=0.1)
+    hlo = got.lower(x).compile().as_text()
+  assert " gather(" not in hlo, [l for l in hlo.splitlines() if " gather(" in l][:2]
+
+
 def test_psum_scatter_and_all_gather_split_axis():
   mesh = mesh_of((8,), ("d",))
   x = jnp.asarray(np.random.RandomState(11).randint(-9, 9, (8, 16, 3)), jnp.float32)

@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any, Protocol
 
+import jax.numpy as jnp
+
 from jaxring._src.codecs.base import Codec
 from jaxring._src.transport.groups import Group
 from jaxring._src.transport.xla import XLA
@@ -83,6 +85,30 @@ class Algorithm(Protocol):
 
 
 _REGISTRY: dict[str, Algorithm] = {}
+
+
+def permute_rows(rows, order):
+  """``rows`` reordered along its first axis: row ``j`` of the result is row ``order[j]``.
+
+  Static slices (runs of consecutive rows together) and one concatenate, not fancy indexing:
+  XLA:CPU runs a gather with constant indices element by element (reordering 8 MiB of int8
+  rows cost ~20 ms of CPU per process and 35 ms a call on the emulated cluster, a concatenate
+  nothing measurable: docs/benchmarks.md, "Rows reordered by slices").
+
+  Example:
+    >>> permute_rows(jnp.arange(4), [2, 3, 0, 1])
+    Array([2, 3, 0, 1], dtype=int32)
+  """
+  order = [int(i) for i in order]
+  if order == list(range(len(order))):
+    return rows
+  runs = [[order[0], order[0] + 1]]
+  for i in order[1:]:
+    if i == runs[-1][1]:
+      runs[-1][1] += 1
+    else:
+      runs.append([i, i + 1])
+  return jnp.concatenate([rows[a:b] for a, b in runs], axis=0)
 
 
 def register(algorithm: Algorithm) -> Algorithm:

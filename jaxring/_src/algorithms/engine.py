@@ -309,7 +309,7 @@ def _reduce_scatter_rows(rows, p, dtype, plan: Plan, want_error: bool):
   rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
   algorithm = base.get(plan.kind)
   if (order := _order(algorithm, plan)) is not None:
-    rows = rows[np.asarray(order)]
+    rows = base.permute_rows(rows, order)
   if not want_error:
     return algorithm.reduce_scatter(rows.reshape(-1), plan, dtype)[:m], None
   with_error = getattr(algorithm, "reduce_scatter_with_error", None)
@@ -319,7 +319,7 @@ def _reduce_scatter_rows(rows, p, dtype, plan: Plan, want_error: bool):
   shard, err = with_error(rows.reshape(-1), plan, dtype)
   err = err.reshape(p, m_pad)
   if order is not None:
-    err = err[np.argsort(np.asarray(order))]
+    err = base.permute_rows(err, np.argsort(np.asarray(order)))
   return shard[:m], err[:, :m].reshape(-1)
 
 
@@ -346,7 +346,7 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   gathered = algorithm.all_gather(codec.encode(flat, dtype), plan)
   if (order := _order(algorithm, plan)) is not None:  # member order, on the narrow payload
     inverse = np.argsort(np.asarray(order))
-    gathered = tuple(a.reshape(p, -1)[inverse].reshape(-1) for a in gathered)
+    gathered = tuple(base.permute_rows(a.reshape(p, -1), inverse).reshape(-1) for a in gathered)
   rows = codec.decode(gathered, dtype).reshape(p, -1)
   return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
 

@@ -11,12 +11,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxring._src import vma
 from jaxring._src.algorithms import ring
-from jaxring._src.algorithms.base import Plan, PlanRequest, register
+from jaxring._src.algorithms.base import Plan, PlanRequest, permute_rows, register
 from jaxring._src.codecs.base import Codec
 from jaxring._src.transport import inprocess
 from jaxring._src.transport.groups import Group
@@ -129,7 +128,7 @@ def _all_reduce_flat_finish(flat, groups, codecs, algos, dtype, transport, axes,
   whole = Group(axes, p, 1, p, "/".join(map(str, axes)))
   gathered = transport.all_gather(payload, whole)
   rows = cd.decode(gathered, dtype).reshape(p, -1)  # row i: member i's chunk, chunk perm^-1[i]
-  return rows[np.asarray(perm)].reshape(n), err
+  return permute_rows(rows, perm).reshape(n), err
 
 
 def chunk_permutation(groups: list[Group], strides: list[int]) -> list[int]:

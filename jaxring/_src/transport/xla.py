@@ -11,6 +11,11 @@ from jaxring._src.transport.packing import pack, unpack
 # XLA:CPU promotes 16-bit float collectives to f32 on the wire (all-reduce promotion and float
 # normalization passes; measured, ../shared/ENVIRONMENT.md). Moving their bit patterns as uint16
 # keeps two bytes per value on the wire.
+# Several arrays of an all-gather travel as one message below this many bytes per member (a
+# message fewer saves a collective's latency); above it each array is gathered alone, since
+# splitting the gathered bytes back into arrays copies every member's piece (an all-gather of
+# 1 MiB of int8 a member: docs/benchmarks.md, "Rows reordered by slices").
+PACK_BELOW = 256 << 10
 _BITCAST = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
 
 
@@ -56,8 +61,8 @@ class XlaTransport:
     if not group.whole:
       raise ValueError(f"XLA transport: native all-gather over level {group.name!r}, a part of "
                        f"axes {group.axes}; it spans whole axes only")
-    if len(payload) > 1:   # one message, as in shift
-      g = self._gather(pack(payload), group)
+    if len(payload) > 1 and sum(x.size * x.dtype.itemsize for x in payload) < PACK_BELOW:
+      g = self._gather(pack(payload), group)   # one message, as in shift
       return unpack(g.reshape(group.size, -1), payload, leading=group.size)
     out = []
     for x in payload:
