@@ -373,7 +373,9 @@ def test_wire_ratios_from_compiled_hlo():
   assert rows["bf16"]["ratio"] <= 0.51 and rows["fp16"]["ratio"] <= 0.51
   assert rows["bf16"]["wire_dtypes"] == ["u16"]  # bitcast: XLA:CPU would promote bf16 to f32
   assert rows["int8 (256)"]["ratio"] <= 0.27
-  assert rows["int8 (256)"]["wire_dtypes"] == ["u8"]  # codes and scales, one message a hop
+  # a ring hop sends codes and scales as one message (u8); the closing all-gather of 1 MiB of
+  # codes a member gathers each array alone (transport/xla.py PACK_BELOW): s8 codes, f32 scales
+  assert rows["int8 (256)"]["wire_dtypes"] == ["f32", "s8", "u8"]
   assert rows["topk_chunks (1%, 4096)"]["ratio"] <= 0.03
   for r in rows.values():  # the codec's own wire_bytes predicts what the HLO moves
     assert r["ratio"] == pytest.approx(r["predicted"], rel=0.02), r
