@@ -73,13 +73,18 @@ def _cnn_step(**kw):
   return step
 
 
+def _mlp_loss(state, batch):
+  """The MLP's cross entropy on ``batch`` as a function of its parameters."""
+  def loss_fn(params):
+    logits = state.apply_fn({"params": params}, batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss_fn
+
+
 def _mlp_step(**kw):
   @jt.train_step(**kw)
   def step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    loss, grads = jt.value_and_grad(_mlp_loss(state, batch))(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
   return step
 
@@ -288,10 +293,7 @@ def test_global_norm_clipping_costs_one_scalar_all_reduce_and_gathers_nothing():
 def _norm_step(shard):
   @jt.train_step(shard=shard)
   def step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    _, grads = jt.value_and_grad(_mlp_loss(state, batch))(state.params)
     unit = jt.whole(lambda g: jax.tree.map(lambda x: x / optax.tree.norm(g), g))(grads)
     return state.apply_gradients(grads=unit), {
         "norm": jt.whole(optax.tree.norm)(grads), "of_blocks": optax.tree.norm(grads),
@@ -499,10 +501,8 @@ def test_full_params_inside_the_step_is_the_whole_updated_model(shard):
   is the replicated step's."""
   @jt.train_step(shard=shard)
   def step(state, batch):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, batch["x"])
-      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jt.value_and_grad(loss_fn)(state.params)
+    loss_fn = _mlp_loss(state, batch)
+    _, grads = jt.value_and_grad(loss_fn)(state.params)
     state = state.apply_gradients(grads=grads)
     return state, {"after": loss_fn(jt.full_params(state.params))}
   batch = _data(1, shape=(16,), classes=8)[0]

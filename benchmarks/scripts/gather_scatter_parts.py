@@ -2,7 +2,9 @@
 (docs/benchmarks.md, "Sharded state"): gloo's whole all-gather, its node-level all-gather of f32
 and of int8, the local level through gloo and in shared memory, jaxring's hierarchical
 all-gather / reduce-scatter, the node ring alone, chained ppermutes, an int8 encode + decode and
-x + 1 of 32 MiB. Median ms of 7 calls on node 0 and CPU ms per process per call.
+x + 1 of 32 MiB, and the int8 all-gather built by hand with and without each of its extra copies
+(docs/benchmarks.md, "Rows reordered by slices"). Median ms of 7 calls on node 0 and CPU ms per
+process per call.
 
   sudo jaxring cluster up --name jrp --nodes 4 --link 1gbit
   sudo jaxring cluster run --name jrp -- env LD_PRELOAD=<libtcmalloc_minimal.so.4> BAR=1 \
@@ -44,6 +46,29 @@ def chain3(v):
   for _ in range(3):
     q = lax.ppermute(q, "node", perm); sc = lax.ppermute(sc, "node", perm)
   return codecs.int8().decode((q, sc), jnp.float32)[None]
+I8 = codecs.int8()
+ORDER_INV = np.argsort(np.asarray([0, 2, 4, 6, 1, 3, 5, 7]))  # local-major -> node-major, 4 x 2
+def by_hand(v, reorder=None, pack=False):
+  """int8 all-gather of v over (node, local) built by hand: encode, gloo all-gather over node
+  (codes and scales apart, or packed into one u8 message), shared-memory gather over local,
+  an optional reorder of the rows ("gather": fancy indexing; "slices": permute_rows), decode."""
+  from jaxring._src.algorithms.base import permute_rows
+  q, sc = I8.encode(v[0], jnp.float32)
+  if pack:
+    nq = q.shape[0]
+    buf = jnp.concatenate([lax.bitcast_convert_type(q, jnp.uint8),
+                           lax.bitcast_convert_type(sc, jnp.uint8).reshape(-1)])
+    g = lax.all_gather(buf, "node", tiled=True).reshape(4, -1)
+    q = lax.bitcast_convert_type(g[:, :nq], jnp.int8).reshape(-1)
+    sc = lax.bitcast_convert_type(g[:, nq:].reshape(-1, 4), jnp.float32).reshape(-1)
+  else:
+    q, sc = lax.all_gather(q, "node", tiled=True), lax.all_gather(sc, "node", tiled=True)
+  q, sc = inprocess.all_gather((q, sc), LOCAL)
+  if reorder == "gather":
+    q, sc = (a.reshape(8, -1)[ORDER_INV].reshape(-1) for a in (q, sc))
+  elif reorder == "slices":
+    q, sc = (permute_rows(a.reshape(8, -1), ORDER_INV).reshape(-1) for a in (q, sc))
+  return I8.decode((q, sc), jnp.float32)[None]
 cases = [
  ("gloo AG all", sm(lambda v: lax.all_gather(v[0], axes, tiled=True)[None]), x),
  ("gloo AG node f32", sm(lambda v: lax.all_gather(v[0], "node", tiled=True)[None]), x),
@@ -53,6 +78,10 @@ cases = [
  ("jr AG hier none", sm(lambda v: jaxring.all_gather(v[0], ("local","node"), tiled=True, algorithm="hierarchical")[None]), x),
  ("jr AG hier int8", sm(lambda v: jaxring.all_gather(v[0], ("local","node"), tiled=True, algorithm="hierarchical", compression={"node": codecs.int8()})[None]), x),
  ("jr AG hier int8 nl", sm(lambda v: jaxring.all_gather(v[0], axes, tiled=True, algorithm="hierarchical", compression={"node": codecs.int8()})[None]), x),
+ ("AG int8 by hand", sm(by_hand), x),
+ ("AG int8 by hand + reorder gather", sm(lambda v: by_hand(v, "gather")), x),
+ ("AG int8 by hand + reorder slices", sm(lambda v: by_hand(v, "slices")), x),
+ ("AG int8 by hand + packed", sm(lambda v: by_hand(v, pack=True)), x),
  ("jr AG hier none nl", sm(lambda v: jaxring.all_gather(v[0], axes, tiled=True, algorithm="hierarchical")[None]), x),
  ("gloo RS all", sm(lambda v: lax.psum_scatter(v[0], axes, tiled=True)[None]), arr(8*n)),
  ("jr RS hier int8 nl", sm(lambda v: jaxring.psum_scatter(v[0], axes, tiled=True, algorithm="hierarchical", compression={"node": codecs.int8()})[None]), arr(8*n)),
