@@ -22,8 +22,9 @@ def _mesh():
 def _run(fn, x, check_vma=True, out=P(AXES)):
   mesh = _mesh()
   x = jax.device_put(x, jax.NamedSharding(mesh, P(AXES)))
-  return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXES), out_specs=out,
-                                          check_vma=check_vma))(x))
+  got = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(AXES), out_specs=out,
+                              check_vma=check_vma))(x)
+  return tuple(map(np.asarray, got)) if isinstance(got, tuple) else np.asarray(got)
 
 
 LOCAL = Group(("local",), 4, 1, 4, "local")
@@ -40,6 +41,32 @@ def test_reduce_scatter_and_all_gather_match_lax(check_vma):
     got = _run(lambda v: inprocess.all_gather((v,), LOCAL)[0], y, check_vma)
     want = _run(lambda v: jax.lax.all_gather(v, "local", tiled=True), y, check_vma)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [4, 8, 12])
+def test_row_orders_are_read_and_written_in_place(rows):
+  """``order`` equals permuting a copy: before the reduce-scatter, after the all-gather."""
+  from jaxring._src.algorithms.base import permute_flat
+  order = np.random.default_rng(rows).permutation(rows)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal(8 * rows * 6), jnp.float32)
+  got = _run(lambda v: inprocess.reduce_scatter(v, LOCAL, order=order), x)
+  want = _run(lambda v: jax.lax.psum_scatter(permute_flat(v, order), "local", tiled=True), x)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  for dtype in (jnp.float32, jnp.int8, jnp.bfloat16):
+    y = x.astype(dtype)
+    got = _run(lambda v: inprocess.all_gather((v, v[:rows // 4]), LOCAL, order=order), y,
+               out=(P(AXES), P(AXES)))
+    want = _run(lambda v: tuple(permute_flat(jax.lax.all_gather(a, "local", tiled=True), order)
+                                for a in (v, v[:rows // 4])), y, out=(P(AXES), P(AXES)))
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+
+
+def test_an_order_that_is_not_a_permutation_of_whole_rows_is_refused():
+  x = jnp.zeros(8 * 12, jnp.float32)
+  for order, what in (([0, 1, 2, 3, 4], "do not split"), ([0, 1, 2, 9], "names row 9")):
+    with pytest.raises(Exception, match=what):
+      _run(lambda v: inprocess.reduce_scatter(v, LOCAL, order=order), x)
 
 
 def test_a_call_inside_a_loop_meets_again_every_iteration():

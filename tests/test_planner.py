@@ -193,11 +193,11 @@ class _BackwardRing:
     out, err = self.ring.all_reduce(buf[::-1], plan, dtype, want_error=want_error)
     return out[::-1], None if err is None else err[::-1]
 
-  def reduce_scatter(self, buf, plan, dtype):
-    return self.ring.reduce_scatter(buf, plan, dtype)
+  def reduce_scatter(self, buf, plan, dtype, order=None):
+    return self.ring.reduce_scatter(buf, plan, dtype, order)
 
-  def all_gather(self, payload, plan):
-    return self.ring.all_gather(payload, plan)
+  def all_gather(self, payload, plan, order=None):
+    return self.ring.all_gather(payload, plan, order)
 
   def chunk_order(self, plan):
     return self.ring.chunk_order(plan)

@@ -141,9 +141,42 @@ ffi::Error Rendezvous(std::string_view op, int64_t run_id, int64_t site, int64_t
   return ffi::Error::Success();
 }
 
+// ``order`` describes the chunks as rows: x is order.size() equal rows, ``size`` members x ``R``
+// rows each, and member ``rank``'s row k is row order[rank * R + k] of x (identity: 0, 1, ...).
+// Reading the rows where they lie spares the caller a permuting copy of x.
+ffi::Error CheckOrder(std::string_view op, ffi::Span<const int64_t> order, int64_t size,
+                      int64_t units) {
+  const int64_t rows = static_cast<int64_t>(order.size());
+  if (size < 1 || rows < size || rows % size || units % rows)
+    return ffi::Error::InvalidArgument(std::string(op) + ": " + std::to_string(units) +
+                                       " units do not split into " + std::to_string(rows) +
+                                       " rows of " + std::to_string(size) + " members");
+  for (int64_t r : order)
+    if (r < 0 || r >= rows)
+      return ffi::Error::InvalidArgument(std::string(op) + ": order names row " +
+                                         std::to_string(r) + " of " + std::to_string(rows));
+  return ffi::Error::Success();
+}
+
+// out[i] = sum_j in[j][i], in member order (the same rounding on every member), one pass over
+// the output for the first two members.
+void SumRows(float* out, const std::vector<const float*>& in, int64_t n) {
+  if (in.size() == 1) {
+    std::memcpy(out, in[0], n * sizeof(float));
+    return;
+  }
+  const float* a = in[0];
+  const float* b = in[1];
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+  for (size_t j = 2; j < in.size(); ++j) {
+    const float* c = in[j];
+    for (int64_t i = 0; i < n; ++i) out[i] += c[i];
+  }
+}
+
 ffi::Error LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
                                   Result<AnyBuffer> out, int64_t site, int64_t size,
-                                  int64_t timeout_ms) {
+                                  int64_t timeout_ms, ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_reduce_scatter";
   if (x.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument(std::string(op) + ": x and the result must be float32");
@@ -153,24 +186,28 @@ ffi::Error LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
     return ffi::Error::InvalidArgument(std::string(op) + ": x has " + std::to_string(n) +
                                        " elements, not " + std::to_string(size) + " x " +
                                        std::to_string(m));
+  if (auto e = CheckOrder(op, order, size, n); e.failure()) return e;
+  const int64_t per = static_cast<int64_t>(order.size()) / size, len = m / per;
   const auto* ids = reinterpret_cast<const int32_t*>(member.untyped_data());
   const int64_t rank = ids[0], group = ids[1];
   float* o = reinterpret_cast<float*>(out->untyped_data());
   return Rendezvous(op, run.run_id, site, group, rank, size, x.untyped_data(), n * 4, timeout_ms,
                     [&](const std::vector<const void*>& inputs) {
-                      // every member sums its chunk in member order: the same rounding on all
-                      const float* first = static_cast<const float*>(inputs[0]) + rank * m;
-                      std::memcpy(o, first, m * sizeof(float));
-                      for (int64_t j = 1; j < size; ++j) {
-                        const float* in = static_cast<const float*>(inputs[j]) + rank * m;
-                        for (int64_t i = 0; i < m; ++i) o[i] += in[i];
+                      std::vector<const float*> rows(inputs.size());
+                      for (int64_t k = 0; k < per; ++k) {
+                        const int64_t src = order[rank * per + k] * len;
+                        for (size_t j = 0; j < inputs.size(); ++j)
+                          rows[j] = static_cast<const float*>(inputs[j]) + src;
+                        SumRows(o + k * len, rows, len);
                       }
                     });
 }
 
+// ``order``: the result is order.size() rows, member j's input being rows j * R .. j * R + R - 1
+// of the members' concatenation; result row i is row order[i] of it (identity: 0, 1, ...).
 ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
                               Result<AnyBuffer> out, int64_t site, int64_t size,
-                              int64_t timeout_ms) {
+                              int64_t timeout_ms, ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_all_gather";
   const int64_t width = ffi::ByteWidth(x.element_type());
   const int64_t bytes = static_cast<int64_t>(x.element_count()) * width;
@@ -178,13 +215,21 @@ ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
       static_cast<int64_t>(out->element_count()) != size * static_cast<int64_t>(x.element_count()))
     return ffi::Error::InvalidArgument(std::string(op) + ": the result must hold " +
                                        std::to_string(size) + " copies of x's elements and type");
+  if (auto e = CheckOrder(op, order, size, size * static_cast<int64_t>(x.element_count()));
+      e.failure())
+    return e;
+  const int64_t per = static_cast<int64_t>(order.size()) / size, row = bytes / per;
   const auto* ids = reinterpret_cast<const int32_t*>(member.untyped_data());
   const int64_t rank = ids[0], group = ids[1];
   char* o = reinterpret_cast<char*>(out->untyped_data());
   return Rendezvous(op, run.run_id, site, group, rank, size, x.untyped_data(), bytes, timeout_ms,
                     [&](const std::vector<const void*>& inputs) {
-                      for (int64_t j = 0; j < size; ++j)
-                        std::memcpy(o + j * bytes, inputs[j], bytes);
+                      for (size_t i = 0; i < order.size(); ++i) {
+                        const int64_t src = order[i];
+                        std::memcpy(o + i * row,
+                                    static_cast<const char*>(inputs[src / per]) + (src % per) * row,
+                                    row);
+                      }
                     });
 }
 
@@ -194,7 +239,8 @@ ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
 namespace ffi = xla::ffi;
 
 namespace {
-// Both in-process collectives take (x, [member, group]) and return one buffer.
+// Both in-process collectives take (x, [member, group]) and return one buffer; ``order`` places
+// the rows (identity: 0 .. size - 1).
 auto LocalCollectiveBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::RunId>()
@@ -203,7 +249,8 @@ auto LocalCollectiveBinding() {
       .Ret<ffi::AnyBuffer>()
       .Attr<int64_t>("site")
       .Attr<int64_t>("size")
-      .Attr<int64_t>("timeout_ms");
+      .Attr<int64_t>("timeout_ms")
+      .Attr<ffi::Span<const int64_t>>("order");
 }
 }  // namespace
 

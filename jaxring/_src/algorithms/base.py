@@ -70,15 +70,19 @@ class Algorithm(Protocol):
   def all_reduce(self, buf, plan: Plan, dtype, *, want_error: bool):
     """``(sum, this member's compression error or None)`` of ``buf``."""
 
-  def reduce_scatter(self, buf, plan: Plan, dtype):
-    """Member ``i`` ends with the sum of chunk ``i`` of ``buf`` (chunks in :meth:`chunk_order`)."""
+  def reduce_scatter(self, buf, plan: Plan, dtype, order=None):
+    """Member ``i`` ends with the sum of chunk ``i`` of ``permute_flat(buf, order)`` (``order``:
+    :meth:`chunk_order`, or None). An algorithm may read the chunks where they lie instead of
+    permuting a copy."""
 
-  # Optional: ``reduce_scatter_with_error(buf, plan, dtype) -> (shard, error)``, the error this
-  # member's encodings introduced, laid out like ``buf``. Error feedback on a reduce-scatter (a
-  # sharded train step's gradients) needs it; an algorithm without it is refused there.
+  # Optional: ``reduce_scatter_with_error(buf, plan, dtype, *, want_error, order) -> (shard,
+  # error)``, the error this member's encodings introduced, laid out like ``permute_flat(buf,
+  # order)``. Error feedback on a reduce-scatter (a sharded train step's gradients) needs it; an
+  # algorithm without it is refused there.
 
-  def all_gather(self, payload: tuple, plan: Plan) -> tuple:
-    """Every member's encoded chunk, in :meth:`chunk_order`."""
+  def all_gather(self, payload: tuple, plan: Plan, order=None) -> tuple:
+    """Every member's encoded chunk, in :meth:`chunk_order`, each array's rows then placed as
+    ``permute_flat(array, order)`` places them (an algorithm may place them as it gathers)."""
 
   def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
     """Which member's chunk sits at each position the algorithm hands out (None: identity)."""
@@ -109,6 +113,13 @@ def permute_rows(rows, order):
     else:
       runs.append([i, i + 1])
   return jnp.concatenate([rows[a:b] for a, b in runs], axis=0)
+
+
+def permute_flat(flat, order):
+  """``flat`` as ``len(order)`` rows, reordered by :func:`permute_rows`, flat again (None: as is)."""
+  if order is None:
+    return flat
+  return permute_rows(flat.reshape(len(order), -1), order).reshape(-1)
 
 
 def register(algorithm: Algorithm) -> Algorithm:

@@ -308,15 +308,14 @@ def _reduce_scatter_rows(rows, p, dtype, plan: Plan, want_error: bool):
   m_pad = -(-max(m, 1) // plan.align) * plan.align
   rows = jnp.pad(rows, ((0, 0), (0, m_pad - m)))
   algorithm = base.get(plan.kind)
-  if (order := _order(algorithm, plan)) is not None:
-    rows = base.permute_rows(rows, order)
+  order = _order(algorithm, plan)  # the algorithm reads the rows in it (without a copy if it can)
   if not want_error:
-    return algorithm.reduce_scatter(rows.reshape(-1), plan, dtype)[:m], None
+    return algorithm.reduce_scatter(rows.reshape(-1), plan, dtype, order=order)[:m], None
   with_error = getattr(algorithm, "reduce_scatter_with_error", None)
   if with_error is None:
     raise NotImplementedError(f"algorithm {plan.kind!r} has no reduce_scatter_with_error: error "
                               "feedback on its reduce-scatter is not available")
-  shard, err = with_error(rows.reshape(-1), plan, dtype)
+  shard, err = with_error(rows.reshape(-1), plan, dtype, order=order)
   err = err.reshape(p, m_pad)
   if order is not None:
     err = base.permute_rows(err, np.argsort(np.asarray(order)))
@@ -343,10 +342,9 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   n = leaf.size
   flat = _pad_to(jnp.ravel(leaf).astype(accum_dtype(dtype)), plan.align)
   algorithm = base.get(plan.kind)
-  gathered = algorithm.all_gather(codec.encode(flat, dtype), plan)
-  if (order := _order(algorithm, plan)) is not None:  # member order, on the narrow payload
-    inverse = np.argsort(np.asarray(order))
-    gathered = tuple(base.permute_rows(a.reshape(p, -1), inverse).reshape(-1) for a in gathered)
+  order = _order(algorithm, plan)  # back to member order, on the narrow payload
+  inverse = None if order is None else np.argsort(np.asarray(order))
+  gathered = algorithm.all_gather(codec.encode(flat, dtype), plan, order=inverse)
   rows = codec.decode(gathered, dtype).reshape(p, -1)
   return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
 

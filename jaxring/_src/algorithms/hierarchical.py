@@ -15,15 +15,19 @@ from jax import lax
 
 from jaxring._src import vma
 from jaxring._src.algorithms import ring
-from jaxring._src.algorithms.base import Plan, PlanRequest, permute_rows, register
+from jaxring._src.algorithms.base import Plan, PlanRequest, permute_flat, permute_rows, register
 from jaxring._src.codecs.base import Codec
 from jaxring._src.transport import inprocess
 from jaxring._src.transport.groups import Group
 
 
-def _level_reduce_scatter(x, group, codec, algo, dtype, transport, want_error, pieces=1):
+def _level_reduce_scatter(x, group, codec, algo, dtype, transport, want_error, pieces=1,
+                          order=None):
+  """One level's reduce-scatter of ``permute_flat(x, order)``: ``(shard, error or None)``."""
   if algo == "shm":   # members in this process: read each other's buffers (transport/inprocess)
-    return inprocess.reduce_scatter(x, group), (jnp.zeros_like(x) if want_error else None)
+    return (inprocess.reduce_scatter(x, group, order=order),
+            (jnp.zeros_like(x) if want_error else None))
+  x = permute_flat(x, order)
   if algo == "xla" and transport.has_reduce_scatter:
     # a transport without a native reduce-scatter (MPI through mpi4jax) runs the ring instead
     return transport.reduce_scatter(x, group), (jnp.zeros_like(x) if want_error else None)
@@ -151,11 +155,13 @@ def chunk_permutation(groups: list[Group], strides: list[int]) -> list[int]:
 
 
 def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[str], dtype,
-                   transport, pieces=None, *, want_error=False):
-  """Hierarchical reduce-scatter (chunks already permuted by :func:`chunk_permutation`).
+                   transport, pieces=None, *, want_error=False, order=None):
+  """Hierarchical reduce-scatter of ``permute_flat(flat, order)`` (``order``: None when the chunks
+  are already in :func:`chunk_permutation`'s order). A first level in shared memory reads the
+  chunks where they lie, without the permuting copy.
 
   Returns ``(shard, error)``; ``error`` (when asked) is this member's compression error laid out
-  like ``flat``: each level's error sits where that level's input sat within ``flat``.
+  like the permuted ``flat``: each level's error sits where that level's input sat within it.
   """
   x, offset = flat, 0
   err = jnp.zeros_like(flat) if want_error else None
@@ -163,7 +169,8 @@ def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[s
     algos = ["ring" if a == "xla" else a for a in algos]
   for g, cd, al, pc in zip(groups, codecs, algos, pieces or [1] * len(groups)):
     c = x.shape[0] // g.size
-    x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error, pc)
+    x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error, pc, order)
+    order = None
     if want_error:
       err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offset,), (e.shape[0],)) + e,
                                      (offset,))
@@ -171,18 +178,25 @@ def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[s
   return x, err
 
 
-def all_gather(payload: tuple, groups: list[Group], algos: list[str], transport) -> tuple:
-  """Hierarchical all-gather of encoded chunks, slowest level first (inverse of reduce_scatter).
+def all_gather(payload: tuple, groups: list[Group], algos: list[str], transport,
+               order=None) -> tuple:
+  """Hierarchical all-gather of encoded chunks, slowest level first (inverse of reduce_scatter),
+  each array's rows then placed as ``permute_flat(array, order)`` places them.
 
-  A level whose members share this process (``algos[i] == "shm"``) gathers in shared memory;
-  the others use the native all-gather where a level is whole axes (gloo's and NCCL's are rings
-  already), a ppermute ring otherwise. The result is typed varying, as lax.all_gather's is, and
-  the derivative is lax.all_gather's whatever moves the bytes (linear.all_gather)."""
-  for g, al in zip(reversed(groups), reversed(algos)):
-    gathered = (inprocess.all_gather(payload, g) if al == "shm" else
-                ring.all_gather_payload(payload, g, transport))
+  A level whose members share this process (``algos[i] == "shm"``) gathers in shared memory,
+  the last one straight into ``order``; the others use the native all-gather where a level is
+  whole axes (gloo's and NCCL's are rings already), a ppermute ring otherwise. The result is
+  typed varying, as lax.all_gather's is, and the derivative is lax.all_gather's whatever moves
+  the bytes (linear.all_gather)."""
+  for i, (g, al) in enumerate(zip(reversed(groups), reversed(algos))):
+    if al == "shm":
+      last = i == len(groups) - 1
+      gathered = inprocess.all_gather(payload, g, order=order if last else None)
+      order = None if last else order
+    else:
+      gathered = ring.all_gather_payload(payload, g, transport)
     payload = tuple(vma.pvary(x, g.axes) for x in gathered)
-  return payload
+  return tuple(permute_flat(a, order) for a in payload)
 
 
 def _shared_memory(r: PlanRequest, level, codec: Codec, last: bool = False) -> bool:
@@ -231,15 +245,17 @@ class Hierarchical:
     return all_reduce(buf, list(plan.groups), list(plan.codecs), list(plan.algos), dtype,
                       plan.transport, want_error=want_error, pieces=list(plan.pieces))
 
-  def reduce_scatter(self, buf, plan: Plan, dtype):
-    return self.reduce_scatter_with_error(buf, plan, dtype, want_error=False)[0]
+  def reduce_scatter(self, buf, plan: Plan, dtype, order=None):
+    return self.reduce_scatter_with_error(buf, plan, dtype, want_error=False, order=order)[0]
 
-  def reduce_scatter_with_error(self, buf, plan: Plan, dtype, *, want_error: bool = True):
+  def reduce_scatter_with_error(self, buf, plan: Plan, dtype, *, want_error: bool = True,
+                                order=None):
     return reduce_scatter(buf, list(plan.groups), list(plan.codecs), list(plan.algos), dtype,
-                          plan.transport, pieces=list(plan.pieces), want_error=want_error)
+                          plan.transport, pieces=list(plan.pieces), want_error=want_error,
+                          order=order)
 
-  def all_gather(self, payload: tuple, plan: Plan) -> tuple:
-    return all_gather(payload, list(plan.groups), list(plan.algos), plan.transport)
+  def all_gather(self, payload: tuple, plan: Plan, order=None) -> tuple:
+    return all_gather(payload, list(plan.groups), list(plan.algos), plan.transport, order)
 
   def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
     return tuple(chunk_permutation(list(plan.groups), list(plan.strides)))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring._src.algorithms.base import Plan, PlanRequest, register
+from jaxring._src.algorithms.base import Plan, PlanRequest, permute_flat, register
 from jaxring._src.codecs.base import Codec
 from jaxring._src.transport.groups import Group, whole_group
 
@@ -202,15 +202,17 @@ class Ring:
     return all_reduce(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
                       want_error=want_error, pieces=plan.pieces[0])
 
-  def reduce_scatter(self, buf, plan: Plan, dtype):
-    return self.reduce_scatter_with_error(buf, plan, dtype, want_error=False)[0]
+  def reduce_scatter(self, buf, plan: Plan, dtype, order=None):
+    return self.reduce_scatter_with_error(buf, plan, dtype, want_error=False, order=order)[0]
 
-  def reduce_scatter_with_error(self, buf, plan: Plan, dtype, *, want_error: bool = True):
-    return reduce_scatter(buf, plan.groups[0], plan.codecs[0], dtype, plan.transport,
-                          want_error=want_error, pieces=plan.pieces[0])
+  def reduce_scatter_with_error(self, buf, plan: Plan, dtype, *, want_error: bool = True,
+                                order=None):
+    return reduce_scatter(permute_flat(buf, order), plan.groups[0], plan.codecs[0], dtype,
+                          plan.transport, want_error=want_error, pieces=plan.pieces[0])
 
-  def all_gather(self, payload: tuple, plan: Plan) -> tuple:
-    return ring_all_gather_payload(payload, plan.groups[0], plan.transport)
+  def all_gather(self, payload: tuple, plan: Plan, order=None) -> tuple:
+    gathered = ring_all_gather_payload(payload, plan.groups[0], plan.transport)
+    return tuple(permute_flat(a, order) for a in gathered)
 
   def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
     return plan.member_order

@@ -14,6 +14,7 @@ import itertools
 import os
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
@@ -58,7 +59,12 @@ def _member(group: Group):
   return jnp.stack([jnp.asarray(group.rank(), jnp.int32), jnp.asarray(gid, jnp.int32)])
 
 
-def _call(target: str, result, x, group: Group, invariant: tuple = ()):
+def _order(order, size: int) -> np.ndarray:
+  """The row order as the custom call takes it (identity: one row per member)."""
+  return np.arange(size, dtype=np.int64) if order is None else np.asarray(order, np.int64)
+
+
+def _call(target: str, result, x, group: Group, invariant: tuple = (), order=None):
   member = _member(group)
   axes = tuple(sorted(vma.varying_axes(x) | vma.varying_axes(member), key=str))
   x, member = vma.pvary(x, axes), vma.pvary(member, axes)
@@ -67,30 +73,38 @@ def _call(target: str, result, x, group: Group, invariant: tuple = ()):
   # none is needed. Every device of the process runs the same program, so XLA keeps, drops or
   # orders a call alike on all of them; each call site has its own ``site``, so no two are merged.
   out = jax.ffi.ffi_call(f"jaxring_{target}", result, vmap_method="sequential")(
-      x, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms)
+      x, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms,
+      order=_order(order, group.size))
   # The custom call's result is typed invariant (its ShapeDtypeStruct names no axes), so it is
   # marked varying over every axis except those the caller knows it is the same across.
   return vma.pvary(out, tuple(a for a in axes if a not in invariant))
 
 
-def reduce_scatter(x, group: Group):
-  """Member ``i`` of ``group`` gets the sum of chunk ``i`` of ``x`` (f32, length divisible)."""
-  if group.size == 1:
+def reduce_scatter(x, group: Group, order=None):
+  """Member ``i`` of ``group`` gets the sum of chunk ``i`` of ``x`` (f32, length divisible).
+
+  ``order``: ``x`` is read as ``len(order)`` rows permuted by ``base.permute_rows(rows, order)``
+  (without the copy: the members read the rows where they lie).
+  """
+  if group.size == 1 and order is None:
     return x
   return _call("local_reduce_scatter", jax.ShapeDtypeStruct((x.shape[0] // group.size,),
-                                                            jnp.float32), x, group)
+                                                            jnp.float32), x, group, order=order)
 
 
-def all_gather(payload: tuple, group: Group, invariant: tuple = ()) -> tuple:
+def all_gather(payload: tuple, group: Group, invariant: tuple = (), order=None) -> tuple:
   """Every member's arrays, concatenated in member order (any dtype).
+
+  ``order``: the result's rows (``len(order)`` of them, each member's array an equal number)
+  placed as ``base.permute_rows(rows, order)`` places them, as they are copied.
 
   ``invariant``: mesh axes over which the result is the same on every device (the last gather of
   an all-reduce, over all of its axes), typed invariant over them as ``all_gather_invariant``
   types its result, so that ``shard_map(check_vma=True)`` can return it with ``out_specs=P()``.
   Naming an axis the result varies over makes that output wrong.
   """
-  if group.size == 1:
+  if group.size == 1 and order is None:
     return payload
   return tuple(_call("local_all_gather", jax.ShapeDtypeStruct((a.shape[0] * group.size,),
-                                                              a.dtype), a, group, invariant)
+                                                              a.dtype), a, group, invariant, order)
                for a in payload)
