@@ -313,6 +313,30 @@ def test_whole_computes_a_metric_of_the_whole_gradient_from_the_blocks(shard):
     assert float(got["of_blocks"]) < 0.8 * float(want["norm"])
 
 
+def _perturbed_step(shard):
+  """SAM's ascent step (the gradient at parameters moved along their sign): the loss and
+  gradient are taken at other values than the state's."""
+  @jt.train_step(shard=shard)
+  def step(state, batch):
+    moved = jax.tree.map(lambda p: p + 0.05 * jnp.sign(p), state.params)
+    loss, grads = jt.value_and_grad(_mlp_loss(state, batch))(moved)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+  return step
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_the_gradient_is_taken_at_the_parameters_the_step_passes(shard):
+  batches = _data(3, shape=(16,), classes=8)
+  want_state, want = _run(_perturbed_step("none"), _mlp_state(optax.sgd(0.1)), batches)
+  got_state, got = _run(_perturbed_step(shard), _mlp_state(optax.sgd(0.1)), batches)
+  np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
+  _assert_trees_close(got_state.params, want_state.params)
+  if shard == "optimizer":  # the state's own blocks are not gathered, other values are
+    plain, moved = (step.lower(_mlp_state(optax.sgd(0.1)), batches[0]).as_text().count(
+        "stablehlo.all_gather") for step in (_mlp_step(shard=shard), _perturbed_step(shard)))
+    assert moved > plain
+
+
 def test_the_global_view_evaluates_any_update_on_blocks_like_the_whole():
   """Reductions over and along the split dimension, lazy broadcasts, cumulative sums, a branch,
   and what it cannot split (a matmul, a reshape): gathered, with a warning."""

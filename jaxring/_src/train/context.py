@@ -86,6 +86,15 @@ class ShardedParams:
   dims: tuple            # each leaf's split dimension, or None (whole)
   shapes: tuple          # each leaf's full shape
   full: tuple | None     # shard="optimizer": the replicated leaves (nothing to gather)
+  blocks: tuple | None = None  # shard="optimizer": the blocks the step's state holds
+
+  def held_full(self, i: int, leaf):
+    """The replicated leaf ``i`` when ``leaf`` is the state's own block of it (the forward pass
+    needs no gather), else None: the step passed other values (a perturbation, a mask), whose
+    full leaf must be gathered from every replica's block."""
+    if self.full is None or self.blocks is None or leaf is not self.blocks[i]:
+      return None
+    return self.full[i]
 
   @property
   def remat(self) -> bool:

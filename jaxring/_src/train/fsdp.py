@@ -150,7 +150,8 @@ def sharded_identity(cfg, dims: tuple, shapes: tuple, check_finite: bool):
   """Identity from a bucket's blocks to its full leaves whose backward rule reduce-scatters.
 
   Called as ``ident(blocks, full, residuals, tok, inv_scale, flag)``; ``full`` is None (gather
-  the blocks) or the replicated leaves (``shard="optimizer"``: nothing to gather).
+  the blocks) or, with ``shard="optimizer"``, the replicated leaves, None where the step passed
+  other values than the state's blocks (those are gathered).
   """
 
   @jax.custom_vjp
@@ -158,10 +159,15 @@ def sharded_identity(cfg, dims: tuple, shapes: tuple, check_finite: bool):
     return _forward(blocks, full), tok
 
   def _forward(blocks, full):
-    if full is not None:
-      return tuple(full)
-    return tuple(gather_leaves(blocks, dims, shapes, cfg.split_axes, cfg.algorithm,
-                               cfg.param_compression, cfg.hpz))
+    full = list(full) if full is not None else [None] * len(blocks)
+    todo = [k for k, f in enumerate(full) if f is None]
+    if todo:
+      gathered = gather_leaves([blocks[k] for k in todo], [dims[k] for k in todo],
+                               [shapes[k] for k in todo], cfg.split_axes, cfg.algorithm,
+                               cfg.param_compression, cfg.hpz)
+      for k, x in zip(todo, gathered):
+        full[k] = x
+    return tuple(full)
 
   def fwd(blocks, full, residuals, tok, inv_scale, flag):
     del flag

@@ -198,11 +198,12 @@ def _caller(fun, args, kwargs, argnums, treedef, policy: Policy | None):
 
 
 def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_scale, check,
-                               shard: ShardedParams | None = None):
+                               shard: ShardedParams | None = None, held: tuple = ()):
   """Passes each bucket through its reducing identity, chained by the token in forward order.
 
   A bucket of split leaves (``shard``) goes through jaxring._src.train.fsdp's identity instead:
-  blocks in, full leaves out, reduce-scattered gradients back.
+  blocks in, full leaves out, reduce-scattered gradients back. ``held[i]``: the replicated leaf
+  ``i`` where the step passed the state's own block of it (``ShardedParams.held_full``).
   """
   diff_leaves = list(diff_leaves)
   tok = jnp.zeros((), jnp.float32)
@@ -214,7 +215,8 @@ def _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags, inv_
     if shard is not None and shard.dims[b.indices[0]] is not None:
       ident = sharded_identity(cfg, tuple(shard.dims[i] for i in b.indices),
                                tuple(shard.shapes[i] for i in b.indices), check)
-      full = None if shard.full is None else tuple(shard.full[i] for i in b.indices)
+      full = tuple(held[i] for i in b.indices)
+      full = None if all(f is None for f in full) else full
       out, tok = ident(blocks, full, res, tok, inv_scale, flag)
     else:
       out, tok = _bucket_identity(cfg, check)(blocks, res, tok, inv_scale, flag)
@@ -280,12 +282,14 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   # compress: one bucket per dtype after backprop, whatever the codec.
   single = shard is None and replica_count(cfg.axes) == 1
   overlap = cfg.overlap and not single
+  held = ()
   if shard is None:
     order = use_order(lambda *ls: call(ls), leaves)
     bucket_bytes = sys.maxsize if single else _bucket_bytes(cfg, leaves, order)
     buckets = make_buckets(leaves, order, bucket_bytes)
   else:
     buckets = _sharded_buckets(cfg, shard, leaves, treedef, call)
+    held = tuple(shard.held_full(i, x) for i, x in enumerate(leaves))  # before tracing the vjp
   ctx.buckets = buckets
   inv_scale = None if scale is None else (1.0 / scale).astype(jnp.float32)
   check = scale is not None
@@ -293,7 +297,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   def inner(diff_leaves, residuals, flags):
     if overlap:
       diff_leaves = _through_bucket_identities(cfg, buckets, diff_leaves, residuals, flags,
-                                               inv_scale, check, shard)
+                                               inv_scale, check, shard, held)
     out = call(diff_leaves)
     check_output(out, has_aux)
     loss, aux = out if has_aux else (out, None)

@@ -308,7 +308,8 @@ class TrainStep:
     index = lax.axis_index(cfg.split_axis_name)
     blocks = [sharding.local_block(x, d, p, index) for x, d in zip(leaves, dims)]
     view = state.replace(params=jax.tree_util.tree_unflatten(treedef, blocks))
-    return ShardedParams(treedef, dims, tuple(x.shape for x in leaves), tuple(leaves)), view
+    return ShardedParams(treedef, dims, tuple(x.shape for x in leaves), tuple(leaves),
+                         tuple(blocks)), view
 
   @staticmethod
   def _skip_on_overflow(old, new, metrics, finite):
