@@ -297,7 +297,10 @@ def _norm_step(shard):
     unit = jt.whole(lambda g: jax.tree.map(lambda x: x / optax.tree.norm(g), g))(grads)
     return state.apply_gradients(grads=unit), {
         "norm": jt.whole(optax.tree.norm)(grads), "of_blocks": optax.tree.norm(grads),
-        "unit": jt.whole(optax.tree.norm)(unit)}
+        "unit": jt.whole(optax.tree.norm)(unit),
+        "layer": jt.whole(optax.tree.norm)(grads["Dense_0"]),            # a subtree
+        "kernel": jt.whole(jnp.linalg.norm)(grads["Dense_1"]["kernel"]),  # a leaf
+        "param": jt.whole(jnp.max)(state.params["Dense_1"]["kernel"])}
   return step
 
 
@@ -306,11 +309,58 @@ def test_whole_computes_a_metric_of_the_whole_gradient_from_the_blocks(shard):
   batches = _data(2, shape=(16,), classes=8)
   want_state, want = _run(_norm_step("none"), _mlp_state(optax.sgd(0.1)), batches)
   got_state, got = _run(_norm_step(shard), _mlp_state(optax.sgd(0.1)), batches)
-  np.testing.assert_allclose(float(got["norm"]), float(want["norm"]), rtol=1e-5)
+  for k in ("norm", "layer", "kernel", "param"):
+    np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5, err_msg=k)
   np.testing.assert_allclose(float(got["unit"]), 1.0, rtol=1e-5)  # blocks came back as blocks
   _assert_trees_close(got_state.params, want_state.params)
   if shard == "params":   # optax.tree.norm of the blocks is not the gradient's norm
     assert float(got["of_blocks"]) < 0.8 * float(want["norm"])
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_a_parameter_tree_holding_none_trains_like_the_replicated_step(shard):
+  """None in the parameters (a layer without a bias) is no leaf: it has no block and no dim."""
+  def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"])
+    return optax.softmax_cross_entropy_with_integer_labels(h @ p["out"]["w"], b["y"]).mean()
+
+  def run(shard):
+    @jt.train_step(shard=shard)
+    def step(state, batch):
+      loss, grads = jt.value_and_grad(loss_fn)(state.params, batch)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+    rng = np.random.RandomState(0)
+    params = {"b0": None, "w1": jnp.asarray(rng.randn(16, 24) * 0.3, jnp.float32),
+              "out": {"b": None, "w": jnp.asarray(rng.randn(24, 8) * 0.3, jnp.float32)}}
+    state = jt.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+    return _run(step, state, _data(3, shape=(16,), classes=8))[0]
+  want, got = run("none"), run(shard)
+  assert got.params["b0"] is None and got.params["out"]["b"] is None
+  _assert_trees_close((got.params, got.opt_state), (want.params, want.opt_state))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_a_subtree_of_the_parameters_is_differentiated_and_updated_like_replicated(shard):
+  """optax.lookahead as optax documents it: gradients of ``state.params.fast``, updates for the
+  whole ``LookaheadParams`` (the subtree is recognised by its blocks)."""
+  def loss_fn(p, b):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        jnp.tanh(b["x"] @ p["w1"]) @ p["w2"], b["y"]).mean()
+
+  def run(shard):
+    @jt.train_step(shard=shard)
+    def step(state, batch):
+      loss, grads = jt.value_and_grad(loss_fn)(state.params.fast, batch)
+      return state.apply_gradients(grads=grads), {"loss": loss}
+    rng = np.random.RandomState(0)
+    params = optax.LookaheadParams.init_synced(
+        {"w1": jnp.asarray(rng.randn(16, 24) * 0.3, jnp.float32),
+         "w2": jnp.asarray(rng.randn(24, 8) * 0.3, jnp.float32)})
+    tx = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+    state = jt.TrainState.create(apply_fn=None, params=params, tx=tx)
+    return _run(step, state, _data(4, shape=(16,), classes=8))[0]
+  want, got = run("none"), run(shard)
+  _assert_trees_close((got.params, got.opt_state), (want.params, want.opt_state))
 
 
 def _perturbed_step(shard):
@@ -373,6 +423,28 @@ def test_the_global_view_evaluates_any_update_on_blocks_like_the_whole():
   assert got[1]["m"].sharding.spec == P("data")
 
 
+def test_extra_update_arguments_split_like_the_parameters_or_passed_as_they_are():
+  """``tx.update(..., grad=<like params>, scale_fn=<callable>, value=<scalar>)``: the tree like
+  the parameters is split like them, the callable is not traced (optax.lbfgs's ``value_fn``)."""
+  from jaxring._src.train import global_view as gv
+
+  def update(u, state, params=None, *, grad, scale_fn, value):
+    return jax.tree.map(lambda g: -scale_fn(value) * jnp.sum(g, axis=1, keepdims=True) + g,
+                        grad), state
+
+  tx = optax.GradientTransformationExtraArgs(lambda p: (), update)
+  mesh = Mesh(np.asarray(jax.devices()), ("data",))
+  g = {"w": jnp.asarray(np.random.RandomState(0).randn(16, 24), jnp.float32)}
+  P = jax.sharding.PartitionSpec
+  view = gv.global_view(tx, ("data",), 8, [1], jax.tree.structure(g), [], jax.tree.structure(()))
+  got = jax.jit(jax.shard_map(
+      lambda x: view.update(x, (), grad=x, scale_fn=lambda v: v * 2.0, value=jnp.float32(0.5))[0],
+      mesh=mesh, in_specs=({"w": P(None, "data")},), out_specs={"w": P(None, "data")},
+      check_vma=False))(g)
+  want = update(g, (), grad=g, scale_fn=lambda v: v * 2.0, value=0.5)[0]
+  np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(want["w"]), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_are_named():
   with pytest.raises(ValueError, match="shard must be one of"):
     jt.train_step(shard="zero3")
@@ -390,13 +462,27 @@ def test_bad_arguments_are_named():
     jt.train_step(shard="params", hpz=True)
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_returning_whole_parameters_into_the_state_is_refused(shard):
+  """A max-norm constraint written on full_params and put back: whole leaves where the state
+  holds blocks would corrupt the next step, so the step says so."""
+  @jt.train_step(shard=shard)
+  def step(state, batch):
+    _, grads = jt.value_and_grad(_mlp_loss(state, batch))(state.params)
+    state = state.apply_gradients(grads=grads)
+    return state.replace(params=jt.full_params(state.params)), {}
+  with pytest.raises(ValueError, match=r"returned parameter .*Dense_0.*block of it is"):
+    step(_mlp_state(optax.sgd(0.1)), _data(1, shape=(16,), classes=8)[0])
+
+
 def test_differentiating_something_else_than_the_params_is_refused():
   @jt.train_step(shard="params")
   def step(state, batch):
     def loss_fn(tree):
       logits = state.apply_fn({"params": tree["p"]}, batch["x"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-    loss, grads = jt.value_and_grad(loss_fn)({"p": state.params})
+    # other values than the state's blocks, in another structure: nothing says how they split
+    loss, grads = jt.value_and_grad(loss_fn)({"p": jax.tree.map(lambda x: x * 2, state.params)})
     return state.apply_gradients(grads=grads["p"]), {"loss": loss}
   with pytest.raises(ValueError, match="with respect to state.params"):
     step(_mlp_state(optax.sgd(0.1)), _data(1, shape=(16,), classes=8)[0])

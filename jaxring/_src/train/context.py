@@ -76,6 +76,19 @@ class StepContext:
   buckets: list[Bucket] | None = None
   calls: int = 0
   shard: ShardedParams | None = None  # with shard="optimizer"/"params": how the params are split
+  # id -> (leaf, split dimension) of the arrays known to be blocks: the parameters the step sees
+  # and the gradients value_and_grad returns (jaxring.train.whole reads subtrees of them)
+  split_leaves: dict = dataclasses.field(default_factory=dict)
+
+  def note_split(self, leaves, dims) -> None:
+    """Records ``leaves`` (a sharded step's blocks) as split along ``dims``."""
+    for x, d in zip(leaves, dims):
+      self.split_leaves[id(x)] = (x, d)
+
+  def dim_of(self, leaf):
+    """The split dimension of a recorded block, None for any other array (whole)."""
+    x, d = self.split_leaves.get(id(leaf), (None, None))
+    return d if x is leaf else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +99,7 @@ class ShardedParams:
   dims: tuple            # each leaf's split dimension, or None (whole)
   shapes: tuple          # each leaf's full shape
   full: tuple | None     # shard="optimizer": the replicated leaves (nothing to gather)
-  blocks: tuple | None = None  # shard="optimizer": the blocks the step's state holds
+  blocks: tuple | None = None  # the blocks the step's state holds
 
   def held_full(self, i: int, leaf):
     """The replicated leaf ``i`` when ``leaf`` is the state's own block of it (the forward pass
@@ -95,6 +108,22 @@ class ShardedParams:
     if self.full is None or self.blocks is None or leaf is not self.blocks[i]:
       return None
     return self.full[i]
+
+  def part(self, leaves, treedef) -> ShardedParams | None:
+    """What is known of the differentiated leaves: all of the parameters (``treedef`` theirs),
+    or a subtree of the state's own blocks (LoRA-style, ``optax.lookahead``'s ``params.fast``),
+    recognised by identity; None when neither."""
+    if treedef == self.treedef:
+      return self
+    if self.blocks is None:
+      return None
+    where = {id(b): i for i, b in enumerate(self.blocks)}
+    idx = [where.get(id(x)) for x in leaves]
+    if any(i is None or self.blocks[i] is not x for i, x in zip(idx, leaves)):
+      return None
+    pick = lambda xs: None if xs is None else tuple(xs[i] for i in idx)  # noqa: E731
+    return ShardedParams(treedef, pick(self.dims), pick(self.shapes), pick(self.full),
+                         pick(self.blocks))
 
   @property
   def remat(self) -> bool:

@@ -33,7 +33,7 @@ from jax import lax
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
-from jaxring._src.train.sharding import from_rows, full_shape, to_rows
+from jaxring._src.train.sharding import dim_list, from_rows, full_shape, to_rows
 from jaxring._src.transport.groups import axis_arg
 
 
@@ -190,7 +190,7 @@ def gather_params(params, dims, axes: tuple, algorithm):
   """The full parameters from every replica's blocks (exactly: the state's replicated copy),
   one all-gather per dtype; leaves with ``dims`` None are already whole."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  dim_leaves = jax.tree_util.tree_leaves(dims, is_leaf=lambda x: x is None)
+  dim_leaves = dim_list(params, dims)
   p = engine.bind(axes, "all_gather").size
   out = list(leaves)
   by_dtype: dict = {}

@@ -39,7 +39,7 @@ import optax
 from jax import lax
 
 from jaxring._src.train.context import current_context
-from jaxring._src.train.sharding import full_shape, local_block
+from jaxring._src.train.sharding import dim_list, full_shape, local_block
 
 ELEMENTWISE = frozenset("""
   abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp conj convert_element_type copy
@@ -303,46 +303,92 @@ def global_view(tx, axes: tuple, p: int, param_dims: Sequence, param_def, opt_di
 
   def dims_for(tree, treedef, dims, what):
     leaves, got = jax.tree_util.tree_flatten(tree)
-    if got != treedef:
+    if got == treedef:
+      return leaves, list(dims), got
+    ctx = current_context()   # a subtree of the gradients or parameters (optax.lookahead's)
+    known = [ctx.dim_of(x) if ctx is not None else None for x in leaves]
+    if ctx is None or any(d is None and id(x) not in ctx.split_leaves
+                          for x, d in zip(leaves, known)):
       raise ValueError(f"train_step: the sharded step's optimizer was handed {what} shaped "
-                       f"{got}, not like the state's {treedef}")
-    return leaves, list(dims)
+                       f"{got}, not like the state's {treedef} nor a subtree of its gradients "
+                       "or parameters")
+    return leaves, known, got
 
   def update(updates, state, params=None, **extra):
-    u, u_dims = dims_for(updates, param_def, param_dims, "updates")
-    s, s_dims = dims_for(state, opt_def, opt_dims, "an optimizer state")
-    w, w_dims = ([], []) if params is None else dims_for(params, param_def, param_dims,
-                                                          "parameters")
-    e, e_def = jax.tree_util.tree_flatten(extra)
+    u, u_dims, u_def = dims_for(updates, param_def, param_dims, "updates")
+    s, s_dims, _ = dims_for(state, opt_def, opt_dims, "an optimizer state")
+    w, w_dims, w_def = ([], [], None) if params is None else dims_for(
+        params, param_def, param_dims, "parameters")
+    e, e_dims, rebuild = _extra_args(extra, param_def, param_dims)
     a, b, c = len(u), len(u) + len(s), len(u) + len(s) + len(w)
 
     def whole_update(*flat):
-      return tx.update(jax.tree_util.tree_unflatten(param_def, flat[:a]),
+      return tx.update(jax.tree_util.tree_unflatten(u_def, flat[:a]),
                        jax.tree_util.tree_unflatten(opt_def, flat[a:b]),
-                       None if params is None else jax.tree_util.tree_unflatten(param_def,
-                                                                                flat[b:c]),
-                       **jax.tree_util.tree_unflatten(e_def, flat[c:]))
+                       None if params is None else jax.tree_util.tree_unflatten(w_def, flat[b:c]),
+                       **rebuild(flat[c:]))
 
     def out_dims(out_shape):
       new_updates, new_state = out_shape
-      return (dims_for(new_updates, param_def, param_dims, "updates back")[1]
+      return (_dims_back(new_updates, param_def, param_dims, u_def, u_dims)
               + dims_for(new_state, opt_def, opt_dims, "a new optimizer state back")[1])
 
-    return evaluate(whole_update, u + s + w + e, u_dims + s_dims + w_dims + [None] * len(e),
-                    axes, p, out_dims)
+    return evaluate(whole_update, u + s + w + e, u_dims + s_dims + w_dims + e_dims, axes, p,
+                    out_dims)
 
   return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
+def _dims_back(out, param_def, param_dims, in_def, in_dims) -> list:
+  """Split dimensions of the updates ``tx.update`` returns: like the parameters, or like the
+  updates it was handed (a subtree of them)."""
+  got = jax.tree_util.tree_structure(out)
+  if got == param_def:
+    return list(param_dims)
+  if got == in_def:
+    return list(in_dims)
+  raise ValueError(f"train_step: the sharded step's optimizer returned updates shaped {got}, "
+                   f"neither like the state's parameters {param_def} nor like its input")
+
+
+def _extra_args(extra: dict, param_def, param_dims):
+  """The arrays among ``tx.update``'s extra keyword arguments, their split dimensions (a tree
+  shaped like the parameters, e.g. ``grad=``, is split like them; others whole), and how to
+  rebuild the arguments from them: anything else (``value_fn=``, a Python flag) is passed as it
+  is, not traced."""
+  arrays, dims, parts = [], [], []
+  for key, value in extra.items():
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    like_params = treedef == param_def
+    slots = []
+    for i, x in enumerate(leaves):
+      if isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex)):
+        slots.append(len(arrays))
+        arrays.append(x)
+        dims.append(param_dims[i] if like_params else None)
+      else:
+        slots.append(("static", x))
+    parts.append((key, treedef, slots))
+
+  def rebuild(flat):
+    return {key: jax.tree_util.tree_unflatten(
+        treedef, [slot[1] if isinstance(slot, tuple) else flat[slot] for slot in slots])
+        for key, treedef, slots in parts}
+  return arrays, dims, rebuild
+
+
 def whole(fn: Callable) -> Callable:
   """``fn`` of whole leaves, run on this replica's blocks inside a sharded train step
-  (``shard="optimizer"|"params"``): arguments shaped like ``state.params`` (the parameters, the
-  gradients) are taken as split like them, reductions over a split dimension are finished across
-  the replicas, and the result is what ``fn`` gives on the whole leaves (a result shaped like the
-  parameters: this replica's blocks of it). Elsewhere ``fn`` itself.
+  (``shard="optimizer"|"params"``): arguments shaped like ``state.params``, and the step's
+  parameters and the gradients ``value_and_grad`` returned (any subtree or leaf of them), are
+  taken as split like them; reductions over a split dimension are finished across the
+  replicas, and the result is what ``fn`` gives on the whole leaves (a result shaped like the
+  parameters: this replica's blocks of it). Other arrays are taken as whole. Elsewhere ``fn``
+  itself.
 
   Example:
     >>> grad_norm = jaxring.train.whole(optax.tree.norm)(grads)   # the whole gradient's norm
+    >>> enc_norm = jaxring.train.whole(optax.tree.norm)(grads["encoder"])
   """
   def wrapped(*args):
     ctx = current_context()
@@ -351,8 +397,9 @@ def whole(fn: Callable) -> Callable:
     split = ctx.shard
 
     def dims_of(tree):
-      return list(split.dims) if jax.tree_util.tree_structure(tree) == split.treedef else [
-          None] * len(jax.tree_util.tree_leaves(tree))
+      if jax.tree_util.tree_structure(tree) == split.treedef:
+        return list(split.dims)
+      return [ctx.dim_of(x) for x in jax.tree_util.tree_leaves(tree)]
 
     leaves, treedef = jax.tree_util.tree_flatten(args)
     dims = [d for a in args for d in dims_of(a)]
@@ -368,7 +415,7 @@ def for_state(state, specs, dims, axes: tuple, p: int):
   parameters along ``dims``), or None where the state has no optimizer."""
   if getattr(state, "tx", None) is None or getattr(state, "opt_state", None) is None:
     return None
-  dim_leaves = jax.tree_util.tree_leaves(dims, is_leaf=lambda x: x is None)
+  dim_leaves = dim_list(state.params, dims)
   return global_view(state.tx, axes, p, dim_leaves, jax.tree_util.tree_structure(state.params),
                      dims_of_specs(specs.opt_state, axes),
                      jax.tree_util.tree_structure(state.opt_state))

@@ -233,13 +233,9 @@ def _bucket_bytes(cfg: ReduceConfig, leaves, order) -> int:
                            compression=cfg.compression, overlap=cfg.overlap).bucket_bytes
 
 
-def _sharded_buckets(cfg, shard: ShardedParams, leaves, treedef, call) -> list[Bucket]:
+def _sharded_buckets(cfg, shard: ShardedParams, leaves, call) -> list[Bucket]:
   """Buckets of a sharded step: split leaves and whole leaves never share one (one is gathered
   and reduce-scattered, the other all-reduced); both lists merged in order of readiness."""
-  if treedef != shard.treedef:
-    raise ValueError("jaxring.value_and_grad: a sharded train_step differentiates with respect "
-                     "to state.params (each replica holds blocks of them, gathered here); got an "
-                     f"argument of structure {treedef}, the parameters are {shard.treedef}")
   full = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(shard.shapes, leaves)]
   order = use_order(lambda *ls: call(ls), full)
   split = [i for i in order if shard.dims[i] is not None]
@@ -288,7 +284,15 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     bucket_bytes = sys.maxsize if single else _bucket_bytes(cfg, leaves, order)
     buckets = make_buckets(leaves, order, bucket_bytes)
   else:
-    buckets = _sharded_buckets(cfg, shard, leaves, treedef, call)
+    part = shard.part(leaves, treedef)
+    if part is None:
+      raise ValueError(
+          "jaxring.value_and_grad: a sharded train_step differentiates with respect to "
+          "state.params, or to a subtree of them as the step received them (each replica holds "
+          f"blocks, gathered here); got an argument of structure {treedef}, the parameters are "
+          f"{shard.treedef}")
+    shard = part
+    buckets = _sharded_buckets(cfg, shard, leaves, call)
     held = tuple(shard.held_full(i, x) for i, x in enumerate(leaves))  # before tracing the vjp
   ctx.buckets = buckets
   inv_scale = None if scale is None else (1.0 / scale).astype(jnp.float32)
@@ -322,6 +326,8 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     local = sum(g_flags) if g_flags else jnp.zeros((), jnp.float32)
     ctx.finite = lax.psum(local, cfg.axis_name) == 0
   grads = jax.tree_util.tree_unflatten(treedef, list(g_leaves))
+  if shard is not None:
+    ctx.note_split(g_leaves, shard.dims)
   if policy is not None:
     loss = loss.astype(jnp.float32)
   value = (loss, aux) if has_aux else loss

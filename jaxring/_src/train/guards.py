@@ -13,6 +13,7 @@ import numbers
 import warnings
 
 import jax
+import numpy as np
 
 from jaxring._src.train.state import Residuals
 
@@ -30,7 +31,8 @@ UNREDUCED = (
     "(state.params, batch)`.")
 
 BLOCKS_HINT = (
-    "train_step(shard='params'): inside the step, state.params are this replica's blocks of each "
+    "train_step(shard='optimizer'|'params'): inside the step, state.params are this replica's "
+    "blocks of each "
     "parameter. jaxring.value_and_grad gathers them for the loss; jax.grad and direct use do not "
     "(jaxring.train.full_params(state.params) gathers them for anything else).")
 
@@ -79,10 +81,28 @@ def check_gradients_reduced(fn, args: tuple, new_state) -> None:
 
 
 def add_blocks_hint(error: BaseException) -> None:
-  """Says, on an error raised while tracing a ``shard="params"`` step, that ``state.params`` are
+  """Says, on an error raised while tracing a sharded step, that ``state.params`` are
   blocks (e.g. a shape error in a matmul given a block for the whole weight)."""
   if hasattr(error, "add_note"):
     error.add_note(BLOCKS_HINT)
+
+
+def check_blocks_returned(new_state, blocks, shard: str) -> None:
+  """Raises ValueError where a sharded step returns parameters that are not blocks shaped like
+  the ones it was given (a whole leaf from ``full_params`` put back into the state)."""
+  params = getattr(new_state, "params", None)
+  if params is None:
+    return
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  if len(paths) != len(blocks):
+    return  # another structure: the state's own checks name it
+  for (path, x), b in zip(paths, blocks):
+    if np.shape(x) != np.shape(b):
+      raise ValueError(
+          f"train_step(shard={shard!r}): the step returned parameter "
+          f"{jax.tree_util.keystr(path)} of shape {np.shape(x)}, but this replica's block of it "
+          f"is {np.shape(b)}: return the blocks (what state.apply_gradients updates), not whole "
+          "leaves (jaxring.train.full_params gathers them for computing, not for the state)")
 
 
 def check_residual_replicas(residuals, replicas: int) -> None:

@@ -92,9 +92,16 @@ def param_dims(params, p: int):
   return jax.tree_util.tree_map(lambda x: shard_dim(np.shape(x), p), params)
 
 
+def dim_list(params, dims) -> list:
+  """``dims`` (of :func:`param_dims`) as a list, one entry per leaf of ``params``: a parameter
+  tree may hold None itself (a layer without a bias), which is no leaf and has no entry."""
+  return jax.tree_util.tree_structure(params).flatten_up_to(dims)
+
+
 def specs_like(params, dims, axis_name):
-  return jax.tree_util.tree_map(lambda x, d: leaf_spec(d, np.ndim(x), axis_name), params, dims,
-                                is_leaf=lambda x: x is None)
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  return jax.tree_util.tree_unflatten(treedef, [
+      leaf_spec(d, np.ndim(x), axis_name) for x, d in zip(leaves, dim_list(params, dims))])
 
 
 def opt_state_specs(opt_state, params, specs):

@@ -261,6 +261,7 @@ class TrainStep:
     user_state = state
     if cfg.shard != "none":
       ctx.shard, user_state = self._sharded_view(state)
+      ctx.note_split(ctx.shard.blocks, ctx.shard.dims)
       if self._view is not None:   # the optimizer's whole-leaf math, on blocks
         user_state = user_state.replace(tx=self._view)
     with step_context(ctx):
@@ -268,12 +269,14 @@ class TrainStep:
         new_state, metrics = guards.state_and_metrics(self._fn(user_state, batch, *args),
                                                       type(state))
       except Exception as e:
-        if cfg.shard == "params":
+        if cfg.shard != "none":
           guards.add_blocks_hint(e)
         raise
     if not ctx.calls:
       guards.check_gradients_reduced(self._fn, (user_state, batch, *args), new_state)
     self.buckets = ctx.buckets
+    if ctx.shard is not None:
+      guards.check_blocks_returned(new_state, ctx.shard.blocks, cfg.shard)
     new_state = _without_residuals(new_state)
     if self._view is not None and getattr(new_state, "tx", None) is self._view:
       new_state = new_state.replace(tx=state.tx)
@@ -301,10 +304,10 @@ class TrainStep:
     function sees: its ``params`` are this replica's blocks (the optimizer updates those)."""
     p, cfg = self.num_replicas, self.config
     leaves, treedef = jax.tree_util.tree_flatten(state.params)
-    dims = tuple(jax.tree_util.tree_leaves(self._dims, is_leaf=lambda x: x is None))
+    dims = tuple(sharding.dim_list(state.params, self._dims))
     if cfg.shard == "params":
       shapes = tuple(sharding.full_shape(x.shape, d, p) for x, d in zip(leaves, dims))
-      return ShardedParams(treedef, dims, shapes, None), state
+      return ShardedParams(treedef, dims, shapes, None, tuple(leaves)), state
     index = lax.axis_index(cfg.split_axis_name)
     blocks = [sharding.local_block(x, d, p, index) for x, d in zip(leaves, dims)]
     view = state.replace(params=jax.tree_util.tree_unflatten(treedef, blocks))
