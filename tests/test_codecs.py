@@ -327,6 +327,32 @@ def test_psum_scatter_and_all_gather_compressed():
   np.testing.assert_allclose(got, x64, rtol=2.0 ** -8, atol=0)
 
 
+@pytest.mark.parametrize("codec", [codecs.int8(), codecs.bf16(), None], ids=["int8", "bf16",
+                                                                           "bf16-leaf"])
+def test_hierarchical_compressed_all_gather_is_each_members_decoded_encoding(codec):
+  """Every member's value crosses the slow level encoded once and comes back decoded, whatever
+  decodes it (in one pass with the in-process gather, axes ordered fast level first, or after
+  it): the same bits as lax.all_gather of decode(encode(x)), in member order (the slow level is
+  the last axis named, and the members of one process share memory)."""
+  dtype = jnp.float32 if codec is not None else jnp.bfloat16
+  x = jnp.asarray(np.random.RandomState(3).randn(8, 3, 512), dtype)
+  mesh = mesh_of((4, 2), ("node", "local"))
+  axes = ("local", "node")
+
+  def ours(v):
+    return jaxring.all_gather(v[0], axes, axis=1, tiled=True, algorithm="hierarchical",
+                              compression={"node": codec})[None]
+
+  def ref(v):
+    c = codec or codecs.none()
+    back = c.decode(c.encode(v[0].reshape(-1), dtype), dtype).astype(dtype).reshape(v[0].shape)
+    return jax.lax.all_gather(back, axes, axis=1, tiled=True)[None]
+  got, want = (np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(("node", "local")),
+                                                out_specs=P(("node", "local"))))(x))
+               for fn in (ours, ref))
+  np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 def test_lossy_codecs_skip_integer_and_16bit_leaves():
   rng = np.random.RandomState(8)
   tree = {"i": jnp.asarray(rng.randint(-1000, 1000, (8, 300)), jnp.int32),

@@ -62,6 +62,28 @@ def test_row_orders_are_read_and_written_in_place(rows):
       np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("wire", ["int8", "bfloat16", "float16"])
+def test_gather_and_decode_in_one_pass_equals_decoding_the_gathered_payload(wire):
+  from jaxring._src.algorithms.base import permute_flat
+  rows, bs = 8, 32
+  order = np.random.default_rng(3).permutation(rows)
+  x = np.random.default_rng(2).standard_normal(8 * rows * bs).astype(np.float32)
+  x[5] = np.inf  # a non-finite int8 block decodes to NaN everywhere
+  int8 = jaxring.codecs.int8(bs)
+
+  def encode(v):
+    return int8.encode(v, jnp.float32) if wire == "int8" else (v.astype(wire),)
+
+  def decode(payload):
+    return int8.decode(payload, jnp.float32) if wire == "int8" else payload[0].astype(jnp.float32)
+  got = _run(lambda v: inprocess.all_gather_decode(encode(v), LOCAL, block_size=bs, order=order),
+             jnp.asarray(x))
+  want = _run(lambda v: decode(tuple(permute_flat(a, order)
+                                     for a in inprocess.all_gather(encode(v), LOCAL))),
+              jnp.asarray(x))
+  np.testing.assert_array_equal(got, want)
+
+
 def test_an_order_that_is_not_a_permutation_of_whole_rows_is_refused():
   x = jnp.zeros(8 * 12, jnp.float32)
   for order, what in (([0, 1, 2, 3, 4], "do not split"), ([0, 1, 2, 9], "names row 9")):
