@@ -218,7 +218,7 @@ def test_repeated_axis_name_raises_as_lax_does(op, kw, check_vma):
     _call(lambda v: ours(("node", "local", "node"), **kw) + v[0], (2, 4), AXES, check_vma)
 
 
-@pytest.mark.parametrize("op", ["psum", "pmean", "all_gather", "psum_scatter"])
+@pytest.mark.parametrize("op", ["all_gather", "psum_scatter"])
 def test_int_axis_name_is_a_clear_value_error(op):
   ours, _ = REPEATED[op]
   lax_type, lax_msg = _lax_error(lambda v: lax.all_gather(v, 0))
@@ -226,6 +226,23 @@ def test_int_axis_name_is_a_clear_value_error(op):
   with pytest.raises(ValueError, match=re.escape(lax_msg)) as info:
     _call(lambda v: ours(0, algorithm="ring") + v[0])
   assert f"jaxring.{op}: axis name 0 is an int" in str(info.value)
+
+
+@pytest.mark.parametrize("op", ["psum", "pmean"])
+def test_int_axis_names_reduce_positional_dimensions_as_lax_does(op):
+  """lax.psum reads an int as an array dimension (alone, or beside mesh axes)."""
+  ours, ref = getattr(jaxring, op), getattr(lax, op)
+
+  def outcome(fn, axes):
+    try:
+      return _call(lambda v: fn(v.reshape(2, -1), axes).reshape(-1)[:8], check_vma=False)
+    except ValueError as e:  # lax.pmean over ("i", 0) fails: so must jaxring, alike
+      return str(e).splitlines()[0]
+  for axes in (0, ("i", 0)):
+    want, got = outcome(ref, axes), outcome(lambda v, a: ours(v, a, algorithm="ring"), axes)
+    np.testing.assert_array_equal(got, want)
+  if op == "psum":   # outside any map
+    assert float(ours(jnp.ones(3), 0)) == float(ref(jnp.ones(3), 0)) == 3.0
 
 
 @pytest.mark.parametrize("op", ["psum", "pmean", "all_gather", "psum_scatter"])
@@ -252,3 +269,70 @@ def test_unknown_level_in_algorithm_dict_is_refused():
   # the level names that do exist still work
   got = _call(lambda v: jaxring.psum(v, "i", algorithm={"i": "ring"}))
   np.testing.assert_array_equal(got, 8.0)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_partially_manual_shard_map_reduces_like_lax(algorithm):
+  """shard_map over two of three axes (the third left to the compiler): devices that differ
+  only along it must not meet as one member in shared memory (that hung or aborted)."""
+  mesh = mesh_of((2, 2, 2), ("a", "b", "c"))
+  x = jnp.asarray(np.random.RandomState(4).randn(8, 64), jnp.float32)
+  ops = {"psum": (lambda v: jaxring.psum(v, ("a", "b"), algorithm=algorithm),
+                  lambda v: lax.psum(v, ("a", "b"))),
+         "all_gather": (lambda v: jaxring.all_gather(v, ("a", "b"), tiled=True,
+                                                     algorithm=algorithm),
+                        lambda v: lax.all_gather(v, ("a", "b"), tiled=True))}
+  for name, (ours, ref) in ops.items():
+    run = [jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b")),
+                                 axis_names={"a", "b"}, check_vma=False)) for f in (ours, ref)]
+    want = np.asarray(run[1](x))
+    for _ in range(5):
+      np.testing.assert_allclose(np.asarray(run[0](x)), want, rtol=1e-5, atol=1e-5,
+                                 err_msg=name)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
+def test_a_vmap_axis_beside_mesh_axes_reduces_like_lax(algorithm):
+  mesh = mesh_of((8,), ("b",))
+  x = jnp.asarray(np.arange(8 * 3 * 5), jnp.float32).reshape(8, 3, 5)
+
+  def run(op):
+    body = lambda t: jax.vmap(lambda r: op(r, ("b", "v")), axis_name="v")(t[0])[None]  # noqa: E731
+    return np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("b"), out_specs=P("b"),
+                                            check_vma=False))(x))
+  np.testing.assert_array_equal(run(lambda r, a: jaxring.psum(r, a, algorithm=algorithm)),
+                                run(lax.psum))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_unreduced_values_are_reduced_like_lax(algorithm):
+  mesh = mesh_of((8,), ("i",))
+  x = jnp.arange(8 * 16, dtype=jnp.float32)
+
+  def run(fn, out):
+    return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=out,
+                                            check_vma=True))(x))
+  u = lambda v: lax.pcast(v, "i", to="unreduced")  # noqa: E731
+  np.testing.assert_array_equal(run(lambda v: jaxring.psum(u(v), "i", algorithm=algorithm), P()),
+                                run(lambda v: lax.psum(u(v), "i"), P()))
+  np.testing.assert_array_equal(
+      run(lambda v: jaxring.psum_scatter(u(v), "i", tiled=True, algorithm=algorithm), P("i")),
+      run(lambda v: lax.psum_scatter(u(v), "i", tiled=True), P("i")))
+
+
+def test_all_gather_takes_lax_to_keyword():
+  mesh = mesh_of((8,), ("i",))
+  f = lambda op, **kw: np.asarray(jax.jit(jax.shard_map(  # noqa: E731
+      lambda v: op(v, "i", tiled=True, to="invarying", **kw), mesh=mesh, in_specs=P("i"),
+      out_specs=P(), check_vma=True))(jnp.arange(16.0)))
+  np.testing.assert_array_equal(f(jaxring.all_gather), f(lax.all_gather))
+  with pytest.raises(ValueError, match="cannot compress"):
+    f(jaxring.all_gather, compression=codecs.int8())
+
+
+def test_psum_scatter_checks_the_shape_before_the_dtype_as_lax_does():
+  bad = jnp.ones(12, bool)
+  lax_type, _ = _lax_error(lambda v: lax.psum_scatter(bad, "i", tiled=True) + v[0])
+  for algorithm in ("ring", "auto"):
+    with pytest.raises(lax_type, match="must be divisible"):
+      _call(lambda v: jaxring.psum_scatter(bad, "i", tiled=True, algorithm=algorithm) + v[0])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring._src import vma
 from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import Codec
@@ -33,6 +34,19 @@ def axis_names(axis_name) -> tuple:
     (('data',), ('node', 'local'))
   """
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _positional(axis_name) -> bool:
+  return any(isinstance(a, (int, np.integer)) for a in axis_names(axis_name))
+
+
+def _lax_only(axes: tuple, x, op: str) -> bool:
+  """Calls only lax's own collective can make: over a ``vmap`` axis (no devices, lax batches
+  the collective), or of values typed unreduced (``lax.pcast(..., to="unreduced")``)."""
+  if getattr(engine.bind(axes, op), "batched", False):
+    return True
+  return any(vma.unreduced_axes(leaf) & set(axes) for leaf in jax.tree_util.tree_leaves(x)
+             if isinstance(leaf, jax.Array))
 
 
 def _axes(axis_name, op: str) -> tuple:
@@ -127,12 +141,16 @@ def _psum(x, axis_name, axis_index_groups, algorithm, compression, op: str):
   """:func:`psum`, with errors naming ``op`` (the public function called)."""
   validate_algorithm(algorithm)
   validate_compression(compression)
+  if _positional(axis_name):  # lax sums over the array dimensions an int names
+    return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
   axes = _axes(axis_name, op)
   if not axes:
     return x
   if axis_index_groups is not None:
     _check_groups(algorithm, compression, op, axes)
     return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
+  if _lax_only(axes, x, op):
+    return lax.psum(x, axis_name)
   leaves, treedef = _prep(x)
   out = engine.all_reduce(leaves, engine.bind(axes, op), algorithm, compression)
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -153,13 +171,16 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", c
     >>> f(jnp.arange(8.0))
     Array([3.5], dtype=float32)
   """
+  if _positional(axis_name):
+    return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
   s = _psum(x, axis_name, axis_index_groups, algorithm, compression, "pmean")
   n = _group_size(_axes(axis_name, "pmean"), axis_index_groups)
   return jax.tree_util.tree_map(lambda v: v / n, s)
 
 
-def _native_only(op: str, axes: tuple, algorithm, compression, axis_index_groups) -> bool:
-  """Validates the arguments; True when the call is lax's own (groups, ``xla``, no axes)."""
+def _native_only(op: str, axes: tuple, algorithm, compression, axis_index_groups, x) -> bool:
+  """Validates the arguments; True when the call is lax's own (groups, ``xla``, no axes, a
+  ``vmap`` axis, unreduced values)."""
   validate_algorithm(algorithm)
   validate_compression(compression)
   if axis_index_groups is not None:
@@ -169,7 +190,7 @@ def _native_only(op: str, axes: tuple, algorithm, compression, axis_index_groups
                      " use algorithm='ring', 'hierarchical' or 'auto' with compression")
   if axis_index_groups is not None or not axes:
     return True
-  return engine.lax_suffices(axes, algorithm, op)
+  return engine.lax_suffices(axes, algorithm, op) or _lax_only(axes, x, op)
 
 
 class DimensionError(ValueError, IndexError):
@@ -197,19 +218,14 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
   axes = _axes(axis_name, "psum_scatter")
   for leaf in jax.tree_util.tree_leaves(x):   # lax itself only fails with an IndexError
     _canon_dim(scatter_dimension, np.ndim(leaf), "scatter_dimension")
-  if _native_only("psum_scatter", axes, algorithm, compression, axis_index_groups):
+  if _native_only("psum_scatter", axes, algorithm, compression, axis_index_groups, x):
     return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
                             axis_index_groups=axis_index_groups, tiled=tiled)
   binding = engine.bind(axes, "psum_scatter")
   p = binding.size
   leaves, treedef = jax.tree_util.tree_flatten(x)
-  if any(jnp.result_type(leaf) == np.bool_ for leaf in leaves):
-    # unlike psum, lax.psum_scatter does not sum bools as int32: it refuses them
-    raise TypeError("jaxring.psum_scatter: add does not accept dtype bool at position 0. Accepted "
-                    "dtypes at position 0 are subtypes of integer, floating, complexfloating. "
-                    "(as lax.psum_scatter: cast bools to an integer dtype first)")
   out = []
-  for leaf in leaves:
+  for leaf in leaves:  # lax checks the shape first, then the dtype
     shape = np.shape(leaf)
     d = _canon_dim(scatter_dimension, len(shape), "scatter_dimension")
     if tiled and shape[d] % p:
@@ -220,13 +236,23 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
       raise ValueError(f"reduce_scatter operand scatter dimension size {shape[d]} must match shard "
                        f"count {p} (jaxring.psum_scatter over {axis_name!r}, scatter_dimension={d},"
                        " tiled=False)")
+  if any(jnp.result_type(leaf) == np.bool_ for leaf in leaves):
+    # unlike psum, lax.psum_scatter does not sum bools as int32: it refuses them
+    raise TypeError("jaxring.psum_scatter: add does not accept dtype bool at position 0. Accepted "
+                    "dtypes at position 0 are subtypes of integer, floating, complexfloating. "
+                    "(as lax.psum_scatter: cast bools to an integer dtype first)")
+  for leaf in leaves:
+    d = _canon_dim(scatter_dimension, np.ndim(leaf), "scatter_dimension")
     out.append(engine.reduce_scatter(leaf, d, tiled, binding, algorithm, compression))
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
-               tiled: bool = False, algorithm="auto", compression=None):
+               tiled: bool = False, to: str = "varying", algorithm="auto", compression=None):
   """All-gather (``jax.lax.all_gather``'s contract), optionally compressed on the wire.
+
+  ``to`` other than ``"varying"`` (lax's typing of the result under ``check_vma=True``:
+  ``"invarying"``, ``"reduced"``) is lax's own all-gather, which cannot compress.
 
   Example:
     >>> f = jax.shard_map(lambda v: jaxring.all_gather(v, "i", tiled=True, algorithm="ring"),
@@ -235,7 +261,15 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
     (64,)
   """
   axes = _axes(axis_name, "all_gather")
-  if _native_only("all_gather", axes, algorithm, compression, axis_index_groups):
+  if to != "varying":
+    validate_algorithm(algorithm)
+    validate_compression(compression)
+    if is_lossy(compression):
+      raise ValueError(f"jaxring.all_gather: to={to!r} is lax's own all-gather, which cannot "
+                       "compress; use to='varying' (the default) with compression")
+    return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
+                          tiled=tiled, to=to)
+  if _native_only("all_gather", axes, algorithm, compression, axis_index_groups, x):
     return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled)
   binding = engine.bind(axes, "all_gather")
   leaves, treedef = jax.tree_util.tree_flatten(x)

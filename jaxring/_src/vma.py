@@ -27,6 +27,12 @@ def varying_axes(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))
 
 
+def unreduced_axes(x) -> frozenset:
+  """The manual axes ``x`` is typed unreduced over (``lax.pcast(x, axis, to="unreduced")``)."""
+  mat = getattr(jax.typeof(x), "mat", None)
+  return frozenset(getattr(mat, "unreduced", ()))
+
+
 def is_varying(x, axes: tuple) -> bool:
   return set(axes) <= varying_axes(x)
 

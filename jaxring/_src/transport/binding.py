@@ -10,6 +10,7 @@ communicator by ``jaxring.distributed.bind_mpi_axis``: mpi4jax moves the bytes
   default topology;
 * ``lax_bound``: whether lax's collectives (and so their derivatives) apply to the names;
 * ``contiguous``: whether a member's linear index in the hierarchy is its index along the axes;
+* ``batched``: whether a name is a ``vmap`` axis (no devices: lax's collective batches it);
 * ``check_index_groups(op)``: raises where ``axis_index_groups`` has no meaning.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 from jax import lax
 
 from jaxring._src.transport import mpi_axis
@@ -33,6 +35,7 @@ class MeshAxes:
 
   axes: tuple
   sizes: tuple[int, ...]
+  batched: bool = False  # a name bound by vmap, not by a mesh (lax's own collective runs)
   hierarchy = None   # the planner reads the levels from the mesh axes and the default topology
   lax_bound = True
   contiguous = True  # the planner's chunk permutation hands blocks out in lax's member order
@@ -44,6 +47,14 @@ class MeshAxes:
   def check_index_groups(self, op: str) -> None:
     """``axis_index_groups`` is lax's to honour over mesh axes: nothing to refuse."""
     del op
+
+
+def _mesh_axis_names() -> tuple:
+  """The axes of the mesh in context (shard_map's, or pmap's axis); vmap adds none."""
+  try:
+    return tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no mesh in context
+    return ()
 
 
 def bind(axes: tuple, op: str) -> MeshAxes | mpi_axis.MpiAxis:
@@ -64,7 +75,7 @@ def bind(axes: tuple, op: str) -> MeshAxes | mpi_axis.MpiAxis:
       unbound = a
       break
   else:
-    return MeshAxes(axes, tuple(sizes))
+    return MeshAxes(axes, tuple(sizes), batched=not set(axes) <= set(_mesh_axis_names()))
   mpi = mpi_axis.lookup(axes)
   if mpi is not None:
     return mpi

@@ -26,8 +26,17 @@ _sites = itertools.count(1)
 
 
 def available() -> bool:
-  """Whether the in-process collectives can run here: the CPU backend and the extension built."""
+  """Whether the in-process collectives can run here: the CPU backend, the extension built, and
+  every axis of the mesh in context manual. Inside a ``shard_map`` that leaves some axes to the
+  compiler (``axis_names=`` a subset), devices that differ only along those axes would meet
+  under the same member and group ids."""
   if jax.default_backend() != "cpu":
+    return False
+  try:
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+  except Exception:  # noqa: BLE001 - no mesh in context
+    names = ()
+  if not set(names) <= set(_bound_axes()):
     return False
   from jaxring._src.ext import loader
   return loader.LOAD_ERROR is None
