@@ -363,6 +363,24 @@ def test_a_subtree_of_the_parameters_is_differentiated_and_updated_like_replicat
   _assert_trees_close((got.params, got.opt_state), (want.params, want.opt_state))
 
 
+def test_a_sharded_state_is_created_in_place_from_its_shardings():
+  """jit(create, out_shardings=step.state_shardings(eval_shape(create))): each device creates
+  only its blocks, and the step trains from it like from a prepared whole state."""
+  step = _mlp_step(shard="params")
+
+  def create():
+    return _mlp_state(optax.adam(1e-2))
+  abstract = jax.eval_shape(create)
+  state = jax.jit(create, out_shardings=step.state_shardings(abstract))()
+  kernel = state.params["Dense_0"]["kernel"]
+  assert kernel.addressable_shards[0].data.shape == (16, 64 // 8)
+  assert state.opt_state[0].mu["Dense_0"]["kernel"].addressable_shards[0].data.shape == (16, 8)
+  batches = _data(2, shape=(16,), classes=8)
+  got, _ = _run(step, state, batches)
+  want, _ = _run(step, create(), batches)
+  _assert_trees_close((got.params, got.opt_state), (want.params, want.opt_state), rtol=0, atol=0)
+
+
 def _perturbed_step(shard):
   """SAM's ascent step (the gradient at parameters moved along their sign): the loss and
   gradient are taken at other values than the state's."""

@@ -117,6 +117,20 @@ class TrainStep:
                                          residuals)
     return with_residual_tree(state, residuals, fresh=fresh)
 
+  def state_shardings(self, state):
+    """The ``NamedSharding`` of each leaf of ``state`` as this step keeps it (the parameters and
+    optimizer state split for ``shard=``, the rest replicated). ``state`` may be abstract
+    (``jax.eval_shape``'s result), so a sharded state can be created in place, never whole on
+    one device:
+
+    Example:
+      >>> abstract = jax.eval_shape(create_state)      # create_state() -> TrainState
+      >>> state = jax.jit(create_state, out_shardings=step.state_shardings(abstract))()
+    """
+    specs = sharding.state_specs(_without_residuals(state), self.config.shard,
+                                 self.num_replicas, self.config.split_axis_name)
+    return sharding.shardings(specs, self.mesh)
+
   def _check_optimizer(self, state) -> None:
     """Refuses an optimizer with per-parameter state (momentum, Adam) behind a sparsifying codec
     with error feedback, or behind the step's own momentum correction."""
