@@ -364,7 +364,10 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
   Inside a :func:`jaxring.train_step`, the gradients are reduced bucket by bucket inside the
   backward pass, with the step's algorithm, compression and error feedback; the value (and aux) is
-  this replica's. Outside one, this is ``jax.value_and_grad``. Call it once per step.
+  this replica's. An optimizer that reads the loss (``optax.contrib.reduce_on_plateau``,
+  ``polyak_sgd``, ``lbfgs``: ``tx.update(..., value=loss)``) must get the same value on every
+  replica, ``jax.lax.pmean(loss, "data")`` (the step's ``axis_name``), or the replicas drift
+  apart. Outside a train step, this is ``jax.value_and_grad``. Call it once per step.
 
   Args:
     fun: the loss function; returns a scalar (or ``(scalar, aux)`` with ``has_aux``).
