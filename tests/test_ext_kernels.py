@@ -74,6 +74,19 @@ def test_dequantize_matches_reference(n, dtype):
   assert_bits_equal(ext.dequantize_int8(q, s, BLOCK, dtype), ref_dequantize(q, s, BLOCK, dtype))
 
 
+@pytest.mark.parametrize("block", [7, 256, 4096])
+def test_a_decode_of_4_mib_and_more_streams_the_same_bits(block):
+  """f32 outputs past xla_ext/cpu_stream.h's threshold go through an L1 tile and non-temporal
+  stores; a partial last block and a row count above one check the edges."""
+  x = data(2 * ((1 << 20) // 2 + 3 * block + 5))
+  q, s = ext.quantize_int8(x, block)
+  assert_bits_equal(ext.dequantize_int8(q, s, block, jnp.float32),
+                    ref_dequantize(q, s, block, jnp.float32))
+  q2, s2 = (jnp.stack([a, a[::-1]]) for a in (q, s))  # two rows (vmap's batch)
+  got = jax.vmap(lambda a, b: ext.dequantize_int8(a, b, block, jnp.float32))(q2, s2)
+  assert_bits_equal(got[0], ref_dequantize(q, s, block, jnp.float32))
+
+
 @pytest.mark.parametrize("block", [1, 7, 32, 256, 4096])
 def test_quantize_against_float64_numpy(block):
   n = 5 * block + 3

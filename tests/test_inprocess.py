@@ -84,6 +84,34 @@ def test_gather_and_decode_in_one_pass_equals_decoding_the_gathered_payload(wire
   np.testing.assert_array_equal(got, want)
 
 
+def test_outputs_of_4_mib_and_more_are_streamed_with_the_same_values():
+  """Past xla_ext/cpu_stream.h's threshold the copies and decodes go through L1 tiles and
+  non-temporal stores; rows whose length is no multiple of the tile check the tails."""
+  from jaxring._src.algorithms.base import permute_flat
+  rows, bs = 8, 32
+  order = np.random.default_rng(5).permutation(rows)
+  n = 2 * (2048 * 70 + 96)  # per device: 4 members x n f32 = 4.4 MiB gathered
+  x = jnp.asarray(np.random.default_rng(6).standard_normal(8 * n), jnp.float32)
+  int8 = jaxring.codecs.int8(bs)
+  got = _run(lambda v: inprocess.all_gather_decode(int8.encode(v, jnp.float32), LOCAL,
+                                                  block_size=bs, order=order), x)
+  want = _run(lambda v: int8.decode(tuple(permute_flat(a, order) for a in inprocess.all_gather(
+      int8.encode(v, jnp.float32), LOCAL)), jnp.float32), x)
+  np.testing.assert_array_equal(got, want)
+  got = _run(lambda v: inprocess.all_gather_decode((v.astype(jnp.bfloat16),), LOCAL), x)
+  want = _run(lambda v: jax.lax.all_gather(v.astype(jnp.bfloat16), "local", tiled=True).astype(
+      jnp.float32), x)
+  np.testing.assert_array_equal(got, want)
+  got = _run(lambda v: inprocess.all_gather((v,), LOCAL, order=order)[0], x)
+  want = _run(lambda v: permute_flat(jax.lax.all_gather(v, "local", tiled=True), order), x)
+  np.testing.assert_array_equal(got, want)
+  big = jnp.asarray(np.random.default_rng(7).standard_normal(8 * 4 * (1 << 20) + 8 * 4 * 96),
+                    jnp.float32)  # 4 MiB and a tail per member's share
+  got = _run(lambda v: inprocess.reduce_scatter(v, LOCAL), big)
+  want = _run(lambda v: jax.lax.psum_scatter(v, "local", tiled=True), big)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_an_order_that_is_not_a_permutation_of_whole_rows_is_refused():
   x = jnp.zeros(8 * 12, jnp.float32)
   for order, what in (([0, 1, 2, 3, 4], "do not split"), ([0, 1, 2, 9], "names row 9")):

@@ -8,8 +8,10 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_stream.h"
 #include "bindings.h"
 #include "handlers.h"
 #include "numerics.h"
@@ -93,18 +95,40 @@ ffi::Error QuantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer seed,
   return ffi::Error::Success();
 }
 
+// Blocks [b0, b1) of a row of n codes decoded to f32 through an L1 tile streamed to ``out``
+// (cpu_stream.h): for outputs too large to stay in the cache.
+void DequantizeF32Streamed(const int8_t* q, const float* scales, int64_t n, int64_t bs,
+                           int64_t b0, int64_t b1, float* out) {
+  const int64_t per = std::max<int64_t>(1, cpu::kStreamTile / bs);
+  std::vector<float> tile(per * bs);
+  for (int64_t b = b0; b < b1; b += per) {
+    const int64_t be = std::min(b1, b + per), start = b * bs;
+    const int64_t cnt = std::min(n, be * bs) - start;
+    cpu::DequantizeBlocks(cpu::Wire::kF32, q + start, scales + b, cnt, bs, 0, be - b,
+                          tile.data());
+    cpu::StreamBytes(out + start, tile.data(), cnt * static_cast<int64_t>(sizeof(float)));
+  }
+}
+
 ffi::Error DequantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales,
                               Result<AnyBuffer> out, int64_t block_size) {
   BlockPlan p;
   JR_RETURN_IF_ERROR(PlanDequantize("jaxring_dequantize_int8", q, scales, *out, block_size, &p));
   const cpu::Wire wire = WireOf(out->element_type());
   const int64_t n = p.layout.cols, width = ffi::ByteWidth(out->element_type());
+  const bool stream = wire == cpu::Wire::kF32 && p.layout.rows * n * 4 >= cpu::kStreamMinBytes;
   for (int64_t r = 0; r < p.layout.rows; ++r)
     ParallelFor(pool, p.blocks, n * (width + 1), [&](int64_t b0, int64_t b1) {
-      cpu::DequantizeBlocks(wire, Data<const int8_t>(q) + r * n,
-                            Data<const float>(scales) + r * p.blocks, n, p.block, b0, b1,
-                            Data<char>(*out) + r * n * width);
+      const int8_t* qr = Data<const int8_t>(q) + r * n;
+      const float* sr = Data<const float>(scales) + r * p.blocks;
+      if (stream) {
+        DequantizeF32Streamed(qr, sr, n, p.block, b0, b1, Data<float>(*out) + r * n);
+      } else {
+        cpu::DequantizeBlocks(wire, qr, sr, n, p.block, b0, b1,
+                              Data<char>(*out) + r * n * width);
+      }
     });
+  if (stream) cpu::StreamFence();
   return ffi::Error::Success();
 }
 

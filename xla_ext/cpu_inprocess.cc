@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_stream.h"
 #include "handlers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -160,7 +161,8 @@ ffi::Error CheckOrder(std::string_view op, ffi::Span<const int64_t> order, int64
 }
 
 // out[i] = sum_j in[j][i], in member order (the same rounding on every member), one pass over
-// the output for the first two members.
+// the output for the first two members. Stored normally, not streamed (cpu_stream.h): the next
+// level reads this shard right away (streaming it measured 10% slower on the FSDP int8 call).
 void SumRows(float* out, const std::vector<const float*>& in, int64_t n) {
   if (in.size() == 1) {
     std::memcpy(out, in[0], n * sizeof(float));
@@ -225,12 +227,18 @@ ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
   char* o = reinterpret_cast<char*>(out->untyped_data());
   return Rendezvous(op, run.run_id, site, group, rank, size, x.untyped_data(), bytes, timeout_ms,
                     [&](const std::vector<const void*>& inputs) {
+                      const bool stream = size * bytes >= cpu::kStreamMinBytes;
                       for (size_t i = 0; i < order.size(); ++i) {
                         const int64_t src = order[i];
-                        std::memcpy(o + i * row,
-                                    static_cast<const char*>(inputs[src / per]) + (src % per) * row,
-                                    row);
+                        const char* from =
+                            static_cast<const char*>(inputs[src / per]) + (src % per) * row;
+                        if (stream) {
+                          cpu::StreamBytes(o + i * row, from, row);
+                        } else {
+                          std::memcpy(o + i * row, from, row);
+                        }
                       }
+                      if (stream) cpu::StreamFence();
                     });
 }
 
@@ -275,20 +283,34 @@ ffi::Error LocalAllGatherDecodeImpl(ffi::RunId run, AnyBuffer x, AnyBuffer scale
   float* o = reinterpret_cast<float*>(out->untyped_data());
   return Rendezvous(op, run.run_id, site, group, rank, size, &mine, n * width, timeout_ms,
                     [&](const std::vector<const void*>& inputs) {
+                      const bool stream = size * n * 4 >= cpu::kStreamMinBytes;
+                      // a tile of whole blocks; decoded straight into place when not streaming
+                      const int64_t step =
+                          !stream ? len
+                                  : (int8 ? std::max<int64_t>(1, cpu::kStreamTile / block_size) *
+                                                block_size
+                                          : cpu::kStreamTile);
+                      std::vector<float> tile(stream ? step : 0);
                       for (size_t i = 0; i < order.size(); ++i) {
                         const int64_t src = order[i], k = src % per;
                         const auto* e = static_cast<const Encoded*>(inputs[src / per]);
                         float* row = o + i * len;
-                        if (int8) {
-                          cpu::DequantizeBlocks(cpu::Wire::kF32,
-                                                static_cast<const int8_t*>(e->values) + k * len,
-                                                e->scales + k * (len / block_size), len,
-                                                block_size, 0, len / block_size, row);
-                        } else {
-                          cpu::WidenRange(wire, static_cast<const char*>(e->values) +
-                                                    k * len * width, 0, len, row);
+                        for (int64_t i0 = 0; i0 < len; i0 += step) {
+                          const int64_t cnt = std::min(step, len - i0), at = k * len + i0;
+                          float* dst = stream ? tile.data() : row + i0;
+                          if (int8) {
+                            cpu::DequantizeBlocks(cpu::Wire::kF32,
+                                                  static_cast<const int8_t*>(e->values) + at,
+                                                  e->scales + at / block_size, cnt, block_size,
+                                                  0, cnt / block_size, dst);
+                          } else {
+                            cpu::WidenRange(wire, static_cast<const char*>(e->values) + at * width,
+                                            0, cnt, dst);
+                          }
+                          if (stream) cpu::StreamBytes(row + i0, dst, cnt * sizeof(float));
                         }
                       }
+                      if (stream) cpu::StreamFence();
                     });
 }
 
