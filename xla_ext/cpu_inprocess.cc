@@ -23,7 +23,6 @@
 #include <tuple>
 #include <vector>
 
-#include "cpu_kernels.h"
 #include "cpu_stream.h"
 #include "handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -242,78 +241,6 @@ ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
                     });
 }
 
-// The last gather of a level whose payload travelled encoded, decoded as it is copied: each
-// member reads the others' codes where they lie and writes f32 rows into ``order``'s places,
-// instead of gathering the codes into a buffer of their own and decoding that (two more passes
-// over the codes). ``x``: int8 codes with ``scales`` (f32, one per ``block_size`` values; rows
-// hold whole blocks), or 16-bit floats (bf16, f16; ``scales`` unused), widened exactly.
-struct Encoded {
-  const void* values;
-  const float* scales;
-};
-
-ffi::Error LocalAllGatherDecodeImpl(ffi::RunId run, AnyBuffer x, AnyBuffer scales,
-                                    AnyBuffer member, Result<AnyBuffer> out, int64_t site,
-                                    int64_t size, int64_t timeout_ms,
-                                    ffi::Span<const int64_t> order, int64_t block_size) {
-  constexpr std::string_view op = "jaxring_local_all_gather_decode";
-  const ffi::DataType type = x.element_type();
-  const int64_t n = static_cast<int64_t>(x.element_count());
-  if (out->element_type() != ffi::DataType::F32 ||
-      static_cast<int64_t>(out->element_count()) != size * n)
-    return ffi::Error::InvalidArgument(std::string(op) + ": the result must be float32 holding " +
-                                       std::to_string(size) + " x " + std::to_string(n) +
-                                       " values");
-  if (auto e = CheckOrder(op, order, size, size * n); e.failure()) return e;
-  const int64_t per = static_cast<int64_t>(order.size()) / size, len = n / per;
-  const bool int8 = type == ffi::DataType::S8;
-  if (int8 && (block_size < 1 || len % block_size ||
-               static_cast<int64_t>(scales.element_count()) != n / block_size ||
-               scales.element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument(std::string(op) + ": int8 rows of " + std::to_string(len) +
-                                       " codes need whole blocks of " +
-                                       std::to_string(block_size) + " and one f32 scale each");
-  if (!int8 && type != ffi::DataType::BF16 && type != ffi::DataType::F16)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x must be int8, bfloat16 or float16");
-  const cpu::Wire wire = type == ffi::DataType::BF16 ? cpu::Wire::kBf16 : cpu::Wire::kF16;
-  const int64_t width = ffi::ByteWidth(type);
-  const auto* ids = reinterpret_cast<const int32_t*>(member.untyped_data());
-  const int64_t rank = ids[0], group = ids[1];
-  const Encoded mine{x.untyped_data(), reinterpret_cast<const float*>(scales.untyped_data())};
-  float* o = reinterpret_cast<float*>(out->untyped_data());
-  return Rendezvous(op, run.run_id, site, group, rank, size, &mine, n * width, timeout_ms,
-                    [&](const std::vector<const void*>& inputs) {
-                      const bool stream = size * n * 4 >= cpu::kStreamMinBytes;
-                      // a tile of whole blocks; decoded straight into place when not streaming
-                      const int64_t step =
-                          !stream ? len
-                                  : (int8 ? std::max<int64_t>(1, cpu::kStreamTile / block_size) *
-                                                block_size
-                                          : cpu::kStreamTile);
-                      std::vector<float> tile(stream ? step : 0);
-                      for (size_t i = 0; i < order.size(); ++i) {
-                        const int64_t src = order[i], k = src % per;
-                        const auto* e = static_cast<const Encoded*>(inputs[src / per]);
-                        float* row = o + i * len;
-                        for (int64_t i0 = 0; i0 < len; i0 += step) {
-                          const int64_t cnt = std::min(step, len - i0), at = k * len + i0;
-                          float* dst = stream ? tile.data() : row + i0;
-                          if (int8) {
-                            cpu::DequantizeBlocks(cpu::Wire::kF32,
-                                                  static_cast<const int8_t*>(e->values) + at,
-                                                  e->scales + at / block_size, cnt, block_size,
-                                                  0, cnt / block_size, dst);
-                          } else {
-                            cpu::WidenRange(wire, static_cast<const char*>(e->values) + at * width,
-                                            0, cnt, dst);
-                          }
-                          if (stream) cpu::StreamBytes(row + i0, dst, cnt * sizeof(float));
-                        }
-                      }
-                      if (stream) cpu::StreamFence();
-                    });
-}
-
 }  // namespace
 }  // namespace jaxring
 
@@ -339,15 +266,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalReduceScatterCpu, jaxring::LocalReduce
                               LocalCollectiveBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherCpu, jaxring::LocalAllGatherImpl,
                               LocalCollectiveBinding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherDecodeCpu, jaxring::LocalAllGatherDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("size")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<ffi::Span<const int64_t>>("order")
-                                  .Attr<int64_t>("block_size"));

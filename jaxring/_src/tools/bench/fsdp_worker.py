@@ -134,8 +134,10 @@ def _train(args, mesh, me):
                                                          tx=optax.sgd(1e-3, momentum=0.9)))}
 
     def call(step=step, holder=holder):
+      # the whole step, not only its metrics: with two programs in flight at once, XLA:CPU can
+      # run a device's part of one while its peers wait for it in the other (a deadlock)
       holder["state"], m = step(holder["state"], local_batch)
-      jax.block_until_ready(m)
+      jax.block_until_ready((holder["state"], m))
     call()
     ready.append((label, call, dict(params_mib=sum(v.size for v in jax.tree.leaves(params)) * 4
                                     / (1 << 20), layers=layers, width=width)))
