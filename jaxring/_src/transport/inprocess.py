@@ -14,8 +14,8 @@ import itertools
 import os
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxring._src import vma
