@@ -290,6 +290,13 @@ def test_global_norm_clipping_costs_one_scalar_all_reduce_and_gathers_nothing():
   assert got == (gathers, reduces + 1)
 
 
+def _mlp_side_by_side(make_step, shard: str, steps: int):
+  """(state, metrics) of ``make_step("none")`` and of ``make_step(shard)`` after ``steps`` steps
+  of SGD on the MLP, on the same batches."""
+  batches = _data(steps, shape=(16,), classes=8)
+  return tuple(_run(make_step(s), _mlp_state(optax.sgd(0.1)), batches) for s in ("none", shard))
+
+
 def _norm_step(shard):
   @jt.train_step(shard=shard)
   def step(state, batch):
@@ -306,9 +313,7 @@ def _norm_step(shard):
 
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_whole_computes_a_metric_of_the_whole_gradient_from_the_blocks(shard):
-  batches = _data(2, shape=(16,), classes=8)
-  want_state, want = _run(_norm_step("none"), _mlp_state(optax.sgd(0.1)), batches)
-  got_state, got = _run(_norm_step(shard), _mlp_state(optax.sgd(0.1)), batches)
+  (want_state, want), (got_state, got) = _mlp_side_by_side(_norm_step, shard, 2)
   for k in ("norm", "layer", "kernel", "param"):
     np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=1e-5, err_msg=k)
   np.testing.assert_allclose(float(got["unit"]), 1.0, rtol=1e-5)  # blocks came back as blocks
@@ -394,13 +399,12 @@ def _perturbed_step(shard):
 
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_the_gradient_is_taken_at_the_parameters_the_step_passes(shard):
-  batches = _data(3, shape=(16,), classes=8)
-  want_state, want = _run(_perturbed_step("none"), _mlp_state(optax.sgd(0.1)), batches)
-  got_state, got = _run(_perturbed_step(shard), _mlp_state(optax.sgd(0.1)), batches)
+  (want_state, want), (got_state, got) = _mlp_side_by_side(_perturbed_step, shard, 3)
   np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)
   _assert_trees_close(got_state.params, want_state.params)
   if shard == "optimizer":  # the state's own blocks are not gathered, other values are
-    plain, moved = (step.lower(_mlp_state(optax.sgd(0.1)), batches[0]).as_text().count(
+    batch = _data(1, shape=(16,), classes=8)[0]
+    plain, moved = (step.lower(_mlp_state(optax.sgd(0.1)), batch).as_text().count(
         "stablehlo.all_gather") for step in (_mlp_step(shard=shard), _perturbed_step(shard)))
     assert moved > plain
 
