@@ -330,9 +330,10 @@ def test_psum_scatter_and_all_gather_compressed():
 @pytest.mark.parametrize("codec", [codecs.int8(), codecs.bf16(), None], ids=["int8", "bf16",
                                                                            "bf16-leaf"])
 def test_hierarchical_compressed_all_gather_is_each_members_decoded_encoding(codec):
-  """Every member's value crosses the slow level encoded once and comes back decoded after the
-  in-process gather (axes ordered fast level first): the same bits as lax.all_gather of
-  decode(encode(x)), in member order (the slow level is the last axis named)."""
+  """Every member's value crosses the slow level encoded once and comes back decoded, whatever
+  decodes it (in one pass with the in-process gather, axes ordered fast level first, or after
+  it): the same bits as lax.all_gather of decode(encode(x)), in member order (the slow level is
+  the last axis named, and the members of one process share memory)."""
   dtype = jnp.float32 if codec is not None else jnp.bfloat16
   x = jnp.asarray(np.random.RandomState(3).randn(8, 3, 512), dtype)
   mesh = mesh_of((4, 2), ("node", "local"))

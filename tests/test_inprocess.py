@@ -62,20 +62,51 @@ def test_row_orders_are_read_and_written_in_place(rows):
       np.testing.assert_array_equal(g, w)
 
 
-def test_outputs_of_4_mib_and_more_are_streamed_with_the_same_values():
-  """Past xla_ext/cpu_stream.h's threshold the gathered rows are written with non-temporal
-  stores; rows of int8 and of f32, in an order, and a large reduce-scatter (its sum cached)."""
+@pytest.mark.parametrize("wire", ["int8", "bfloat16", "float16"])
+def test_gather_and_decode_in_one_pass_equals_decoding_the_gathered_payload(wire):
   from jaxring._src.algorithms.base import permute_flat
-  order = np.random.default_rng(5).permutation(8)
+  rows, bs = 8, 32
+  order = np.random.default_rng(3).permutation(rows)
+  x = np.random.default_rng(2).standard_normal(8 * rows * bs).astype(np.float32)
+  x[5] = np.inf  # a non-finite int8 block decodes to NaN everywhere
+  int8 = jaxring.codecs.int8(bs)
+
+  def encode(v):
+    return int8.encode(v, jnp.float32) if wire == "int8" else (v.astype(wire),)
+
+  def decode(payload):
+    return int8.decode(payload, jnp.float32) if wire == "int8" else payload[0].astype(jnp.float32)
+  got = _run(lambda v: inprocess.all_gather_decode(encode(v), LOCAL, block_size=bs, order=order),
+             jnp.asarray(x))
+  want = _run(lambda v: decode(tuple(permute_flat(a, order)
+                                     for a in inprocess.all_gather(encode(v), LOCAL))),
+              jnp.asarray(x))
+  np.testing.assert_array_equal(got, want)
+
+
+def test_outputs_of_4_mib_and_more_are_streamed_with_the_same_values():
+  """Past xla_ext/cpu_stream.h's threshold the copies and decodes go through L1 tiles and
+  non-temporal stores; rows whose length is no multiple of the tile check the tails."""
+  from jaxring._src.algorithms.base import permute_flat
+  rows, bs = 8, 32
+  order = np.random.default_rng(5).permutation(rows)
   n = 2 * (2048 * 70 + 96)  # per device: 4 members x n f32 = 4.4 MiB gathered
   x = jnp.asarray(np.random.default_rng(6).standard_normal(8 * n), jnp.float32)
-  for dtype in (jnp.float32, jnp.int8):
-    y = (x * 40).astype(dtype)
-    got = _run(lambda v: inprocess.all_gather((v,), LOCAL, order=order)[0], y)
-    want = _run(lambda v: permute_flat(jax.lax.all_gather(v, "local", tiled=True), order), y)
-    np.testing.assert_array_equal(got, want)
+  int8 = jaxring.codecs.int8(bs)
+  got = _run(lambda v: inprocess.all_gather_decode(int8.encode(v, jnp.float32), LOCAL,
+                                                  block_size=bs, order=order), x)
+  want = _run(lambda v: int8.decode(tuple(permute_flat(a, order) for a in inprocess.all_gather(
+      int8.encode(v, jnp.float32), LOCAL)), jnp.float32), x)
+  np.testing.assert_array_equal(got, want)
+  got = _run(lambda v: inprocess.all_gather_decode((v.astype(jnp.bfloat16),), LOCAL), x)
+  want = _run(lambda v: jax.lax.all_gather(v.astype(jnp.bfloat16), "local", tiled=True).astype(
+      jnp.float32), x)
+  np.testing.assert_array_equal(got, want)
+  got = _run(lambda v: inprocess.all_gather((v,), LOCAL, order=order)[0], x)
+  want = _run(lambda v: permute_flat(jax.lax.all_gather(v, "local", tiled=True), order), x)
+  np.testing.assert_array_equal(got, want)
   big = jnp.asarray(np.random.default_rng(7).standard_normal(8 * 4 * (1 << 20) + 8 * 4 * 96),
-                    jnp.float32)
+                    jnp.float32)  # 4 MiB and a tail per member's share
   got = _run(lambda v: inprocess.reduce_scatter(v, LOCAL), big)
   want = _run(lambda v: jax.lax.psum_scatter(v, "local", tiled=True), big)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -185,3 +216,46 @@ def test_check_vma_all_reduce_returns_invariant_from_shared_memory(codec):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
   else:
     assert 0 < np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
+
+
+def _meet(target, x, site):
+  """One in-process call of ``target`` at an explicit call site (a member of LOCAL per device)."""
+  out = jax.ShapeDtypeStruct((x.shape[0] * 4,) if target == "all_gather" else (x.shape[0] // 4,),
+                             jnp.float32)
+  member = inprocess._member(LOCAL)
+  return jax.ffi.ffi_call(f"jaxring_local_{target}", out, vmap_method="sequential")(
+      x, member, site=site, size=4, timeout_ms=10_000, order=np.arange(4, dtype=np.int64))
+
+
+def test_members_that_reach_independent_calls_in_opposite_orders_all_complete():
+  # Devices of one process may reach two independent collectives in different orders (XLA:CPU
+  # runs each device's operations as they become ready). Here half the members can start the
+  # gather at once and reach the reduce-scatter after a chain of matrix products, the other half
+  # the other way round. A member that held its thread while it waited for its peers kept its
+  # device from ever reaching the other call, in which those peers waited: a deadlock.
+  site_a, site_b = next(inprocess._sites), next(inprocess._sites)
+  x = jnp.arange(8 * 4096, dtype=jnp.float32) % 13
+  m = jnp.eye(64, dtype=jnp.float32) * 0.5 + 0.01
+
+  def chain(u):
+    y = u.reshape(64, 64)
+    for _ in range(6):   # separate operations, each a step the device must take first
+      y = jnp.tanh(y @ m)
+    return y.reshape(-1)
+
+  def got(v):
+    def gather_first(u):
+      return _meet("all_gather", u, site_a), _meet("reduce_scatter", chain(u), site_b)
+
+    def scatter_first(u):
+      return _meet("all_gather", chain(u), site_a), _meet("reduce_scatter", u, site_b)
+    g, s = jax.lax.cond(jax.lax.axis_index("local") % 2 == 0, gather_first, scatter_first, v)
+    return g[: v.shape[0]] + jnp.tile(s, 4)
+
+  def ref(v):   # XLA's own collectives in such a cond deadlock the same way: select instead
+    even = jax.lax.axis_index("local") % 2 == 0
+    g = jax.lax.all_gather(jnp.where(even, v, chain(v)), "local", tiled=True)
+    s = jax.lax.psum_scatter(jnp.where(even, chain(v), v), "local", tiled=True)
+    return g[: v.shape[0]] + jnp.tile(s, 4)
+  for _ in range(3):
+    np.testing.assert_allclose(_run(got, x), _run(ref, x), rtol=1e-6)

@@ -108,7 +108,7 @@ def test_psum_scatter_with_pieces_matches_lax():
 def test_local_all_gather_carries_the_node_levels_int8():
   """After the node ring, the local level's all-gather (in shared memory: every member of it is
   in this process) moves the int8 payload, a quarter of the f32 bytes, and the result is decoded
-  once at the end; no native all-gather spans the local level."""
+  as it is gathered; no native all-gather spans the local level."""
   n = 1 << 16
   x = jnp.zeros((8, n), jnp.float32)
   with jaxring.use_topology(topology(1)):
@@ -118,6 +118,7 @@ def test_local_all_gather_carries_the_node_levels_int8():
   assert not [c for c in gathers if c.group_size == 4], gathers
   # each member contributes the node-reduced n/4 elements of its local shard: int8 values and
   # one f32 scale per 256 (decoded first, they would be 4 n/4 bytes)
-  operands = re.findall(r'custom_call_target="jaxring_local_all_gather", '
-                        r'operand_layout_constraints=\{(\w+)\[(\d+)\]', hlo)
-  assert sorted(operands) == [("f32", str(n // 4 // 256)), ("s8", str(n // 4))], operands
+  # (the gather decodes as it copies: one call reads the codes and the scales of each member)
+  operands = re.findall(r'custom_call_target="jaxring_local_all_gather_decode", '
+                        r'operand_layout_constraints=\{(\w+)\[(\d+)\]\{0\}, (\w+)\[(\d+)\]', hlo)
+  assert operands == [("s8", str(n // 4), "f32", str(n // 4 // 256))], operands

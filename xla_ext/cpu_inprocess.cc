@@ -15,14 +15,17 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_stream.h"
 #include "handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -88,58 +91,117 @@ ffi::Error Fail(std::string_view op, const std::string& msg) {
   return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, std::string(op) + ": " + msg);
 }
 
-// Runs body(inputs) once every member has arrived, and returns once every member has finished.
-template <class Body>
-ffi::Error Rendezvous(std::string_view op, int64_t run_id, int64_t site, int64_t group_index,
-                      int64_t rank, int64_t size, const void* input, int64_t bytes,
-                      int64_t timeout_ms, Body&& body) {
-  if (size < 1 || rank < 0 || rank >= size)
-    return ffi::Error::InvalidArgument(std::string(op) + ": member " + std::to_string(rank) +
-                                       " is outside a group of " + std::to_string(size));
-  const Key key{run_id, site, group_index};
-  auto g = Join(key, size);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  std::unique_lock<std::mutex> lock(g->mu);
-  if (g->abandoned)
-    return Fail(op, "member " + std::to_string(rank) + " arrived after its group gave up");
-  if (g->inputs[rank] != nullptr)
-    return ffi::Error::InvalidArgument(
-        std::string(op) + ": member " + std::to_string(rank) + " of group " +
-        std::to_string(group_index) + " arrived twice in one execution (run " +
-        std::to_string(run_id) + ", call site " + std::to_string(site) + ", " +
-        std::to_string(g->arrived) + " arrived, " + std::to_string(g->finished) + " finished)");
-  if (g->bytes >= 0 && g->bytes != bytes)
-    return ffi::Error::InvalidArgument(std::string(op) + ": members disagree on the size (" +
-                                       std::to_string(bytes) + " vs " + std::to_string(g->bytes) +
-                                       " bytes)");
-  g->bytes = bytes;
-  g->inputs[rank] = input;
-  if (++g->arrived == size) g->cv.notify_all();
-  if (!g->cv.wait_until(lock, deadline, [&] { return g->arrived == size || g->abandoned; }) ||
-      g->abandoned) {
-    const std::string who = Missing(*g, false);
-    g->abandoned = true;
-    g->inputs[rank] = nullptr;   // nobody may read it any more
-    g->cv.notify_all();
-    return Fail(op, "member " + std::to_string(rank) + " of group " +
-                        std::to_string(group_index) + " waited " +
-                        std::to_string(timeout_ms / 1000.0) + " s; member(s) " + who + " of " +
-                        std::to_string(size) + " never arrived");
+// One member's part of the collective, run once every member has arrived: it reads the members'
+// inputs and writes this member's result. It may run after the handler has returned (on the
+// thread of a parked member), so it owns copies of everything it uses.
+using Body = std::function<void(const std::vector<const void*>&)>;
+
+ffi::Future Done(ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (error.success()) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(std::move(error));
   }
-  lock.unlock();
+  return future;
+}
+
+// Waits (the group's lock held) until every member has arrived, or fails naming those that have
+// not; a group that timed out is abandoned, and this member's input is withdrawn.
+ffi::Error AwaitArrivals(std::string_view op, Group& g, std::unique_lock<std::mutex>& lock,
+                         int64_t group_index, int64_t rank, int64_t timeout_ms,
+                         std::chrono::steady_clock::time_point deadline) {
+  const int64_t size = static_cast<int64_t>(g.inputs.size());
+  if (g.cv.wait_until(lock, deadline, [&] { return g.arrived == size || g.abandoned; }) &&
+      !g.abandoned)
+    return ffi::Error::Success();
+  const std::string who = Missing(g, false);
+  g.abandoned = true;
+  g.inputs[rank] = nullptr;   // nobody may read it any more
+  g.cv.notify_all();
+  return Fail(op, "member " + std::to_string(rank) + " of group " + std::to_string(group_index) +
+                      " waited " + std::to_string(timeout_ms / 1000.0) + " s; member(s) " + who +
+                      " of " + std::to_string(size) + " never arrived");
+}
+
+// Runs this member's part, then waits until every member has finished reading its input (after
+// the call completes XLA may reuse it). The others have all arrived, so the wait is bounded by
+// their work, never by what their devices do next.
+ffi::Error WorkAndFinish(std::string_view op, const std::shared_ptr<Group>& g, const Key& key,
+                         int64_t rank, const Body& body,
+                         std::chrono::steady_clock::time_point deadline) {
   body(g->inputs);
-  lock.lock();
+  std::unique_lock<std::mutex> lock(g->mu);
+  const int64_t size = static_cast<int64_t>(g->inputs.size());
   if (++g->finished == size) {
     g->cv.notify_all();
     lock.unlock();
     Forget(key, g.get());
     return ffi::Error::Success();
   }
-  // Members still read our input: wait for them (they have all arrived, so they are running).
-  if (!g->cv.wait_until(lock, deadline + std::chrono::milliseconds(timeout_ms),
-                        [&] { return g->finished == size; }))
+  if (!g->cv.wait_until(lock, deadline, [&] { return g->finished == size; }))
     return Fail(op, "member " + std::to_string(rank) + " waited for its group to finish reading");
   return ffi::Error::Success();
+}
+
+// The rendezvous of one member. The last member to arrive does its part on XLA's thread and
+// returns a completed future. A member that arrives earlier parks: it returns a pending future at
+// once and leaves the waiting, its part and the completion to a thread of its own. XLA's thunk
+// executor goes on with the device's other ready operations meanwhile, so two devices of this
+// process that reach independent collectives (ours, or XLA's gloo ones) in different orders both
+// make progress; a member blocking XLA's thread here used to hold back the very call its peer
+// was blocked in. Completing the future runs the device's next operations on the parked
+// member's thread, so that thread completes nothing else after it.
+ffi::Future Rendezvous(std::string_view op, int64_t run_id, int64_t site, int64_t group_index,
+                       int64_t rank, int64_t size, const void* input, int64_t bytes,
+                       int64_t timeout_ms, Body body) {
+  if (size < 1 || rank < 0 || rank >= size)
+    return Done(ffi::Error::InvalidArgument(std::string(op) + ": member " +
+                                            std::to_string(rank) + " is outside a group of " +
+                                            std::to_string(size)));
+  const Key key{run_id, site, group_index};
+  auto g = Join(key, size);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto finish_by = deadline + std::chrono::milliseconds(timeout_ms);
+  std::unique_lock<std::mutex> lock(g->mu);
+  if (g->abandoned)
+    return Done(Fail(op, "member " + std::to_string(rank) + " arrived after its group gave up"));
+  if (g->inputs[rank] != nullptr)
+    return Done(ffi::Error::InvalidArgument(
+        std::string(op) + ": member " + std::to_string(rank) + " of group " +
+        std::to_string(group_index) + " arrived twice in one execution (run " +
+        std::to_string(run_id) + ", call site " + std::to_string(site) + ", " +
+        std::to_string(g->arrived) + " arrived, " + std::to_string(g->finished) + " finished)"));
+  if (g->bytes >= 0 && g->bytes != bytes)
+    return Done(ffi::Error::InvalidArgument(std::string(op) + ": members disagree on the size (" +
+                                            std::to_string(bytes) + " vs " +
+                                            std::to_string(g->bytes) + " bytes)"));
+  g->bytes = bytes;
+  g->inputs[rank] = input;
+  if (++g->arrived == size) {
+    g->cv.notify_all();
+    lock.unlock();
+    return Done(WorkAndFinish(op, g, key, rank, body, finish_by));
+  }
+  lock.unlock();
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  std::thread([op, g, key, group_index, rank, timeout_ms, deadline, finish_by,
+               body = std::move(body), promise]() mutable {
+    ffi::Error error = ffi::Error::Success();
+    {
+      std::unique_lock<std::mutex> lock(g->mu);
+      error = AwaitArrivals(op, *g, lock, group_index, rank, timeout_ms, deadline);
+    }
+    if (error.success()) error = WorkAndFinish(op, g, key, rank, body, finish_by);
+    if (error.success()) {
+      promise.SetAvailable();
+    } else {
+      promise.SetError(std::move(error));
+    }
+  }).detach();
+  return future;
 }
 
 // ``order`` describes the chunks as rows: x is order.size() equal rows, ``size`` members x ``R``
@@ -176,30 +238,32 @@ void SumRows(float* out, const std::vector<const float*>& in, int64_t n) {
   }
 }
 
-ffi::Error LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
-                                  Result<AnyBuffer> out, int64_t site, int64_t size,
-                                  int64_t timeout_ms, ffi::Span<const int64_t> order) {
+ffi::Future LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
+                                   Result<AnyBuffer> out, int64_t site, int64_t size,
+                                   int64_t timeout_ms, ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_reduce_scatter";
   if (x.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x and the result must be float32");
+    return Done(ffi::Error::InvalidArgument(std::string(op) +
+                                            ": x and the result must be float32"));
   const int64_t n = static_cast<int64_t>(x.element_count());
   const int64_t m = static_cast<int64_t>(out->element_count());
   if (size < 1 || m * size != n)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x has " + std::to_string(n) +
-                                       " elements, not " + std::to_string(size) + " x " +
-                                       std::to_string(m));
-  if (auto e = CheckOrder(op, order, size, n); e.failure()) return e;
+    return Done(ffi::Error::InvalidArgument(std::string(op) + ": x has " + std::to_string(n) +
+                                            " elements, not " + std::to_string(size) + " x " +
+                                            std::to_string(m)));
+  if (auto e = CheckOrder(op, order, size, n); e.failure()) return Done(std::move(e));
   const int64_t per = static_cast<int64_t>(order.size()) / size, len = m / per;
   const auto* ids = reinterpret_cast<const int32_t*>(member.untyped_data());
   const int64_t rank = ids[0], group = ids[1];
   float* o = reinterpret_cast<float*>(out->untyped_data());
+  // this member's rows, in the order it reads them
+  std::vector<int64_t> mine(order.begin() + rank * per, order.begin() + (rank + 1) * per);
   return Rendezvous(op, run.run_id, site, group, rank, size, x.untyped_data(), n * 4, timeout_ms,
-                    [&](const std::vector<const void*>& inputs) {
+                    [o, len, mine = std::move(mine)](const std::vector<const void*>& inputs) {
                       std::vector<const float*> rows(inputs.size());
-                      for (int64_t k = 0; k < per; ++k) {
-                        const int64_t src = order[rank * per + k] * len;
+                      for (size_t k = 0; k < mine.size(); ++k) {
                         for (size_t j = 0; j < inputs.size(); ++j)
-                          rows[j] = static_cast<const float*>(inputs[j]) + src;
+                          rows[j] = static_cast<const float*>(inputs[j]) + mine[k] * len;
                         SumRows(o + k * len, rows, len);
                       }
                     });
@@ -207,26 +271,28 @@ ffi::Error LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
 
 // ``order``: the result is order.size() rows, member j's input being rows j * R .. j * R + R - 1
 // of the members' concatenation; result row i is row order[i] of it (identity: 0, 1, ...).
-ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
-                              Result<AnyBuffer> out, int64_t site, int64_t size,
-                              int64_t timeout_ms, ffi::Span<const int64_t> order) {
+ffi::Future LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
+                               Result<AnyBuffer> out, int64_t site, int64_t size,
+                               int64_t timeout_ms, ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_all_gather";
   const int64_t width = ffi::ByteWidth(x.element_type());
   const int64_t bytes = static_cast<int64_t>(x.element_count()) * width;
   if (out->element_type() != x.element_type() ||
       static_cast<int64_t>(out->element_count()) != size * static_cast<int64_t>(x.element_count()))
-    return ffi::Error::InvalidArgument(std::string(op) + ": the result must hold " +
-                                       std::to_string(size) + " copies of x's elements and type");
+    return Done(ffi::Error::InvalidArgument(std::string(op) + ": the result must hold " +
+                                            std::to_string(size) +
+                                            " copies of x's elements and type"));
   if (auto e = CheckOrder(op, order, size, size * static_cast<int64_t>(x.element_count()));
       e.failure())
-    return e;
+    return Done(std::move(e));
   const int64_t per = static_cast<int64_t>(order.size()) / size, row = bytes / per;
   const auto* ids = reinterpret_cast<const int32_t*>(member.untyped_data());
   const int64_t rank = ids[0], group = ids[1];
   char* o = reinterpret_cast<char*>(out->untyped_data());
+  const bool stream = size * bytes >= cpu::kStreamMinBytes;
   return Rendezvous(op, run.run_id, site, group, rank, size, x.untyped_data(), bytes, timeout_ms,
-                    [&](const std::vector<const void*>& inputs) {
-                      const bool stream = size * bytes >= cpu::kStreamMinBytes;
+                    [o, per, row, stream, order = std::vector<int64_t>(order.begin(), order.end())](
+                        const std::vector<const void*>& inputs) {
                       for (size_t i = 0; i < order.size(); ++i) {
                         const int64_t src = order[i];
                         const char* from =
@@ -235,6 +301,84 @@ ffi::Error LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
                           cpu::StreamBytes(o + i * row, from, row);
                         } else {
                           std::memcpy(o + i * row, from, row);
+                        }
+                      }
+                      if (stream) cpu::StreamFence();
+                    });
+}
+
+// The last gather of a level whose payload travelled encoded, decoded as it is copied: each
+// member reads the others' codes where they lie and writes f32 rows into ``order``'s places,
+// instead of gathering the codes into a buffer of their own and decoding that (two more passes
+// over the codes). ``x``: int8 codes with ``scales`` (f32, one per ``block_size`` values; rows
+// hold whole blocks), or 16-bit floats (bf16, f16; ``scales`` unused), widened exactly.
+struct Encoded {
+  const void* values;
+  const float* scales;
+};
+
+ffi::Future LocalAllGatherDecodeImpl(ffi::RunId run, AnyBuffer x, AnyBuffer scales,
+                                     AnyBuffer member, Result<AnyBuffer> out, int64_t site,
+                                     int64_t size, int64_t timeout_ms,
+                                     ffi::Span<const int64_t> order, int64_t block_size) {
+  constexpr std::string_view op = "jaxring_local_all_gather_decode";
+  const ffi::DataType type = x.element_type();
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  if (out->element_type() != ffi::DataType::F32 ||
+      static_cast<int64_t>(out->element_count()) != size * n)
+    return Done(ffi::Error::InvalidArgument(std::string(op) +
+                                            ": the result must be float32 holding " +
+                                            std::to_string(size) + " x " + std::to_string(n) +
+                                            " values"));
+  if (auto e = CheckOrder(op, order, size, size * n); e.failure()) return Done(std::move(e));
+  const int64_t per = static_cast<int64_t>(order.size()) / size, len = n / per;
+  const bool int8 = type == ffi::DataType::S8;
+  if (int8 && (block_size < 1 || len % block_size ||
+               static_cast<int64_t>(scales.element_count()) != n / block_size ||
+               scales.element_type() != ffi::DataType::F32))
+    return Done(ffi::Error::InvalidArgument(
+        std::string(op) + ": int8 rows of " + std::to_string(len) + " codes need whole blocks of " +
+        std::to_string(block_size) + " and one f32 scale each"));
+  if (!int8 && type != ffi::DataType::BF16 && type != ffi::DataType::F16)
+    return Done(ffi::Error::InvalidArgument(std::string(op) +
+                                            ": x must be int8, bfloat16 or float16"));
+  const cpu::Wire wire = type == ffi::DataType::BF16 ? cpu::Wire::kBf16 : cpu::Wire::kF16;
+  const int64_t width = ffi::ByteWidth(type);
+  const auto* ids = reinterpret_cast<const int32_t*>(member.untyped_data());
+  const int64_t rank = ids[0], group = ids[1];
+  // what the others read, alive while this member's part is (which ends after theirs)
+  auto mine = std::make_shared<const Encoded>(
+      Encoded{x.untyped_data(), reinterpret_cast<const float*>(scales.untyped_data())});
+  float* o = reinterpret_cast<float*>(out->untyped_data());
+  const bool stream = size * n * 4 >= cpu::kStreamMinBytes;
+  return Rendezvous(op, run.run_id, site, group, rank, size, mine.get(), n * width, timeout_ms,
+                    [mine, o, len, per, int8, wire, width, block_size, stream,
+                     order = std::vector<int64_t>(order.begin(), order.end())](
+                        const std::vector<const void*>& inputs) {
+                      // a tile of whole blocks; decoded straight into place when not streaming
+                      const int64_t step =
+                          !stream ? len
+                                  : (int8 ? std::max<int64_t>(1, cpu::kStreamTile / block_size) *
+                                                block_size
+                                          : cpu::kStreamTile);
+                      std::vector<float> tile(stream ? step : 0);
+                      for (size_t i = 0; i < order.size(); ++i) {
+                        const int64_t src = order[i], k = src % per;
+                        const auto* e = static_cast<const Encoded*>(inputs[src / per]);
+                        float* row = o + i * len;
+                        for (int64_t i0 = 0; i0 < len; i0 += step) {
+                          const int64_t cnt = std::min(step, len - i0), at = k * len + i0;
+                          float* dst = stream ? tile.data() : row + i0;
+                          if (int8) {
+                            cpu::DequantizeBlocks(cpu::Wire::kF32,
+                                                  static_cast<const int8_t*>(e->values) + at,
+                                                  e->scales + at / block_size, cnt, block_size,
+                                                  0, cnt / block_size, dst);
+                          } else {
+                            cpu::WidenRange(wire, static_cast<const char*>(e->values) + at * width,
+                                            0, cnt, dst);
+                          }
+                          if (stream) cpu::StreamBytes(row + i0, dst, cnt * sizeof(float));
                         }
                       }
                       if (stream) cpu::StreamFence();
@@ -266,3 +410,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalReduceScatterCpu, jaxring::LocalReduce
                               LocalCollectiveBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherCpu, jaxring::LocalAllGatherImpl,
                               LocalCollectiveBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherDecodeCpu, jaxring::LocalAllGatherDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::RunId>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("size")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<ffi::Span<const int64_t>>("order")
+                                  .Attr<int64_t>("block_size"));

@@ -75,7 +75,19 @@ JR_INLINE void CastHopRange(const void* recv, const float* partial, int64_t i0, 
   }
 }
 
+template <class C>
+JR_INLINE void WidenElems(const void* in, int64_t i0, int64_t i1, float* out) {
+  const typename C::T* __restrict x = static_cast<const typename C::T*>(in);
+  float* __restrict o = out;
+  for (int64_t i = i0; i < i1; ++i) o[i] = C::Load(x[i]);
+}
+
 }  // namespace
+
+JR_MULTIVERSION
+void WidenRange(Wire wire, const void* in, int64_t i0, int64_t i1, float* out) {
+  JR_DISPATCH_WIRE(wire, WidenElems, in, i0, i1, out)
+}
 
 JR_MULTIVERSION
 void QuantizeBlocks(Wire wire, const void* x, int64_t n, int64_t bs, int64_t b0, int64_t b1,

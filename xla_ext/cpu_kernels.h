@@ -21,6 +21,9 @@ void QuantizeBlocks(Wire wire, const void* x, int64_t n, int64_t bs, int64_t b0,
 void DequantizeBlocks(Wire wire, const int8_t* q, const float* scales, int64_t n, int64_t bs,
                       int64_t b0, int64_t b1, void* out);
 
+// out[i] = in[i] widened to f32 (exactly) for i in [i0, i1).
+void WidenRange(Wire wire, const void* in, int64_t i0, int64_t i1, float* out);
+
 // new_partial = decode(q, scales) + partial for blocks [b0, b1); then, when q_out is not null,
 // the new partial is encoded again while its block is still in L1: one pass over memory.
 void RingHopInt8Blocks(const int8_t* q, const float* scales, const float* partial, int64_t n,

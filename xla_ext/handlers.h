@@ -20,7 +20,8 @@
 // In-process collectives (cpu_inprocess.cc): CPU only, a transport rather than a kernel.
 #define JAXRING_FOR_EACH_INPROCESS_TARGET(X)               \
   X("local_reduce_scatter", JaxringLocalReduceScatter) \
-  X("local_all_gather", JaxringLocalAllGather)
+  X("local_all_gather", JaxringLocalAllGather)         \
+  X("local_all_gather_decode", JaxringLocalAllGatherDecode)
 
 #define JAXRING_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);
 JAXRING_FOR_EACH_TARGET(JAXRING_DECLARE_CPU)

@@ -87,6 +87,10 @@ class Algorithm(Protocol):
   def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
     """Which member's chunk sits at each position the algorithm hands out (None: identity)."""
 
+  # Optional: ``all_gather_decoded(payload, plan, codec, dtype, order) -> array``,
+  # ``codec.decode(all_gather(payload, plan, order), dtype)`` in fewer passes (hierarchical: the
+  # in-process level decodes as it gathers).
+
 
 _REGISTRY: dict[str, Algorithm] = {}
 

@@ -344,8 +344,12 @@ def _all_gather_leaf(leaf, ax, tiled, p, dtype, plan: Plan):
   algorithm = base.get(plan.kind)
   order = _order(algorithm, plan)  # back to member order, on the narrow payload
   inverse = None if order is None else np.argsort(np.asarray(order))
-  gathered = algorithm.all_gather(codec.encode(flat, dtype), plan, order=inverse)
-  rows = codec.decode(gathered, dtype).reshape(p, -1)
+  payload = codec.encode(flat, dtype)
+  if (decoded := getattr(algorithm, "all_gather_decoded", None)) is not None:
+    rows = decoded(payload, plan, codec, dtype, order=inverse)
+  else:
+    rows = codec.decode(algorithm.all_gather(payload, plan, order=inverse), dtype)
+  rows = rows.reshape(p, -1)
   return _place_rows(rows[:, :n].astype(dtype).reshape((p,) + leaf.shape), ax, tiled)
 
 

@@ -98,6 +98,9 @@ def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str],
       # shared memory; the last gather leaves every member of every level the same result, so
       # it is typed invariant over all the axes (check_vma=True) as lax.psum's result is. A
       # middle level's result still varies over the faster levels: a native collective types it.
+      block = None if carrier is None or depth else carrier.in_process_decode(dtype)
+      if block is not None:  # the last gather decodes as it copies
+        return inprocess.all_gather_decode(payload, g, block_size=block, invariant=axes), err
       payload = inprocess.all_gather(payload, g, invariant=axes if depth == 0 else ())
     else:
       payload = ring.all_gather_payload(payload, g, transport)
@@ -179,24 +182,31 @@ def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[s
 
 
 def all_gather(payload: tuple, groups: list[Group], algos: list[str], transport,
-               order=None) -> tuple:
+               order=None, decode: tuple | None = None):
   """Hierarchical all-gather of encoded chunks, slowest level first (inverse of reduce_scatter),
-  each array's rows then placed as ``permute_flat(array, order)`` places them.
+  each array's rows then placed as ``permute_flat(array, order)`` places them; with ``decode =
+  (codec, dtype)``, the decoded result instead of the payload.
 
   A level whose members share this process (``algos[i] == "shm"``) gathers in shared memory,
-  the last one straight into ``order``; the others use the native all-gather where a level is
+  the last one straight into ``order`` (and decoding as it copies where the codec's payload
+  allows: ``Codec.in_process_decode``); the others use the native all-gather where a level is
   whole axes (gloo's and NCCL's are rings already), a ppermute ring otherwise. The result is
   typed varying, as lax.all_gather's is, and the derivative is lax.all_gather's whatever moves
   the bytes (linear.all_gather)."""
   for i, (g, al) in enumerate(zip(reversed(groups), reversed(algos))):
+    last = i == len(groups) - 1
+    if al == "shm" and last and decode is not None and (
+        block := decode[0].in_process_decode(decode[1])) is not None:
+      return vma.pvary(inprocess.all_gather_decode(payload, g, block_size=block, order=order),
+                       g.axes)
     if al == "shm":
-      last = i == len(groups) - 1
       gathered = inprocess.all_gather(payload, g, order=order if last else None)
       order = None if last else order
     else:
       gathered = ring.all_gather_payload(payload, g, transport)
     payload = tuple(vma.pvary(x, g.axes) for x in gathered)
-  return tuple(permute_flat(a, order) for a in payload)
+  payload = tuple(permute_flat(a, order) for a in payload)
+  return payload if decode is None else decode[0].decode(payload, decode[1])
 
 
 def _shared_memory(r: PlanRequest, level, codec: Codec, last: bool = False) -> bool:
@@ -256,6 +266,10 @@ class Hierarchical:
 
   def all_gather(self, payload: tuple, plan: Plan, order=None) -> tuple:
     return all_gather(payload, list(plan.groups), list(plan.algos), plan.transport, order)
+
+  def all_gather_decoded(self, payload: tuple, plan: Plan, codec: Codec, dtype, order=None):
+    return all_gather(payload, list(plan.groups), list(plan.algos), plan.transport, order,
+                      (codec, dtype))
 
   def chunk_order(self, plan: Plan) -> tuple[int, ...] | None:
     return tuple(chunk_permutation(list(plan.groups), list(plan.strides)))

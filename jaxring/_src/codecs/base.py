@@ -76,6 +76,14 @@ class Codec:
     """The last hop of a reduce-scatter: decode what arrived and add the local partial."""
     return self.decode(payload, dtype) + local
 
+  def in_process_decode(self, dtype) -> int | None:
+    """How the in-process transport may decode this codec's payload for ``dtype`` while it
+    gathers it (``transport.inprocess.all_gather_decode``): ``0`` for one 16-bit float array
+    widened to f32, a block size for int8 codes with f32 block scales, None when it cannot (the
+    payload is then gathered, then decoded)."""
+    narrow = jnp.dtype(dtype) in _NARROW_FLOATS
+    return 0 if type(self) is Codec and narrow else None
+
   def compression_ratio(self, dtype=jnp.float32, n: int = 1 << 20) -> float:
     """Wire bytes relative to sending ``n`` values of ``dtype`` uncompressed."""
     return self.wire_bytes(n, dtype) / (n * np.dtype(dtype).itemsize)

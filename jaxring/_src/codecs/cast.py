@@ -102,6 +102,11 @@ class Bf16(CastCodec):
   wire_dtype = jnp.dtype(jnp.bfloat16)
   unit_roundoff = 2.0 ** -8
 
+  def in_process_decode(self, dtype) -> int | None:
+    if not self.applies_to(dtype):
+      return super().in_process_decode(dtype)
+    return 0 if accum_dtype(dtype) == _F32 else None
+
 
 @dataclasses.dataclass(frozen=True)
 class Fp16(CastCodec):

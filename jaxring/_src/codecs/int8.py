@@ -107,6 +107,11 @@ class Int8(Codec):
     acc = accum_dtype(dtype)
     return out if acc == _F32 else out.astype(acc)
 
+  def in_process_decode(self, dtype) -> int | None:
+    if not self.applies_to(dtype):
+      return super().in_process_decode(dtype)
+    return self.block_size if accum_dtype(dtype) == _F32 else None
+
   def hop(self, payload: tuple, local, dtype) -> tuple:
     if local.dtype != _F32:  # f64 partials: decode, add in f64, encode
       return super().hop(payload, local, dtype)

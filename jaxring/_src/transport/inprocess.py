@@ -4,8 +4,11 @@ The devices of one process share its memory. A level whose members all live in t
 (``local`` in the one-process-per-node shape, every level of a single-process job) reduce-scatters
 and all-gathers with the ``jaxring_local_*`` custom calls (xla_ext/cpu_inprocess.cc): each device's
 instance rendezvouses with its group under (execution, call site, group), reads the others' buffers
-directly and returns once every member has finished reading. XLA:CPU would otherwise run these
-steps of a multi-process program over gloo's loopback TCP. A member that does not arrive within
+directly and completes once every member has finished reading. XLA:CPU would otherwise run these
+steps of a multi-process program over gloo's loopback TCP. A member that arrives before the others
+completes asynchronously (its call returns a pending ``ffi::Future``): XLA's executor goes on with
+the device's other ready operations, so devices that reach independent collectives in different
+orders do not wait for each other in the wrong one. A member that does not arrive within
 ``JAXRING_INPROCESS_TIMEOUT`` seconds (default 60) is named in the error.
 """
 from __future__ import annotations
@@ -73,17 +76,21 @@ def _order(order, size: int) -> np.ndarray:
   return np.arange(size, dtype=np.int64) if order is None else np.asarray(order, np.int64)
 
 
-def _call(target: str, result, x, group: Group, invariant: tuple = (), order=None):
+def _call(target: str, result, x, group: Group, invariant: tuple = (), order=None, *,
+          more: tuple = (), **attrs):
   member = _member(group)
-  axes = tuple(sorted(vma.varying_axes(x) | vma.varying_axes(member), key=str))
-  x, member = vma.pvary(x, axes), vma.pvary(member, axes)
+  operands = (x,) + tuple(more)
+  axes = tuple(sorted(set().union(vma.varying_axes(member), *map(vma.varying_axes, operands)),
+                      key=str))
+  operands, member = tuple(vma.pvary(a, axes) for a in operands), vma.pvary(member, axes)
   timeout_ms = int(float(os.environ.get(ENV_TIMEOUT) or 60) * 1000)
   # No side effect declared: jax.checkpoint refuses effects (FSDP rematerializes its loss), and
-  # none is needed. Every device of the process runs the same program, so XLA keeps, drops or
-  # orders a call alike on all of them; each call site has its own ``site``, so no two are merged.
+  # none is needed. Every device of the process runs the same program, so XLA keeps or drops a
+  # call alike on all of them (its executor may order independent calls differently per device:
+  # the calls complete asynchronously for that); each call site has its own ``site``.
   out = jax.ffi.ffi_call(f"jaxring_{target}", result, vmap_method="sequential")(
-      x, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms,
-      order=_order(order, group.size))
+      *operands, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms,
+      order=_order(order, group.size), **attrs)
   # The custom call's result is typed invariant (its ShapeDtypeStruct names no axes), so it is
   # marked varying over every axis except those the caller knows it is the same across.
   return vma.pvary(out, tuple(a for a in axes if a not in invariant))
@@ -118,3 +125,22 @@ def all_gather(payload: tuple, group: Group, invariant: tuple = (), order=None) 
                                                               a.dtype), a, group, invariant, order)
                for a in payload)
 
+
+#: Payloads :func:`all_gather_decode` reads: int8 codes with f32 block scales, 16-bit floats.
+DECODABLE = (jnp.dtype(jnp.int8), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def all_gather_decode(payload: tuple, group: Group, *, block_size: int = 0,
+                      invariant: tuple = (), order=None):
+  """:func:`all_gather` of an encoded payload and its decoding to f32 in one pass: the members
+  read each other's codes and write decoded rows (no gathered copy of the codes).
+
+  ``payload``: ``(codes, scales)``, int8 codes with one f32 scale per ``block_size`` values
+  (``codecs.int8``'s wire format; each row holds whole blocks), or ``(values,)`` in bf16 or f16
+  (widened exactly). ``order`` and ``invariant`` as for :func:`all_gather`.
+  """
+  values = payload[0]
+  scales = payload[1] if len(payload) > 1 else jnp.zeros((0,), jnp.float32)
+  result = jax.ShapeDtypeStruct((values.shape[0] * group.size,), jnp.float32)
+  return _call("local_all_gather_decode", result, values, group, invariant, order,
+               more=(scales,), block_size=int(block_size))
