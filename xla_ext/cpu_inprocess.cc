@@ -48,7 +48,11 @@ struct Group {
 
 using Key = std::tuple<int64_t, int64_t, int64_t>;  // run id, call site, group index
 
-std::mutex registry_mu;
+// Never destroyed: a parked member's thread may still be waiting while the process exits.
+std::mutex& RegistryMutex() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
 std::map<Key, std::shared_ptr<Group>>& Registry() {
   static auto* groups = new std::map<Key, std::shared_ptr<Group>>();
   return *groups;
@@ -58,7 +62,7 @@ std::map<Key, std::shared_ptr<Group>>& Registry() {
 // an iteration only after all have finished it, so a member that finds its key's group finished
 // is the first of the next iteration, and starts a new group.
 std::shared_ptr<Group> Join(const Key& key, int64_t size) {
-  std::lock_guard<std::mutex> lock(registry_mu);
+  std::lock_guard<std::mutex> lock(RegistryMutex());
   auto& g = Registry()[key];
   if (g) {
     std::lock_guard<std::mutex> group_lock(g->mu);
@@ -69,7 +73,7 @@ std::shared_ptr<Group> Join(const Key& key, int64_t size) {
 }
 
 void Forget(const Key& key, const Group* done) {
-  std::lock_guard<std::mutex> lock(registry_mu);
+  std::lock_guard<std::mutex> lock(RegistryMutex());
   auto it = Registry().find(key);
   if (it != Registry().end() && it->second.get() == done) Registry().erase(it);
 }
