@@ -119,3 +119,37 @@ def test_calibrate_times_topk_once_and_its_dense_plans(tmp_path, monkeypatch):
   assert all(f.sizes == (16 << 10, 64 << 10) and min(f.seconds) > 0 for f in prof.fits)
   assert prof.meta["codecs"] == ["topk"] and prof.meta["levels"] == ["local", "node"]
   assert set(picks[64 << 10]) == {"topk"} and picks[64 << 10]["topk"] in ("ring", "hierarchical")
+
+
+def test_contenders_within_the_factor_are_timed_again_and_keep_the_lower_median():
+  import numpy as np
+  # plans: xla/none, ring/none, hierarchical/none, hierarchical/int8 (alone in its codec)
+  labels = ["none", "none", "none", "int8"]
+  first = np.array([[0.010, 0.750],    # fastest of none at both sizes
+                    [0.014, 0.790],    # within 1.5x at both: timed again
+                    [0.016, 1.034],    # beyond 1.5x at the small size, within at the large one
+                    [0.030, 0.180]])   # no other int8 plan: never timed again
+  again = {(0, 0): 0.011, (0, 1): 0.700, (1, 0): 0.012, (1, 1): 0.800, (2, 1): 0.553}
+  asked = []
+
+  def retime(i, j):
+    asked.append((i, j))
+    return again[(i, j)]
+  table = calibrate._confirm(first, labels, retime)
+  assert sorted(asked) == sorted(again)
+  np.testing.assert_array_equal(table, [[0.010, 0.700], [0.012, 0.790], [0.016, 0.553],
+                                        [0.030, 0.180]])
+  assert first[2, 1] == 1.034   # the first timings are left as they were
+
+
+def test_every_process_times_the_contenders_again_in_the_same_order():
+  # the calls are collective: the order may depend on the plans' order only, never on string
+  # hashing (salted per process, so a set of codec names iterates differently in each)
+  import numpy as np
+  labels = ["none", "bf16", "int8", "topk", "fp16", "none", "bf16", "int8", "topk", "fp16"]
+  first = np.ones((len(labels), 2))
+  asked = []
+  calibrate._confirm(first, labels, lambda i, j: asked.append((i, j)) or 1.0)
+  groups = [labels[i] for i, _ in asked]
+  assert groups == [g for g in dict.fromkeys(labels) for _ in range(4)]
+  assert asked[:4] == [(0, 0), (5, 0), (0, 1), (5, 1)]
