@@ -23,6 +23,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -395,18 +396,23 @@ ffi::Future LocalAllGatherDecodeImpl(ffi::RunId run, AnyBuffer x, AnyBuffer scal
 namespace ffi = xla::ffi;
 
 namespace {
-// Both in-process collectives take (x, [member, group]) and return one buffer; ``order`` places
-// the rows (identity: 0 .. size - 1).
+// What every in-process collective takes after its buffers; ``order`` places the rows
+// (identity: 0 .. size - 1).
+template <class Binding>
+auto GroupAttrs(Binding binding) {
+  return std::move(binding).template Attr<int64_t>("site")
+      .template Attr<int64_t>("size")
+      .template Attr<int64_t>("timeout_ms")
+      .template Attr<ffi::Span<const int64_t>>("order");
+}
+
+// (x, [member, group]) -> one buffer.
 auto LocalCollectiveBinding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::RunId>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>()
-      .Attr<int64_t>("site")
-      .Attr<int64_t>("size")
-      .Attr<int64_t>("timeout_ms")
-      .Attr<ffi::Span<const int64_t>>("order");
+  return GroupAttrs(ffi::Ffi::Bind()
+                        .Ctx<ffi::RunId>()
+                        .Arg<ffi::AnyBuffer>()
+                        .Arg<ffi::AnyBuffer>()
+                        .Ret<ffi::AnyBuffer>());
 }
 }  // namespace
 
@@ -414,15 +420,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalReduceScatterCpu, jaxring::LocalReduce
                               LocalCollectiveBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherCpu, jaxring::LocalAllGatherImpl,
                               LocalCollectiveBinding());
+// (codes, scales, [member, group]) -> decoded f32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherDecodeCpu, jaxring::LocalAllGatherDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("size")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<ffi::Span<const int64_t>>("order")
+                              GroupAttrs(ffi::Ffi::Bind()
+                                             .Ctx<ffi::RunId>()
+                                             .Arg<ffi::AnyBuffer>()
+                                             .Arg<ffi::AnyBuffer>()
+                                             .Arg<ffi::AnyBuffer>()
+                                             .Ret<ffi::AnyBuffer>())
                                   .Attr<int64_t>("block_size"));
