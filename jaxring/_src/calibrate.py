@@ -208,6 +208,25 @@ def _reps(nbytes: int, reps: int) -> int:
   return reps if nbytes >= _LARGE else 3 * reps
 
 
+def _time_candidates(target, codecs, sizes, inputs, reps: int, warmup: int, log):
+  """Every candidate plan compiled at every size and timed once: ``(plans, compiled, seconds)``,
+  ``seconds[plan, size]`` process 0's, broadcast (the same on every process)."""
+  plans, compiled, first = [], [], []
+  for algorithm, comp in _candidates(target.groups, codecs):
+    fn, t_plan = target.program(algorithm, comp), time.perf_counter()
+    compiled.append([fn.lower(inputs[nbytes]).compile() for nbytes in sizes])
+    seconds = [_time(f, inputs[nbytes], _reps(nbytes, reps), warmup,
+                     target.gather if nbytes >= _LARGE else None)
+               for f, nbytes in zip(compiled[-1], sizes)]
+    first.append(target.broadcast(np.asarray(seconds, np.float64)))
+    plans.append((algorithm, comp))
+    if log is not None:
+      log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
+          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, first[-1]))
+          + f"   ({time.perf_counter() - t_plan:.1f} s with compiling)")
+  return plans, compiled, np.asarray(first)
+
+
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
               sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] = DEFAULT_CODECS,
               reps: int = 3, warmup: int = 1, reuse: bool = True, save: bool = True,
@@ -260,29 +279,17 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       return cached
   t0 = time.perf_counter()
   inputs = {nbytes: target.input(max(1, nbytes // 4)) for nbytes in sizes}
-  plans, compiled, first = [], [], []
-  for algorithm, comp in _candidates(target.groups, codecs):
-    fn, t_plan = target.program(algorithm, comp), time.perf_counter()
-    compiled.append([fn.lower(inputs[nbytes]).compile() for nbytes in sizes])
-    seconds = [_time(f, inputs[nbytes], _reps(nbytes, reps), warmup,
-                     target.gather if nbytes >= _LARGE else None)
-               for f, nbytes in zip(compiled[-1], sizes)]
-    first.append(target.broadcast(np.asarray(seconds, np.float64)))
-    plans.append((algorithm, comp))
-    if log is not None:
-      log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
-          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, first[-1]))
-          + f"   ({time.perf_counter() - t_plan:.1f} s with compiling)")
+  plans, compiled, first = _time_candidates(target, codecs, sizes, inputs, reps, warmup, log)
 
   def retime(i: int, j: int) -> float:
     t = _time(compiled[i][j], inputs[sizes[j]], _reps(sizes[j], reps), 0)
     return float(target.broadcast(np.asarray([t], np.float64))[0])
-  table = _confirm(np.asarray(first), [_label(comp) for _, comp in plans], retime)
+  table = _confirm(first, [_label(comp) for _, comp in plans], retime)
   if log is not None:
     log("timed again within %.1fx of the fastest of their codec: %s" % (CONFIRM_WITHIN, "  ".join(
-        f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i][j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
+        f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i, j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
         for i, (a, c) in enumerate(plans) for j in range(len(sizes))
-        if table[i, j] != first[i][j])))
+        if table[i, j] != first[i, j])))
   fits = []
   for (algorithm, comp), seconds in zip(plans, table):
     codec_names = planner.codec_key(
