@@ -181,7 +181,7 @@ def test_small_config_trains_on_8_devices_and_resumes(tiny_config, tmp_path):
 def test_small_config_trains_fully_sharded_with_int8_weights(tiny_config, tmp_path):
   """--config.shard=params --config.param_compression=int8: parameters and momentum live split
   over the 8 devices, training lowers the loss, evaluation reads the split parameters, and the
-  checkpoints are written (their exact resume: test_train_shard.py)."""
+  checkpoints are written (their exact resume: test_train_shard_hpz_checkpoint.py)."""
   config = dataclasses.replace(tiny_config, workdir=str(tmp_path), shard="params",
                                param_compression="int8", compression="int8", algorithm="ring")
   summary = train.train_and_evaluate(config)
