@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -171,16 +172,31 @@ def probe_link(mesh, axes, sizes, codecs, algorithms, barrier, iface, calls: int
 
 
 #: Seconds of calls a contender gets per round after the first, at most MAX_CALLS_PER_ROUND:
-#: a quick one (top-k, ~50 ms at 32 MiB, whose 5 calls of one run spread over 38-101 ms) is
-#: called several times a round, so that its median rests on more calls.
-ROUND_BUDGET_S = 0.25
-MAX_CALLS_PER_ROUND = 5
+#: a quick one (top-k, ~30 ms at 32 MiB, whose calls spread over 18-70 ms) is called several
+#: times a round, so that its median rests on more calls. With 0.25 s and at most 5, two rows of
+#: one compiled program differed by up to 12% (docs/benchmarks.md, "Current figures").
+ROUND_BUDGET_S = 0.6
+MAX_CALLS_PER_ROUND = 10
+
+
+def round_order(n: int, r: int) -> list[int]:
+  """The order contenders are called in round ``r``: a permutation drawn from ``r`` alone, so
+  the same on every process (the calls are collective), and different from round to round, so
+  that no contender always follows the same one (a slow neighbour's after-effects, the drift of
+  load through a round) and rows of one program differ only by chance.
+
+  Example:
+    >>> round_order(4, 1) == round_order(4, 1) and sorted(round_order(4, 1)) == [0, 1, 2, 3]
+    True
+  """
+  return random.Random(r).sample(range(n), n)
 
 
 def time_rounds(ready, args, barrier, iface, agree=None):
   """Times every contender once per round, ``--reps`` rounds, so that all of them see the same
   machine: load that comes and goes (the 2 cores are shared) spreads over every contender instead
   of falling on whichever ran then, and ``auto`` is compared with its rivals under equal terms.
+  Each round calls the contenders in its own order (:func:`round_order`).
   ``agree(times) -> the largest of each over every process``: after the first round a contender
   is called as often as fits in :data:`ROUND_BUDGET_S` per round (at most
   :data:`MAX_CALLS_PER_ROUND`; the same count on every process, the calls being collective).
@@ -189,7 +205,8 @@ def time_rounds(ready, args, barrier, iface, agree=None):
   tx = dict.fromkeys(times, 0)
   calls = dict.fromkeys(times, 1)
   for r in range(args.reps):
-    for k, (label, call, _) in enumerate(ready):
+    for k in round_order(len(ready), r):
+      label, call, _ = ready[k]
       for c in range(calls[label]):
         barrier(f"r{r}-{k}-{c}")
         b0 = tx_bytes(iface)
@@ -199,7 +216,7 @@ def time_rounds(ready, args, barrier, iface, agree=None):
         tx[label] += tx_bytes(iface) - b0
     if r == 0 and agree is not None:
       slowest = agree([times[label][0] for label in times])
-      calls = {label: min(MAX_CALLS_PER_ROUND, max(1, int(ROUND_BUDGET_S / max(t, 1e-6))))
+      calls = {label: min(MAX_CALLS_PER_ROUND, max(1, int(ROUND_BUDGET_S / max(t, 1e-6) + 1e-9)))
                for label, t in zip(times, slowest)}
   for label, _, extra in ready:
     yield label, times[label], tx[label] / len(times[label]), extra
