@@ -419,6 +419,10 @@ def test_bench_cluster_rounds_call_quick_contenders_as_often_as_their_budget_all
   assert all(sorted(o) == [0, 1, 2] for o in orders) and len({tuple(o) for o in orders}) > 1
   assert orders == [cw.round_order(3, r) for r in range(3)]
   assert made[:3] == [("slow", "quick", "instant")[k] for k in orders[0]]   # one call each
+  # later rounds in passes: every contender once, then those with calls left (not in a row)
+  second = made[3:3 + 2 + 6 + 10]
+  assert second[:3] == [("slow", "quick", "instant")[k] for k in orders[1]]
+  assert second[-4:] == ["instant"] * 4 and second.count("slow") == 2
   assert [extra["x"] for _, _, _, extra in out] == ["slow", "quick", "instant"]
   plain = list(cw.time_rounds(ready, types.SimpleNamespace(reps=2), barriers.append, "lo"))
   assert [len(times) for _, times, _, _ in plain] == [2, 2, 2]    # without agree: once a round
