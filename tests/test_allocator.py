@@ -85,3 +85,19 @@ def test_cluster_processes_get_the_fast_allocator(monkeypatch):
   assert "JAXRING_RANK" not in env
   assert allocator.allocator_in_use(env).startswith("glibc malloc, tuned")
   assert launch.child_env({allocator.ENV_OPT_OUT: "1"}).get("GLIBC_TUNABLES") is None
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_run_with_tuned_glibc_says_why_tcmalloc_is_not_used(monkeypatch, capsys, installed):
+  """Tuned glibc asked for by the environment is said so, not "tcmalloc is not installed"
+  where it is (no re-exec either way: the environment already has a fast allocator)."""
+  monkeypatch.setattr(allocator, "tcmalloc_libraries",
+                      lambda: ["/usr/lib/x/libtcmalloc_minimal.so.4"] if installed else [])
+  monkeypatch.setenv("GLIBC_TUNABLES", ":".join(allocator.GLIBC_TUNED))
+  monkeypatch.delenv("LD_PRELOAD", raising=False)
+  monkeypatch.delenv(allocator.ENV_OPT_OUT, raising=False)
+  allocator.maybe_reexec_with_fast_allocator([])
+  said = capsys.readouterr().err
+  assert "glibc malloc, tuned" in said
+  assert ("not installed" in said) is not installed
+  assert ("GLIBC_TUNABLES asks" in said) is installed

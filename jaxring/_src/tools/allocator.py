@@ -98,7 +98,8 @@ def maybe_reexec_with_fast_allocator(argv: Sequence[str], module: str = "jaxring
   env = fast_allocator_env()
   if env == dict(os.environ):
     if not allocator_in_use().startswith("tcmalloc"):
-      print(f"jaxring: running with {allocator_in_use()}; tcmalloc is not installed: "
-            f"{INSTALL_HINT}", file=sys.stderr)
+      why = ("as this environment's GLIBC_TUNABLES asks" if tcmalloc_libraries() else
+             f"tcmalloc is not installed: {INSTALL_HINT}")
+      print(f"jaxring: running with {allocator_in_use()}; {why}", file=sys.stderr)
     return
   os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)

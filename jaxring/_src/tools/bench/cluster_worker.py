@@ -171,12 +171,13 @@ def probe_link(mesh, axes, sizes, codecs, algorithms, barrier, iface, calls: int
       yield algorithm, codec_name, nbytes, (tx_bytes(iface) - b0) / calls
 
 
-#: Seconds of calls a contender gets per round after the first, at most MAX_CALLS_PER_ROUND:
-#: a quick one (top-k, ~30 ms at 32 MiB, whose calls spread over 18-70 ms) is called several
-#: times a round, so that its median rests on more calls. With 0.25 s and at most 5, two rows of
-#: one compiled program differed by up to 12% (docs/benchmarks.md, "Current figures").
-ROUND_BUDGET_S = 0.6
-MAX_CALLS_PER_ROUND = 10
+#: Seconds of calls a contender gets per round after the first, at most MAX_CALLS_PER_ROUND: a
+#: quick one is called several times a round, so that its median rests on more calls. Top-k's
+#: calls at 32 MiB (~30 ms) spread over 25-34 ms between quartiles on the emulated cluster: with
+#: 41 calls a row, rows of one compiled program differed by up to 15%; the median's error shrinks
+#: as the square root of the calls (docs/benchmarks.md, "Current figures").
+ROUND_BUDGET_S = 1.0
+MAX_CALLS_PER_ROUND = 30
 
 
 def round_order(n: int, r: int) -> list[int]:
