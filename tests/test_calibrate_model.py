@@ -128,8 +128,9 @@ def test_contenders_within_the_factor_are_timed_again_and_keep_the_lower_median(
   first = np.array([[0.010, 0.750],    # fastest of none at both sizes
                     [0.014, 0.790],    # within 1.5x at both: timed again
                     [0.016, 1.034],    # beyond 1.5x at the small size, within at the large one
-                    [0.030, 0.180]])   # no other int8 plan: never timed again
-  again = {(0, 0): 0.011, (0, 1): 0.700, (1, 0): 0.012, (1, 1): 0.800, (2, 1): 0.553}
+                    [0.030, 0.180]])   # alone in its codec: timed again too
+  again = {(0, 0): 0.011, (0, 1): 0.700, (1, 0): 0.012, (1, 1): 0.800, (2, 1): 0.553,
+           (3, 0): 0.025, (3, 1): 0.200}
   asked = []
 
   def retime(i, j):
@@ -138,7 +139,7 @@ def test_contenders_within_the_factor_are_timed_again_and_keep_the_lower_median(
   table = calibrate._confirm(first, labels, retime)
   assert sorted(asked) == sorted(again)
   np.testing.assert_array_equal(table, [[0.010, 0.700], [0.012, 0.790], [0.016, 0.553],
-                                        [0.030, 0.180]])
+                                        [0.025, 0.180]])
   assert first[2, 1] == 1.034   # the first timings are left as they were
 
 

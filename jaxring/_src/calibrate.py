@@ -178,7 +178,10 @@ def _confirm(table: np.ndarray, labels: Sequence[str], retime) -> np.ndarray:
   One slow phase of a shared machine (or a first use of links) can fall on one plan's calls and
   decide a choice: on the emulated cluster one MPI-shape calibration timed the hierarchical plan at
   1034 ms against 553 ms in the benchmark's rounds, and ``auto`` chose a plan 1.6x slower. Only the
-  contenders are timed again, and without a warm-up (they are compiled and warm).
+  contenders are timed again, and without a warm-up (they are compiled and warm). A plan alone in
+  its codec (top-k) is timed again too: no rival is measured beside it, but its costs set the
+  other plans' predictions (planner.predict) and the simulator's (one MPI-shape calibration
+  timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds).
 
   ``table[plan, size]``: the broadcast first timings, the same on every process, so every process
   times the same calls again (they are collective). ``retime(plan, size) -> seconds``.
@@ -188,8 +191,6 @@ def _confirm(table: np.ndarray, labels: Sequence[str], retime) -> np.ndarray:
   # hashing is salted per process), and so would the collective calls
   for label in dict.fromkeys(labels):
     plans = [i for i, other in enumerate(labels) if other == label]
-    if len(plans) < 2:
-      continue
     for j in range(table.shape[1]):
       best = min(table[i, j] for i in plans)
       for i in plans:
@@ -286,10 +287,11 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     return float(target.broadcast(np.asarray([t], np.float64))[0])
   table = _confirm(first, [_label(comp) for _, comp in plans], retime)
   if log is not None:
-    log("timed again within %.1fx of the fastest of their codec: %s" % (CONFIRM_WITHIN, "  ".join(
+    changed = "  ".join(
         f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i, j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
-        for i, (a, c) in enumerate(plans) for j in range(len(sizes))
-        if table[i, j] != first[i, j])))
+        for i, (a, c) in enumerate(plans) for j in range(len(sizes)) if table[i, j] != first[i, j])
+    log(f"timed again (within {CONFIRM_WITHIN:.1f}x of the fastest of their codec, or alone in "
+        f"it): {changed}")
   fits = []
   for (algorithm, comp), seconds in zip(plans, table):
     codec_names = planner.codec_key(
@@ -299,8 +301,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   del inputs, compiled
   meta = {"statistic": f"median of {reps} to {3 * reps} calls ({3 * reps} below 4 MiB; above, as "
                        f"many as fit in {POINT_BUDGET_S} s) after {warmup} warm-up, process 0's; "
-                       f"plans within {CONFIRM_WITHIN}x of their codec's fastest timed again, "
-                       f"the lower median kept",
+                       f"plans within {CONFIRM_WITHIN}x of their codec's fastest (or alone in it) "
+                       f"timed again, the lower median kept",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),

@@ -48,7 +48,6 @@ class MpiHeartbeats:
     self.launches: dict[int, dict[str, int]] = {}
 
   def beat(self):
-    from mpi4py import MPI
     # empty messages go eagerly (complete locally, never wait for the receiver); still at most one
     # outstanding per peer, so that a dead peer's connection does not pile them up
     version, counts = launches.version(), None
