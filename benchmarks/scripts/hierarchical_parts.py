@@ -1,4 +1,4 @@
-"""Parts of the hierarchical all-reduce timed apart, with CPU time per process (docs/benchmarks.md,
+"""Parts of the hierarchical all-reduce timed apart, with CPU time per process (docs/benchmarks-history.md,
 "Where the rest of the time goes"): gloo psum, hierarchical per codec, the node ring on the shard,
 the local reduce-scatter / all-gather, and x + 1. Run inside the emulated cluster as
 benchmarks/scripts/node_ring_pieces.py is (env ONLY=name,... keeps matching cases; CODECS, MIB, REPS).

@@ -1,5 +1,5 @@
 """Plans timed side by side at chosen sizes, in rounds (each program once per round), on the
-emulated cluster: the measurements behind the measured planner's model (docs/benchmarks.md,
+emulated cluster: the measurements behind the measured planner's model (docs/benchmarks-history.md,
 "`auto` after calibration", and jaxring/_src/algorithms/planner.py ``predict``).
 
 PROGS lists ``algorithm:codec:KiB`` (codec on the node level); R the rounds. JAX shape (a process
