@@ -34,8 +34,12 @@ from jaxring._src.transport import mpi_axis
 # 32 MiB on the emulated cluster (docs/benchmarks.md).
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 32 << 20)
 #: Seconds of timed calls a large point gets at most: a plan that is quick at the largest size
-#: (top-k) is called more than ``reps`` times, up to three times as many (docs/simulations.md).
+#: (top-k) is called more than ``reps`` times, up to :data:`QUICK_REPS_FACTOR` times as many
+#: (docs/simulations.md).
 POINT_BUDGET_S = 0.5
+#: Top-k's 32 MiB point (~30 ms a call on the emulated cluster, 25-34 ms between quartiles) took
+#: 24.5 to 34.5 ms from run to run on 9 calls, and the benchmark's rows 30; 16 calls fit the budget.
+QUICK_REPS_FACTOR = 6
 DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
 
 
@@ -145,8 +149,9 @@ def _time(fn, x, reps: int, warmup: int, agree=None) -> float:
   """The median seconds of ``reps`` calls of the compiled ``fn(x)`` after ``warmup`` untimed ones.
 
   ``agree(ms) -> [every process's ms]`` (a large point): the calls become as many as fit in
-  :data:`POINT_BUDGET_S` at the slowest process's warm-up time, between ``reps`` and three times
-  that, the same count on every process (the calls are collective)."""
+  :data:`POINT_BUDGET_S` at the slowest process's warm-up time, between ``reps`` and
+  :data:`QUICK_REPS_FACTOR` times that, the same count on every process (the calls are
+  collective)."""
   # ``fn`` is compiled before the clock starts: a first call that compiles, among three timed at
   # 32 MiB, makes their median the slower of the other two. The first call of the compiled
   # program is often slow too (the warm-up; docs/simulations.md, "Calibration's warm-up call")
@@ -155,7 +160,7 @@ def _time(fn, x, reps: int, warmup: int, agree=None) -> float:
     jax.block_until_ready(fn(x))
   if agree is not None and warmup:
     slowest = max(agree(int(1e3 * (time.perf_counter() - t) / warmup) + 1)) / 1e3
-    reps = min(3 * reps, max(reps, int(POINT_BUDGET_S / slowest)))
+    reps = min(QUICK_REPS_FACTOR * reps, max(reps, int(POINT_BUDGET_S / slowest)))
   times = []
   for _ in range(reps):
     t = time.perf_counter()
@@ -244,7 +249,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       are interpolated, ``cost_model.Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
-      below 4 MiB, and above it up to three times where they fit in :data:`POINT_BUDGET_S`).
+      below 4 MiB, and above it up to :data:`QUICK_REPS_FACTOR` times where they fit in
+      :data:`POINT_BUDGET_S`).
       Each program is compiled before its calls are timed; the warm-up call after that costs
       one more call per plan and size (on the emulated cluster 24 s instead of 20 s) and keeps
       the timings within 14% of the same plans timed 5 times afterwards (up to 73% off
@@ -299,8 +305,9 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     fits.append(cost_model.Fit.from_points(algorithm, codec_names, sizes,
                                            [float(t) for t in seconds]))
   del inputs, compiled
-  meta = {"statistic": f"median of {reps} to {3 * reps} calls ({3 * reps} below 4 MiB; above, as "
-                       f"many as fit in {POINT_BUDGET_S} s) after {warmup} warm-up, process 0's; "
+  meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
+                       f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s) after {warmup} "
+                       f"warm-up, process 0's; "
                        f"plans within {CONFIRM_WITHIN}x of their codec's fastest (or alone in it) "
                        f"timed again, the lower median kept",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
