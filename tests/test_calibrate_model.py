@@ -133,11 +133,11 @@ def test_contenders_within_the_factor_are_timed_again_and_keep_the_lower_median(
            (3, 0): 0.025, (3, 1): 0.200}
   asked = []
 
-  def retime(i, j):
-    asked.append((i, j))
-    return again[(i, j)]
+  def retime(plans, j):               # the plans of one size, timed side by side
+    asked.append((list(plans), j))
+    return [again[(i, j)] for i in plans]
   table = calibrate._confirm(first, labels, retime)
-  assert sorted(asked) == sorted(again)
+  assert asked == [([0, 1, 3], 0), ([0, 1, 2, 3], 1)]
   np.testing.assert_array_equal(table, [[0.010, 0.700], [0.012, 0.790], [0.016, 0.553],
                                         [0.025, 0.180]])
   assert first[2, 1] == 1.034   # the first timings are left as they were
@@ -150,7 +150,17 @@ def test_every_process_times_the_contenders_again_in_the_same_order():
   labels = ["none", "bf16", "int8", "topk", "fp16", "none", "bf16", "int8", "topk", "fp16"]
   first = np.ones((len(labels), 2))
   asked = []
-  calibrate._confirm(first, labels, lambda i, j: asked.append((i, j)) or 1.0)
-  groups = [labels[i] for i, _ in asked]
-  assert groups == [g for g in dict.fromkeys(labels) for _ in range(4)]
-  assert asked[:4] == [(0, 0), (5, 0), (0, 1), (5, 1)]
+  calibrate._confirm(first, labels, lambda plans, j: asked.append((plans, j)) or [1.0] * len(plans))
+  assert asked == [(list(range(10)), 0), (list(range(10)), 1)]
+
+
+def test_plans_of_a_size_are_timed_side_by_side_in_passes():
+  """A quick plan's extra calls come after every plan's first, not in a row; the count of a large
+  point follows its slowest process's warm-up time within the budget."""
+  made = []
+  times = calibrate._interleaved([lambda: made.append("slow"), lambda: made.append("quick"),
+                                  lambda: made.append("topk")], [1, 2, 4])
+  assert made == ["slow", "quick", "topk", "quick", "topk", "topk", "topk"]
+  assert [len(t) for t in times] == [1, 2, 4] and all(s >= 0 for t in times for s in t)
+  assert calibrate._large_reps(3, 0.6) == 3 and calibrate._large_reps(3, 0.1) == 5
+  assert calibrate._large_reps(3, 1e-4) == 3 * calibrate.QUICK_REPS_FACTOR

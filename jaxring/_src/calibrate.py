@@ -145,31 +145,42 @@ def _target(mesh, axes):
   return _MpiTarget(binding)
 
 
-def _time(fn, x, reps: int, warmup: int, agree=None) -> float:
-  """The median seconds of ``reps`` calls of the compiled ``fn(x)`` after ``warmup`` untimed ones.
+def _interleaved(calls: Sequence, counts: Sequence[int]) -> list[list[float]]:
+  """Seconds of ``counts[i]`` calls of each ``calls[i]``, made in passes: every call once, then
+  those with calls left, and so on (the order of ``calls`` in each pass).
 
-  ``agree(ms) -> [every process's ms]`` (a large point): the calls become as many as fit in
-  :data:`POINT_BUDGET_S` at the slowest process's warm-up time, between ``reps`` and
-  :data:`QUICK_REPS_FACTOR` times that, the same count on every process (the calls are
-  collective)."""
-  # ``fn`` is compiled before the clock starts: a first call that compiles, among three timed at
-  # 32 MiB, makes their median the slower of the other two. The first call of the compiled
-  # program is often slow too (the warm-up; docs/simulations.md, "Calibration's warm-up call")
-  t = time.perf_counter()
-  for _ in range(warmup):
-    jax.block_until_ready(fn(x))
-  if agree is not None and warmup:
-    slowest = max(agree(int(1e3 * (time.perf_counter() - t) / warmup) + 1)) / 1e3
-    reps = min(QUICK_REPS_FACTOR * reps, max(reps, int(POINT_BUDGET_S / slowest)))
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(x))
-    times.append(time.perf_counter() - t)
-  # the median, as users and benchmarks see it: the fastest call favours plans whose times vary
-  # (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms; the
-  # fastest calls chose hierarchical, the medians gloo)
-  return float(np.median(times))
+  The plans at a size are timed side by side, as ``bench cluster`` times its rows, so that a
+  slow phase of a shared machine falls on all of them rather than on whichever plan ran then,
+  and each call follows another plan's traffic, as a reduction in a training step follows other
+  work. Timed one plan after another, top-k's point came out 17-78 ms on the emulated cluster's
+  MPI shape against 27 ms in the benchmark's rows (docs/simulations.md).
+
+  Example:
+    >>> made = []
+    >>> times = _interleaved([lambda: made.append("a"), lambda: made.append("b")], [1, 3])
+    >>> made, [len(t) for t in times]
+    (['a', 'b', 'b', 'b'], [1, 3])
+  """
+  times: list[list[float]] = [[] for _ in calls]
+  for c in range(max(counts, default=0)):
+    for i, call in enumerate(calls):
+      if c < counts[i]:
+        t = time.perf_counter()
+        call()
+        times[i].append(time.perf_counter() - t)
+  return times
+
+
+def _large_reps(reps: int, slowest: float) -> int:
+  """Calls at a large size for a plan whose warm-up call took ``slowest`` seconds on the slowest
+  process: as many as fit in :data:`POINT_BUDGET_S`, between ``reps`` and
+  :data:`QUICK_REPS_FACTOR` times that.
+
+  Example:
+    >>> _large_reps(3, 0.5), _large_reps(3, 0.03), _large_reps(3, 0.001)
+    (3, 16, 18)
+  """
+  return min(QUICK_REPS_FACTOR * reps, max(reps, int(POINT_BUDGET_S / max(slowest, 1e-9))))
 
 
 #: A plan within this factor of the fastest plan of its codec at a size is timed again there.
@@ -183,24 +194,26 @@ def _confirm(table: np.ndarray, labels: Sequence[str], retime) -> np.ndarray:
   One slow phase of a shared machine (or a first use of links) can fall on one plan's calls and
   decide a choice: on the emulated cluster one MPI-shape calibration timed the hierarchical plan at
   1034 ms against 553 ms in the benchmark's rounds, and ``auto`` chose a plan 1.6x slower. Only the
-  contenders are timed again, and without a warm-up (they are compiled and warm). A plan alone in
-  its codec (top-k) is timed again too: no rival is measured beside it, but its costs set the
-  other plans' predictions (planner.predict) and the simulator's (one MPI-shape calibration
-  timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds).
+  contenders are timed again, side by side, and without a warm-up (they are compiled and warm). A
+  plan alone in its codec (top-k) is timed again too: no rival is measured beside it, but its
+  costs set the other plans' predictions (planner.predict) and the simulator's (one MPI-shape
+  calibration timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds).
 
   ``table[plan, size]``: the broadcast first timings, the same on every process, so every process
-  times the same calls again (they are collective). ``retime(plan, size) -> seconds``.
+  times the same calls again (they are collective). ``retime(plans, size) -> seconds of each``.
   """
   table = table.copy()
-  # in order of first appearance, never a set's order: that differs between processes (string
-  # hashing is salted per process), and so would the collective calls
-  for label in dict.fromkeys(labels):
-    plans = [i for i, other in enumerate(labels) if other == label]
-    for j in range(table.shape[1]):
+  for j in range(table.shape[1]):
+    again = []
+    # in order of first appearance, never a set's order: that differs between processes (string
+    # hashing is salted per process), and so would the collective calls
+    for label in dict.fromkeys(labels):
+      plans = [i for i, other in enumerate(labels) if other == label]
       best = min(table[i, j] for i in plans)
-      for i in plans:
-        if table[i, j] <= CONFIRM_WITHIN * best:
-          table[i, j] = min(table[i, j], retime(i, j))
+      again += [i for i in plans if table[i, j] <= CONFIRM_WITHIN * best]
+    again.sort()
+    for i, t in zip(again, retime(again, j)):
+      table[i, j] = min(table[i, j], t)
   return table
 
 
@@ -215,22 +228,45 @@ def _reps(nbytes: int, reps: int) -> int:
 
 
 def _time_candidates(target, codecs, sizes, inputs, reps: int, warmup: int, log):
-  """Every candidate plan compiled at every size and timed once: ``(plans, compiled, seconds)``,
-  ``seconds[plan, size]`` process 0's, broadcast (the same on every process)."""
-  plans, compiled, first = [], [], []
-  for algorithm, comp in _candidates(target.groups, codecs):
-    fn, t_plan = target.program(algorithm, comp), time.perf_counter()
-    compiled.append([fn.lower(inputs[nbytes]).compile() for nbytes in sizes])
-    seconds = [_time(f, inputs[nbytes], _reps(nbytes, reps), warmup,
-                     target.gather if nbytes >= _LARGE else None)
-               for f, nbytes in zip(compiled[-1], sizes)]
-    first.append(target.broadcast(np.asarray(seconds, np.float64)))
-    plans.append((algorithm, comp))
-    if log is not None:
+  """Every candidate plan compiled at every size, then timed size by size, the plans side by
+  side (:func:`_interleaved`): ``(plans, compiled, seconds, calls)``, ``seconds[plan, size]``
+  process 0's medians, broadcast (the same on every process), ``calls[plan, size]`` how many
+  calls each median rests on."""
+  plans = list(_candidates(target.groups, codecs))
+  t0 = time.perf_counter()
+  # compiled before the clock starts: a first call that compiles, among three timed at 32 MiB,
+  # makes their median the slower of the other two
+  compiled = [[target.program(a, c).lower(inputs[n]).compile() for n in sizes] for a, c in plans]
+  t_compiled = time.perf_counter()
+  seconds = np.zeros((len(plans), len(sizes)))
+  calls_made = np.zeros((len(plans), len(sizes)), np.int64)
+  for j, nbytes in enumerate(sizes):
+    x = inputs[nbytes]
+    calls = [lambda f=row[j]: jax.block_until_ready(f(x)) for row in compiled]
+    # the first calls of a compiled program are often slow (docs/simulations.md, "Calibration's
+    # warm-up call"); their time also sets a large point's number of calls
+    warm = []
+    for call in calls:
+      t = time.perf_counter()
+      for _ in range(warmup):
+        call()
+      warm.append((time.perf_counter() - t) / max(warmup, 1))
+    counts = [_reps(nbytes, reps)] * len(plans)
+    if nbytes >= _LARGE and warmup:
+      counts = [_large_reps(reps, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
+    # the median, as users and benchmarks see it: the fastest call favours plans whose times
+    # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms;
+    # the fastest calls chose hierarchical, the medians gloo)
+    seconds[:, j] = [np.median(t) for t in _interleaved(calls, counts)]
+    calls_made[:, j] = counts
+  first = np.asarray(target.broadcast(seconds), np.float64)
+  if log is not None:
+    log(f"compiled {len(plans)} plans at {len(sizes)} sizes in {t_compiled - t0:.1f} s, timed "
+        f"side by side in {time.perf_counter() - t_compiled:.1f} s")
+    for (algorithm, comp), row in zip(plans, first):
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
-          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, first[-1]))
-          + f"   ({time.perf_counter() - t_plan:.1f} s with compiling)")
-  return plans, compiled, np.asarray(first)
+          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, row)))
+  return plans, compiled, first, calls_made
 
 
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
@@ -254,8 +290,10 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       Each program is compiled before its calls are timed; the warm-up call after that costs
       one more call per plan and size (on the emulated cluster 24 s instead of 20 s) and keeps
       the timings within 14% of the same plans timed 5 times afterwards (up to 73% off
-      without it). At each size, the plans within :data:`CONFIRM_WITHIN` of the fastest plan
-      of their codec are then timed again and keep the lower median (:func:`_confirm`).
+      without it). At each size the plans are timed side by side, in passes (every plan once,
+      then those with calls left: :func:`_interleaved`), as ``bench cluster`` times its rows.
+      The plans within :data:`CONFIRM_WITHIN` of the fastest plan of their codec (or alone in
+      it) are then timed again, side by side, and keep the lower median (:func:`_confirm`).
     reuse: return the cached profile of these axes if every process has the same one.
     save: write the profile to the cache, where ``auto`` finds it.
     log: a callable receiving one line per measured plan (e.g. ``print``).
@@ -286,11 +324,14 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       return cached
   t0 = time.perf_counter()
   inputs = {nbytes: target.input(max(1, nbytes // 4)) for nbytes in sizes}
-  plans, compiled, first = _time_candidates(target, codecs, sizes, inputs, reps, warmup, log)
+  plans, compiled, first, calls = _time_candidates(target, codecs, sizes, inputs, reps, warmup,
+                                                   log)
 
-  def retime(i: int, j: int) -> float:
-    t = _time(compiled[i][j], inputs[sizes[j]], _reps(sizes[j], reps), 0)
-    return float(target.broadcast(np.asarray([t], np.float64))[0])
+  def retime(rows: list[int], j: int) -> list[float]:
+    x = inputs[sizes[j]]
+    again = _interleaved([lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in rows],
+                         [int(calls[i, j]) for i in rows])
+    return list(target.broadcast(np.asarray([np.median(t) for t in again], np.float64)))
   table = _confirm(first, [_label(comp) for _, comp in plans], retime)
   if log is not None:
     changed = "  ".join(
@@ -307,9 +348,9 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   del inputs, compiled
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
                        f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s) after {warmup} "
-                       f"warm-up, process 0's; "
-                       f"plans within {CONFIRM_WITHIN}x of their codec's fastest (or alone in it) "
-                       f"timed again, the lower median kept",
+                       f"warm-up, process 0's, the plans side by side in passes; plans within "
+                       f"{CONFIRM_WITHIN}x of their codec's fastest (or alone in it) timed again, "
+                       f"the lower median kept",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),
