@@ -11,7 +11,7 @@ that peer; otherwise it is empty.
 
 Ending: a rank sends "finished" to its peers, then receives what they still send until each has
 sent its own "finished" or acknowledged ours (a peer that is still running answers at its next
-heartbeat and sends nothing after), for at most two heartbeat intervals and a second. Messages
+heartbeat and sends nothing after), for at most 3 s (:meth:`MpiHeartbeats.finish`). Messages
 left unreceived at ``MPI_Finalize`` make UCX print a warning for each (about 80 at the end of a
 job of 8 ranks on 4 nodes).
 """
@@ -91,7 +91,7 @@ class MpiHeartbeats:
     byes = [self.comm.Isend(b"", dest=q, tag=_BYE) for q in self.peers]
     waiting, deadline = set(self.peers), time.monotonic() + timeout
     while waiting and time.monotonic() < deadline:
-      got = [(q, tag) for q, tag in self._received()]
+      got = list(self._received())
       waiting -= {q for q, tag in got if tag in (_BYE, _ACK)}
       if not got:
         time.sleep(0.005)
