@@ -154,13 +154,14 @@ def test_every_process_times_the_contenders_again_in_the_same_order():
   assert asked == [(list(range(10)), 0), (list(range(10)), 1)]
 
 
-def test_plans_of_a_size_are_timed_side_by_side_in_passes():
-  """A quick plan's extra calls come after every plan's first, not in a row; the count of a large
+def test_plans_of_a_size_are_timed_side_by_side_each_spread_evenly():
+  """A quick plan's calls are spread evenly among the others', not made in a row; the count of a large
   point follows its slowest process's warm-up time within the budget."""
   made = []
   times = calibrate._interleaved([lambda: made.append("slow"), lambda: made.append("quick"),
                                   lambda: made.append("topk")], [1, 2, 4])
-  assert made == ["slow", "quick", "topk", "quick", "topk", "topk", "topk"]
+  # each plan's calls evenly over the span (k-th of c at (k + 1/2)/c), ties in the plans' order
+  assert made == ["topk", "quick", "topk", "slow", "topk", "quick", "topk"]
   assert [len(t) for t in times] == [1, 2, 4] and all(s >= 0 for t in times for s in t)
   assert calibrate._large_reps(3, 0.6) == 3 and calibrate._large_reps(3, 0.1) == 5
   assert calibrate._large_reps(3, 1e-4) == 3 * calibrate.QUICK_REPS_FACTOR

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring._src import collectives, cost_model
+from jaxring._src.timing import spread
 from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
 from jaxring._src.transport import mpi_axis
@@ -146,8 +147,8 @@ def _target(mesh, axes):
 
 
 def _interleaved(calls: Sequence, counts: Sequence[int]) -> list[list[float]]:
-  """Seconds of ``counts[i]`` calls of each ``calls[i]``, made in passes: every call once, then
-  those with calls left, and so on (the order of ``calls`` in each pass).
+  """Seconds of ``counts[i]`` calls of each ``calls[i]``, side by side: each plan's calls spread
+  evenly among the others' (:func:`spread`).
 
   The plans at a size are timed side by side, as ``bench cluster`` times its rows, so that a
   slow phase of a shared machine falls on all of them rather than on whichever plan ran then,
@@ -159,15 +160,13 @@ def _interleaved(calls: Sequence, counts: Sequence[int]) -> list[list[float]]:
     >>> made = []
     >>> times = _interleaved([lambda: made.append("a"), lambda: made.append("b")], [1, 3])
     >>> made, [len(t) for t in times]
-    (['a', 'b', 'b', 'b'], [1, 3])
+    (['b', 'a', 'b', 'b'], [1, 3])
   """
   times: list[list[float]] = [[] for _ in calls]
-  for c in range(max(counts, default=0)):
-    for i, call in enumerate(calls):
-      if c < counts[i]:
-        t = time.perf_counter()
-        call()
-        times[i].append(time.perf_counter() - t)
+  for i in spread(counts):
+    t = time.perf_counter()
+    calls[i]()
+    times[i].append(time.perf_counter() - t)
   return times
 
 
@@ -290,8 +289,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       Each program is compiled before its calls are timed; the warm-up call after that costs
       one more call per plan and size (on the emulated cluster 24 s instead of 20 s) and keeps
       the timings within 14% of the same plans timed 5 times afterwards (up to 73% off
-      without it). At each size the plans are timed side by side, in passes (every plan once,
-      then those with calls left: :func:`_interleaved`), as ``bench cluster`` times its rows.
+      without it). At each size the plans are timed side by side, each plan's calls spread
+      evenly among the others' (:func:`spread`), as ``bench cluster`` times its rows.
       The plans within :data:`CONFIRM_WITHIN` of the fastest plan of their codec (or alone in
       it) are then timed again, side by side, and keep the lower median (:func:`_confirm`).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -348,7 +347,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   del inputs, compiled
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
                        f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s) after {warmup} "
-                       f"warm-up, process 0's, the plans side by side in passes; plans within "
+                       f"warm-up, process 0's, the plans side by side, each one's calls spread "
+                       f"evenly among the others'; plans within "
                        f"{CONFIRM_WITHIN}x of their codec's fastest (or alone in it) timed again, "
                        f"the lower median kept",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],

@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from jaxring._src.timing import spread
 from jaxring._src.tools.bench import common
 
 MARK = "JRB "
@@ -197,8 +198,8 @@ def time_rounds(ready, args, barrier, iface, agree=None):
   """Times every contender once per round, ``--reps`` rounds, so that all of them see the same
   machine: load that comes and goes (the 2 cores are shared) spreads over every contender instead
   of falling on whichever ran then, and ``auto`` is compared with its rivals under equal terms.
-  Each round calls the contenders in its own order (:func:`round_order`), in passes: every
-  contender once, then those with calls left, and so on.
+  Each round calls the contenders in its own order (:func:`round_order`), a contender's calls
+  spread evenly among the others' (``jaxring._src.timing.spread``, as calibration times its plans).
   ``agree(times) -> the largest of each over every process``: after the first round a contender
   is called as often as fits in :data:`ROUND_BUDGET_S` per round (at most
   :data:`MAX_CALLS_PER_ROUND`; the same count on every process, the calls being collective).
@@ -207,21 +208,19 @@ def time_rounds(ready, args, barrier, iface, agree=None):
   tx = dict.fromkeys(times, 0)
   calls = dict.fromkeys(times, 1)
   for r in range(args.reps):
-    order = round_order(len(ready), r)
-    # a quick contender's calls are spread over the round (one per pass), not made in a row: a
-    # slow phase of the machine (on the emulated cluster, MPI-shape top-k calls ran at 75 ms
-    # instead of 22 for a second at a time) then falls on every contender alike
-    for c in range(max(calls.values())):
-      for k in order:
-        label, call, _ = ready[k]
-        if c >= calls[label]:
-          continue
-        barrier(f"r{r}-{k}-{c}")
-        b0 = tx_bytes(iface)
-        t = time.perf_counter()
-        call()
-        times[label].append(time.perf_counter() - t)
-        tx[label] += tx_bytes(iface) - b0
+    # a quick contender's calls are spread over the round, not made in a row: a slow phase of
+    # the machine (on the emulated cluster, MPI-shape top-k calls ran at 75 ms instead of 22 for
+    # a second at a time) then falls on every contender alike
+    made = [0] * len(ready)
+    for k in spread([calls[label] for label, _, _ in ready], round_order(len(ready), r)):
+      label, call, _ = ready[k]
+      barrier(f"r{r}-{k}-{made[k]}")
+      made[k] += 1
+      b0 = tx_bytes(iface)
+      t = time.perf_counter()
+      call()
+      times[label].append(time.perf_counter() - t)
+      tx[label] += tx_bytes(iface) - b0
     if r == 0 and agree is not None:
       slowest = agree([times[label][0] for label in times])
       calls = {label: min(MAX_CALLS_PER_ROUND, max(1, int(ROUND_BUDGET_S / max(t, 1e-6) + 1e-9)))
