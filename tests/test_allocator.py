@@ -2,7 +2,9 @@
 
 The tuned glibc settings are checked by their effect: a process that allocates, fills and frees a
 64 MiB buffer 20 times page-faults it in every time under plain glibc malloc (a fresh mmap per
-buffer), once under the tuned settings. A misspelt tunable is ignored by glibc, so it fails here.
+buffer), once under the tuned settings; a second thread (its own arena, as XLA's threads have)
+maps it afresh every time even when tuned, but in huge pages. A misspelt tunable is ignored by
+glibc, so it fails here.
 """
 import os
 import platform
@@ -21,18 +23,30 @@ import ctypes, resource
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def work():
+  for _ in range(20):
+    p = libc.malloc(64 << 20)
+    ctypes.memset(p, 1, 64 << 20)
+    libc.free(p)
+
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-  p = libc.malloc(64 << 20)
-  ctypes.memset(p, 1, 64 << 20)
-  libc.free(p)
+if THREAD:   # a thread of its own takes an arena of its own
+  import threading
+  t = threading.Thread(target=work)
+  t.start()
+  t.join()
+else:
+  work()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(env) -> int:
-  out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True,
-                       timeout=120, check=True)
+def _faults(env, thread: bool = False) -> int:
+  out = subprocess.run([sys.executable, "-c", f"THREAD = {thread}\n" + _FAULTS], env=env,
+                       capture_output=True, text=True, timeout=120, check=True)
   return int(out.stdout.strip())
 
 
@@ -56,6 +70,25 @@ def test_tuned_glibc_keeps_large_blocks_resident():
   pages = 20 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
   assert plain > 0.8 * pages, plain            # every buffer faulted in again
   assert tuned < 0.2 * pages, (tuned, plain)   # the first one only
+
+
+def _thp_madvise() -> bool:
+  try:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+      return "[madvise]" in f.read()
+  except OSError:
+    return False
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's tunables")
+@pytest.mark.skipif(not _thp_madvise(), reason="transparent huge pages on request only")
+def test_tuned_glibc_maps_a_threads_large_blocks_in_huge_pages():
+  tuned = dict(_plain_env(), GLIBC_TUNABLES=":".join(allocator.GLIBC_TUNED))
+  thresholds_only = dict(_plain_env(), GLIBC_TUNABLES=":".join(
+      t for t in allocator.GLIBC_TUNED if "hugetlb" not in t))
+  pages = 20 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+  assert _faults(thresholds_only, thread=True) > 0.8 * pages   # every block mapped afresh
+  assert _faults(tuned, thread=True) < 0.2 * pages             # ... in 2 MiB pages
 
 
 def test_fast_env_keeps_the_callers_tunables_and_is_idempotent(monkeypatch):

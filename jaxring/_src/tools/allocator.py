@@ -7,7 +7,8 @@ tuning below (docs/benchmarks.md, "Allocator"). Two remedies, in order:
 
 - tcmalloc, preloaded where it is installed (``make tcmalloc``);
 - otherwise glibc malloc tuned through ``GLIBC_TUNABLES`` (nothing to install): large blocks come
-  from the heap and stay there (``GLIBC_TUNED``).
+  from the heap and stay there, and what is still mapped afresh is mapped in transparent huge
+  pages (``GLIBC_TUNED``).
 
 ``jaxring bench``, ``jaxring demo`` and the processes ``jaxring cluster run`` starts use the first
 that applies and say which; ``JAXRING_NO_TCMALLOC=1`` keeps plain glibc malloc deliberately.
@@ -24,10 +25,15 @@ _TCMALLOC_GLOBS = ("/usr/lib/*/libtcmalloc_minimal.so*", "/usr/lib/*/libtcmalloc
 INSTALL_HINT = ("install it with `make tcmalloc` (apt-get install libtcmalloc-minimal4); "
                 "JAXRING_NO_TCMALLOC=1 keeps plain glibc malloc deliberately")
 ENV_OPT_OUT = "JAXRING_NO_TCMALLOC"
-# Blocks up to 1 GiB from the heap (not mmap), freed memory kept up to 1 GiB. Not one arena:
+# Blocks up to 1 GiB from the heap (not mmap), freed memory kept up to 1 GiB. That holds in the
+# main arena only: a thread's own arena grows in heaps of at most 64 MiB and maps a larger block
+# afresh whatever the threshold (and XLA's threads allocate most buffers), so every such block is
+# also asked for in transparent huge pages (hugetlb=1: 2 MiB a page fault instead of 4 KiB; a
+# 32 MiB psum on 8 CPU devices 34-44 -> 24-25 ms, docs/benchmarks.md). Not one arena:
 # glibc.malloc.arena_max=1 made single collectives steadier but cost the demo's training step 40%
 # (lock contention between XLA's threads: 272 against 438 images/s, docs/benchmarks.md)
-GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_threshold=1073741824")
+GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_threshold=1073741824",
+               "glibc.malloc.hugetlb=1")
 
 
 def tcmalloc_libraries() -> list[str]:
@@ -51,7 +57,7 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
 
   Example:
     >>> allocator_in_use({"GLIBC_TUNABLES": ":".join(GLIBC_TUNED)})
-    'glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept)'
+    'glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; huge pages)'
     >>> allocator_in_use({})
     'glibc malloc'
   """
@@ -60,7 +66,7 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
   if "tcmalloc" in pre:
     return f"tcmalloc ({pre})"
   if _tuned(env):
-    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept)"
+    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; huge pages)"
   return "glibc malloc"
 
 
