@@ -54,18 +54,9 @@ def _plain_env() -> dict:
   return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
 
 
-def _thp_mode() -> str:
-  """Transparent huge pages: ``always``, ``madvise`` (on request), ``never`` or ``""``."""
-  try:
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-      text = f.read()
-  except OSError:
-    return ""
-  return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
-
-
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's tunables")
-@pytest.mark.skipif(_thp_mode() == "always", reason="huge pages for every mapping: faults are not pages")
+@pytest.mark.skipif(allocator.transparent_huge_pages() == "always",
+                    reason="huge pages for every mapping: faults are not pages")
 def test_tuned_glibc_keeps_large_blocks_resident():
   plain = _faults(_plain_env())
   tuned = _faults(dict(_plain_env(), GLIBC_TUNABLES=":".join(allocator.GLIBC_TUNED)))
@@ -75,7 +66,8 @@ def test_tuned_glibc_keeps_large_blocks_resident():
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's tunables")
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="transparent huge pages on request only")
+@pytest.mark.skipif(allocator.transparent_huge_pages() != "madvise",
+                    reason="transparent huge pages on request only")
 def test_tuned_glibc_maps_a_threads_large_blocks_in_huge_pages():
   tuned = dict(_plain_env(), GLIBC_TUNABLES=":".join(allocator.GLIBC_TUNED))
   thresholds_only = dict(_plain_env(), GLIBC_TUNABLES=":".join(

@@ -51,6 +51,22 @@ def _tuned(env: Mapping[str, str]) -> bool:
   return all(t in have for t in GLIBC_TUNED)
 
 
+def transparent_huge_pages() -> str:
+  """The kernel's transparent huge page mode: ``always``, ``madvise`` (on request, as the tuned
+  glibc settings ask), ``never``, or ``""`` where it cannot be read (not Linux).
+
+  Example:
+    >>> transparent_huge_pages() in ("always", "madvise", "never", "")
+    True
+  """
+  try:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+      text = f.read()
+  except OSError:
+    return ""
+  return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
 def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
   """``tcmalloc (<path>)``, ``glibc malloc, tuned`` or ``glibc malloc``, for this process (or a
   process started with ``env``).

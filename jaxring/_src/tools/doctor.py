@@ -191,6 +191,8 @@ def _allocator(r: Report, require: set[str]) -> None:
   libs = allocator.tcmalloc_libraries()
   r.add("allocator", "this process", allocator.allocator_in_use())
   r.add("allocator", "tcmalloc installed", libs[0] if libs else "no")
+  # tuned glibc asks for huge pages for the blocks a thread maps afresh (allocator.GLIBC_TUNED)
+  r.add("allocator", "transparent huge pages", allocator.transparent_huge_pages() or "unknown")
   if not libs:
     msg = ("tcmalloc is not installed: `jaxring bench` and `jaxring cluster run` tune glibc malloc "
            "instead (GLIBC_TUNABLES, jaxring._src.tools.allocator); for XLA:CPU collectives in "
