@@ -63,8 +63,11 @@ def test_launched_processes_keep_where_to_write_but_not_who_they_are(monkeypatch
   monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path / "cache"))
   monkeypatch.setenv("JAXRING_PROCESS_ID", "3")
   monkeypatch.setenv("JAXRING_COORDINATOR", "10.0.0.1:1234")
+  monkeypatch.setenv("JAXRING_FAILURE_TIMEOUT", "0")   # settings of the watchdog stay too
+  monkeypatch.setenv("JAXRING_LAUNCH_MARKERS", "0")
   for env in (launch.child_env(), fault_jobs.child_env()):
     assert env["JAXRING_FLIGHT_DIR"] == str(tmp_path / "flight")
+    assert env["JAXRING_FAILURE_TIMEOUT"] == "0" and env["JAXRING_LAUNCH_MARKERS"] == "0"
     assert env["JAXRING_CACHE_DIR"] == str(tmp_path / "cache")
     assert "JAXRING_PROCESS_ID" not in env and "JAXRING_COORDINATOR" not in env
     assert "--xla_force_host_platform_device_count" not in env.get("XLA_FLAGS", "")

@@ -43,7 +43,8 @@ class Rank:
 # it is (its rank, coordinator and devices are the launcher's to set)
 USER_SETTINGS = ("JAXRING_FLIGHT_DIR", "JAXRING_FLIGHT_RECORDER", "JAXRING_CACHE_DIR",
                  "JAXRING_PROFILE", "JAXRING_KERNELS", "JAXRING_KERNEL_CHOICE",
-                 "JAXRING_CPU_THREADS", "JAXRING_NO_TCMALLOC")
+                 "JAXRING_CPU_THREADS", "JAXRING_NO_TCMALLOC", "JAXRING_FAILURE_TIMEOUT",
+                 "JAXRING_LAUNCH_MARKERS", "JAXRING_FINGERPRINT", "JAXRING_INPROCESS_TIMEOUT")
 
 
 def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
