@@ -22,7 +22,6 @@ _FAULTS = """
 import ctypes, resource
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 

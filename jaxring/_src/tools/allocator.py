@@ -29,7 +29,7 @@ ENV_OPT_OUT = "JAXRING_NO_TCMALLOC"
 # main arena only: a thread's own arena grows in heaps of at most 64 MiB and maps a larger block
 # afresh whatever the threshold (and XLA's threads allocate most buffers), so every such block is
 # also asked for in transparent huge pages (hugetlb=1: 2 MiB a page fault instead of 4 KiB; a
-# 32 MiB psum on 8 CPU devices 34-44 -> 24-25 ms, docs/benchmarks.md). Not one arena:
+# 32 MiB psum on 8 CPU devices 34-46 -> 24-25 ms, docs/benchmarks.md). Not one arena:
 # glibc.malloc.arena_max=1 made single collectives steadier but cost the demo's training step 40%
 # (lock contention between XLA's threads: 272 against 438 images/s, docs/benchmarks.md)
 GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_threshold=1073741824",

@@ -11,8 +11,9 @@ codec of ``--codecs`` on the node level (its error against MPICH's result), then
 inter-node step alone (the node-level ring on the shard left by the local reduce-scatter), and
 ``auto`` after calibrating over the MPI transport.
 
-Each contender: ``--warmup`` calls; then ``--reps`` rounds, each timing every contender once in
-turn (load from elsewhere on the shared cores falls on all of them alike). Around each timed call
+Each contender: ``--warmup`` calls; then ``--reps`` rounds, each timing every contender in turn,
+a quick one several times, its calls spread among the others' (:func:`time_rounds`: load from
+elsewhere on the shared cores falls on all of them alike). Around each timed call
 the node's link counter (``/sys/class/net/<iface>/statistics/tx_bytes`` inside the node's
 namespace) is read by one process per node. Results are printed as lines ``JRB <json>``: one per
 (contender, node) with that node's tx bytes, and the times measured by that process.
