@@ -12,7 +12,14 @@ carry over to other sizes, link rates and plans:
   shaped to). Each node's devices run their node-level rings side by side and share its link.
 - ``alpha_l``, ``beta_l``: the cost per message and per byte on level ``l`` beyond the link time
   (on the emulated cluster: gloo's loopback TCP between the devices of a process, the kernel's
-  TCP work, XLA:CPU's buffer handling).
+  TCP work, XLA:CPU's buffer handling). Over two levels the hierarchical plan is the only one
+  with local and node hops, always as many of each, so a calibration determines what its hops
+  cost together, not each level's share.
+- ``alpha_ring``: the cost per hop of the flat ring through every member. Its hop is not a
+  node-level hop: in the JAX shape every hop is one collective permute of all the devices, a
+  process's two devices included, and the calibration's dense flat ring took 16-25 ms at 1 KiB
+  (14 hops) where the hierarchical plan took 5-7 (2 local and 6 node hops); one ``alpha_node``
+  for both under-predicted the flat ring's top-k by 9-31% (docs/simulations.md).
 - ``kappa_c``, ``gamma_c``: codec ``c``'s encode and decode per f32 byte of the slow level's
   hops, and its cost per call.
 - Top-k chunks: the native all-reduce of the chunk norms; selection and scatter on the whole
@@ -38,7 +45,7 @@ from jaxring._src import cost_model
 
 LEVELS = ("local", "node")
 CODECS = ("bf16", "int8", "topk")
-NAMES = (("alpha_local", "alpha_node", "beta_local", "beta_node", "alpha_native",
+NAMES = (("alpha_local", "alpha_node", "alpha_ring", "beta_local", "beta_node", "alpha_native",
           "link_native") + tuple(f"kappa_{c}" for c in CODECS) + tuple(f"gamma_{c}" for c in CODECS))
 
 # the profile's codec strings (repr of each level's codec) -> the spelling jaxring.codecs.parse takes
@@ -111,7 +118,7 @@ def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[in
     f["link_native"] += cost_model.ring_all_reduce(nbytes, p, 0.0, link_bytes_per_s)
     return beyond, f
   if algorithm == "ring":                   # one ring through every member, node by node
-    f["alpha_node"] += cost_model.ring_all_reduce(0.0, p, unit, math.inf)
+    f["alpha_ring"] += cost_model.ring_all_reduce(0.0, p, unit, math.inf)
     f["beta_node"] += cost_model.ring_all_reduce(nbytes, p, 0.0, unit, wire.ratio)
     link = cost_model.ring_all_reduce(nbytes, p, 0.0, link_bytes_per_s, wire.ratio)
     coded = cost_model.ring_all_reduce(nbytes, p, 0.0, unit)
