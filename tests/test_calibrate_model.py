@@ -165,3 +165,39 @@ def test_plans_of_a_size_are_timed_side_by_side_each_spread_evenly():
   assert [len(t) for t in times] == [1, 2, 4] and all(s >= 0 for t in times for s in t)
   assert calibrate._large_reps(3, 0.6) == 3 and calibrate._large_reps(3, 0.1) == 5
   assert calibrate._large_reps(3, 1e-4) == 3 * calibrate.QUICK_REPS_FACTOR
+
+
+def test_topk_is_timed_with_the_chunk_norms_plan_this_calibration_chooses_not_a_cached_one():
+  """Top-k sums its chunk norms by the lossless plan ``auto`` picks from a profile; calibrating
+  must not time it with an earlier (stale) profile's pick, nor with none on a fresh machine."""
+  import jax
+  import numpy as np
+
+  from jaxring._src.algorithms import planner
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
+                                              jaxring.Level("node", 2, 1.25e8, 1e-4)))):
+    target = calibrate._target(mesh, ("node", "local"))
+    key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
+    sizes = (1 << 10, 64 << 10)
+    inputs = {n: target.input(n // 4) for n in sizes}
+    none = planner.codec_key([planner.codec_for(None, g.name, np.float32) for g in target.groups])
+    # a stale profile in which the ring is 10,000x faster than anything at every size
+    stale = cost_model.Profile(key, tuple(
+        cost_model.Fit.from_points(a, none, sizes, [t, t])
+        for a, t in (("xla", 1.0), ("ring", 1e-4), ("hierarchical", 1.0))),
+        meta={"levels": ["local", "node"]})
+    with cost_model.use_profile(stale):
+      plans, compiled, _, _, norms = calibrate._time_candidates(target, key, ("topk",), sizes,
+                                                               inputs, 1, 1, None)
+      topk = next(i for i, (_, c) in enumerate(plans) if calibrate._sparsifying(c))
+      as_stale = target.program(*plans[topk]).lower(inputs[sizes[1]]).compile().as_text()
+  picked = calibrate.choices(norms, [16], ["none"])[16]["none"]   # 4 chunks' norms at 64 KiB
+  assert calibrate.choices(stale, [16], ["none"])[16]["none"] == "ring"
+  assert sorted(f.algorithm for f in norms.fits) == ["hierarchical", "ring", "xla"]
+  assert all(f.sizes == sizes for f in norms.fits)
+  timed = compiled[topk][1].as_text()
+  if picked == "xla":   # on one host the native psum: one all-reduce, where the ring has none
+    assert "all-reduce(" in timed and "all-reduce(" not in as_stale
+  else:
+    assert timed != as_stale

@@ -1,4 +1,5 @@
 """`jaxring simulate`: the step timeline and the reductions' times against hand arithmetic."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -124,6 +125,34 @@ def test_calibrated_terms_by_hand():
   assert f["link_native"] == pytest.approx(2 * 7 / 8 * (n // 4096) / link)
   t, f = calibrated.terms("xla", "none", calibrated.Wire(), n, (2, 4), link)
   assert t == 0 and f["link_native"] == pytest.approx(2 * 7 / 8 * n / link)
+  # where auto sums the norms by the hierarchical plan, so does the model
+  t, f = calibrated.terms("ring", "topk", topk, n, (2, 4), link, norms=lambda nbytes: (
+      "hierarchical" if nbytes == 4 * (n // 4 // 4096) else "?"))
+  assert f["alpha_native"] == 0 and f["alpha_local"] == 2 and f["alpha_node"] == 6
+  assert f["alpha_ring"] == 14
+
+
+def test_the_model_sums_top_ks_chunk_norms_by_the_plan_auto_picks_from_the_profile():
+  from jaxring._src.tools.simulate import calibrated
+  sizes, link = (2, 4), 125e6
+  base = {**dict.fromkeys(calibrated.NAMES, 0.0), "alpha_local": 0.5e-3, "alpha_node": 1e-3,
+          "alpha_ring": 1.3e-3, "link_native": 1.05, "kappa_topk": 5e-10}
+  for native, picked in ((10e-3, "hierarchical"), (2e-3, "xla")):
+    truth = calibrated.Calibrated(sizes, {**base, "alpha_native": native})
+    every = (1 << 10, 64 << 10, 1 << 20, 32 << 20)
+    lossless = _profile(truth, sizes, link, [p for p in PLANS if p[1] == "none"], nbytes=every)
+    truth = dataclasses.replace(truth, norms=calibrated.norms_plans(lossless))
+    profile = _profile(truth, sizes, link, PLANS, nbytes=every)
+    assert calibrated.norms_plans(profile)(8 << 10) == picked
+    model = calibrated.fit(profile, sizes, link)
+    assert model.norms(8 << 10) == picked
+    # hierarchical norms: 2 local and 6 node hops (7 ms) where the native call would take 10
+    norms_s = 2 * 0.5e-3 + 6 * 1e-3 if picked == "hierarchical" else native
+    one = model.all_reduce_seconds("hierarchical", "topk", 32 << 20, link)
+    assert one - model.all_reduce_seconds("hierarchical", "none", 20 * 4096 * 4, link) \
+        == pytest.approx(norms_s + 5e-10 * (32 << 20), rel=0.05)
+    assert one == pytest.approx(truth.all_reduce_seconds("hierarchical", "topk", 32 << 20, link),
+                                rel=1e-6)
 
 
 def test_calibrated_fit_recovers_the_coefficients_and_moves_to_another_link_rate():

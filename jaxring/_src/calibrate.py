@@ -5,7 +5,9 @@ candidate is ``jaxring.psum`` of f32 over the axes with one algorithm (``xla``, 
 ``hierarchical``) and one codec, the codec on the slowest level only over several levels (the
 BlueConnect way: ``compression={"node": codec}``), timed at a few sizes (the median of a few
 calls); ``auto`` interpolates between them. Top-k is timed with one plan: the others follow from
-its dense codec's timings (planner.predict). Every process of a multi-process job must
+its dense codec's timings (planner.predict); its chunk norms are summed by the lossless plan
+``auto`` picks from this calibration's first timings of the lossless plans, not from whatever
+profile was cached before (:func:`_norms_profile`). Every process of a multi-process job must
 call :func:`calibrate` together: the timings are process 0's, broadcast, so that every process
 plans alike (different plans on different processes would not meet).
 """
@@ -226,16 +228,88 @@ def _reps(nbytes: int, reps: int) -> int:
   return reps if nbytes >= _LARGE else 3 * reps
 
 
-def _time_candidates(target, codecs, sizes, inputs, reps: int, warmup: int, log):
+def _codec_of(comp):
+  return next(iter(comp.values())) if isinstance(comp, dict) else comp
+
+
+def _norms_bytes(comp, nbytes: int) -> int:
+  """Bytes of the chunk norms (an f32 per chunk) a sparsifying codec sums for ``nbytes`` of f32."""
+  return 4 * _codec_of(comp).num_chunks(max(1, nbytes // 4))
+
+
+def _warm_up(calls, warmup: int) -> list[float]:
+  """Makes ``warmup`` calls of each of ``calls``; returns each one's mean seconds."""
+  warm = []
+  for call in calls:
+    t = time.perf_counter()
+    for _ in range(warmup):
+      call()
+    warm.append((time.perf_counter() - t) / max(warmup, 1))
+  return warm
+
+
+def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmup: int,
+                   log) -> cost_model.Profile:
+  """The lossless plans timed at the sizes a sparsifying codec's chunk norms take, as the
+  profile under which its programs are traced.
+
+  Top-k sums its chunk norms with the lossless plan ``auto`` picks for their size
+  (``engine.sum_norms``), which reads a profile. Traced under whatever profile is cached (an
+  earlier calibration's, or none on a fresh machine), the top-k timed here would not be the
+  top-k that runs once this calibration is the profile: on the emulated cluster's JAX shape
+  the 8 KiB norms take 10 ms with gloo's psum (no profile) and 6.6 ms with the hierarchical plan
+  (docs/simulations.md). So the lossless plans are timed first at the calibration sizes up to
+  the norms' largest, and that profile decides the norms' plan, the same on every process.
+  """
+  largest = max(_norms_bytes(c, max(sizes)) for _, c in plans if _sparsifying(c))
+  upto = next((j for j, n in enumerate(sizes) if n >= largest), len(sizes) - 1)
+  small = list(range(max(upto, 1) + 1))
+  lossless = [i for i, (_, c) in enumerate(plans) if c is None]
+  seconds = np.zeros((len(lossless), len(small)))
+  for j in small:
+    x = inputs[sizes[j]]
+    calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in lossless]
+    _warm_up(calls, warmup)
+    seconds[:, j] = [np.median(t) for t in _interleaved(calls, [_reps(sizes[j], reps)] * len(calls))]
+  seconds = np.asarray(target.broadcast(seconds), np.float64)
+  none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
+  fits = tuple(cost_model.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
+               for i, row in zip(lossless, seconds))
+  profile = cost_model.Profile(key, fits, meta={"levels": [str(g.name) for g in target.groups]})
+  if log is not None:
+    log("chunk norms: " + ", ".join(
+        f"{n} B by {plan['none']}" for n, plan in choices(profile, _norm_sizes(plans, sizes),
+                                                          ["none"]).items()))
+  return profile
+
+
+def _norm_sizes(plans, sizes) -> list[int]:
+  return sorted({_norms_bytes(c, n) for _, c in plans if _sparsifying(c) for n in sizes})
+
+
+def _sparsifying(comp) -> bool:
+  return comp is not None and not _codec_of(comp).per_hop
+
+
+def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int, log):
   """Every candidate plan compiled at every size, then timed size by size, the plans side by
-  side (:func:`_interleaved`): ``(plans, compiled, seconds, calls)``, ``seconds[plan, size]``
-  process 0's medians, broadcast (the same on every process), ``calls[plan, size]`` how many
-  calls each median rests on."""
+  side (:func:`_interleaved`): ``(plans, compiled, seconds, calls, norms)``,
+  ``seconds[plan, size]`` process 0's medians, broadcast (the same on every process),
+  ``calls[plan, size]`` how many calls each median rests on, ``norms`` the profile a
+  sparsifying codec's programs were traced under (:func:`_norms_profile`; None without one)."""
   plans = list(_candidates(target.groups, codecs))
   t0 = time.perf_counter()
   # compiled before the clock starts: a first call that compiles, among three timed at 32 MiB,
   # makes their median the slower of the other two
-  compiled = [[target.program(a, c).lower(inputs[n]).compile() for n in sizes] for a, c in plans]
+  compiled = [None if _sparsifying(c) else
+              [target.program(a, c).lower(inputs[n]).compile() for n in sizes] for a, c in plans]
+  norms = None
+  if any(_sparsifying(c) for _, c in plans):
+    norms = _norms_profile(target, key, plans, compiled, sizes, inputs, reps, warmup, log)
+    with cost_model.use_profile(norms):
+      compiled = [row if row is not None else
+                  [target.program(a, c).lower(inputs[n]).compile() for n in sizes]
+                  for (a, c), row in zip(plans, compiled)]
   t_compiled = time.perf_counter()
   seconds = np.zeros((len(plans), len(sizes)))
   calls_made = np.zeros((len(plans), len(sizes)), np.int64)
@@ -244,12 +318,7 @@ def _time_candidates(target, codecs, sizes, inputs, reps: int, warmup: int, log)
     calls = [lambda f=row[j]: jax.block_until_ready(f(x)) for row in compiled]
     # the first calls of a compiled program are often slow (docs/simulations.md, "Calibration's
     # warm-up call"); their time also sets a large point's number of calls
-    warm = []
-    for call in calls:
-      t = time.perf_counter()
-      for _ in range(warmup):
-        call()
-      warm.append((time.perf_counter() - t) / max(warmup, 1))
+    warm = _warm_up(calls, warmup)
     counts = [_reps(nbytes, reps)] * len(plans)
     if nbytes >= _LARGE and warmup:
       counts = [_large_reps(reps, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
@@ -265,7 +334,7 @@ def _time_candidates(target, codecs, sizes, inputs, reps: int, warmup: int, log)
     for (algorithm, comp), row in zip(plans, first):
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
           f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, row)))
-  return plans, compiled, first, calls_made
+  return plans, compiled, first, calls_made, norms
 
 
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
@@ -293,6 +362,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       evenly among the others' (:func:`spread`), as ``bench cluster`` times its rows.
       The plans within :data:`CONFIRM_WITHIN` of the fastest plan of their codec (or alone in
       it) are then timed again, side by side, and keep the lower median (:func:`_confirm`).
+      With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
+      take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
     save: write the profile to the cache, where ``auto`` finds it.
     log: a callable receiving one line per measured plan (e.g. ``print``).
@@ -323,8 +394,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       return cached
   t0 = time.perf_counter()
   inputs = {nbytes: target.input(max(1, nbytes // 4)) for nbytes in sizes}
-  plans, compiled, first, calls = _time_candidates(target, codecs, sizes, inputs, reps, warmup,
-                                                   log)
+  plans, compiled, first, calls, norms = _time_candidates(target, key, codecs, sizes, inputs,
+                                                          reps, warmup, log)
 
   def retime(rows: list[int], j: int) -> list[float]:
     x = inputs[sizes[j]]
@@ -355,6 +426,16 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),
                                datetime.datetime.now(datetime.timezone.utc).isoformat(), meta)
+  if norms is not None:
+    # the chunk norms' plan the sparsifying codec was timed with, and the one it will run with
+    # under this profile (they differ only where the two timings of the lossless plans do)
+    timed, later = (choices(p, _norm_sizes(plans, sizes), ["none"]) for p in (norms, profile))
+    meta["chunk_norms"] = {str(n): timed[n]["none"] for n in timed}
+    if timed != later:
+      meta["chunk_norms_now"] = {str(n): later[n]["none"] for n in later}
+      if log is not None:
+        log(f"chunk norms: timed with {meta['chunk_norms']}, this profile picks "
+            f"{meta['chunk_norms_now']}")
   if save:
     cost_model.save_profile(profile)
   return profile

@@ -36,6 +36,7 @@ own points first, then the others from the rest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -91,21 +92,24 @@ def wire_of(text: str) -> Wire:
 
 
 def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[int, int],
-          link_bytes_per_s: float, extra=None) -> tuple[float, dict[str, float]]:
+          link_bytes_per_s: float, extra=None, norms=None) -> tuple[float, dict[str, float]]:
   """``(link seconds, {coefficient: its multiplier})`` of one all-reduce of ``nbytes`` per member.
 
   ``sizes`` are the members per level, fast to slow; ``link_bytes_per_s`` is one node's link;
   ``extra(algorithm, codec, nbytes)``: the link bytes a call costs beyond its payload
-  (:class:`LinkBytes`), or None (none).
+  (:class:`LinkBytes`), or None (none); ``norms(nbytes)``: the lossless plan top-k's chunk
+  norms of ``nbytes`` are summed by (``auto``'s pick, :func:`norms_plans`), or None (the native
+  all-reduce).
   """
   f = dict.fromkeys(NAMES, 0.0)
   if codec == "topk":
-    # the chunk norms' native all-reduce (one f32 per chunk), then the dense plan on the chunks
-    norms_link, norms = terms("xla", "none", Wire(), 4 * math.ceil(nbytes / wire.chunk_bytes),
-                              sizes, link_bytes_per_s, extra)
+    # the chunk norms' all-reduce (one f32 per chunk), then the dense plan on the chunks
+    n_norms = 4 * math.ceil(nbytes / wire.chunk_bytes)
+    norms_link, norms_f = terms("xla" if norms is None else norms(n_norms), "none", Wire(),
+                                n_norms, sizes, link_bytes_per_s, extra)
     link, f = terms(algorithm, "none", Wire(), wire.packed(nbytes), sizes, link_bytes_per_s,
                     extra)
-    f = {k: v + norms[k] for k, v in f.items()}
+    f = {k: v + norms_f[k] for k, v in f.items()}
     f["kappa_topk"] += nbytes
     f["gamma_topk"] += 1.0
     return link + norms_link, f
@@ -189,6 +193,7 @@ class Calibrated:
   wires: dict = dataclasses.field(default_factory=dict)   # codec spelling -> Wire, as profiled
   points: int = 0
   extra: LinkBytes = LinkBytes()          # link bytes per call beyond the payload, measured
+  norms: object = None                    # top-k's chunk norms' plan by size (norms_plans)
 
   def with_wire(self, codec: str, wire: Wire) -> Calibrated:
     """The same machine with ``codec`` configured otherwise (e.g. top-k with other chunks)."""
@@ -199,7 +204,8 @@ class Calibrated:
     """``(seconds on the slow link, seconds of everything else)`` of one all-reduce (the
     native all-reduce's link share is inside its fitted multiple: counted as link)."""
     wire = self.wires.get(codec) or _wire(codec)
-    link, f = terms(algorithm, codec, wire, nbytes, self.sizes, link_bytes_per_s, self.extra)
+    link, f = terms(algorithm, codec, wire, nbytes, self.sizes, link_bytes_per_s, self.extra,
+                    self.norms)
     native_link = self.coef["link_native"] * f["link_native"]
     other = sum(self.coef[k] * v for k, v in f.items()) - native_link
     return link + native_link, other
@@ -227,12 +233,13 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
 
   wires = {codec_spelling(f["codecs"][-1]): wire_of(f["codecs"][-1]) for f in profile["fits"]}
   extra = LinkBytes.measured(link_probe or [], wires, sizes, link_bytes_per_s)
+  norms = norms_plans(profile)
   points = []   # (native plan?, seconds - link, weight, multipliers)
   for fit_ in profile["fits"]:
     codec = codec_spelling(fit_["codecs"][-1])
     for nbytes, seconds in zip(fit_["sizes"], fit_["seconds"]):
       link, f = terms(fit_["algorithm"], codec, wires[codec], nbytes, sizes, link_bytes_per_s,
-                      extra)
+                      extra, norms)
       # weights 1/sqrt(t): between absolute error (the large sizes decide, and the small ones'
       # latency is lost) and relative error (the small sizes' noise, +-50% from one run to the
       # next at 1 MiB on the emulated cluster, decides)
@@ -251,4 +258,25 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
     b = np.asarray([(t - sum(coef[k] * f[k] for k in native)) * w for _, t, w, f in rows_of])
     x, _ = nnls(a, b)
     coef.update(zip(names, (float(v) for v in x)))
-  return Calibrated(tuple(sizes), coef, wires, len(points), extra)
+  return Calibrated(tuple(sizes), coef, wires, len(points), extra, norms)
+
+
+def norms_plans(profile: dict):
+  """``nbytes -> algorithm``: the lossless plan ``auto`` sums top-k's chunk norms of ``nbytes``
+  with under ``profile`` (``planner.choose`` on its lossless fits), which is the plan the
+  calibration timed top-k with (``calibrate._norms_profile``) and the one the rows run. On the
+  emulated cluster's JAX shape the hierarchical plan (about 6.6 ms for 8 KiB, against 10 ms for
+  gloo's psum): modelled as the native all-reduce, top-k's cost per call was fitted at 0 (the
+  least-squares bound) and its rows were still over-predicted."""
+  from jaxring._src.algorithms import planner
+  from jaxring._src.codecs.base import parse
+
+  prof = cost_model.Profile(profile.get("key", {}), tuple(
+      cost_model.Fit.from_points(f["algorithm"], f["codecs"], f["sizes"], f["seconds"])
+      for f in profile["fits"]))
+  lossless = [planner.codec_for(parse("none"), "", np.float32)] * len(LEVELS)
+
+  @functools.lru_cache(maxsize=None)
+  def plan(nbytes: int) -> str:
+    return planner.choose(int(nbytes), len(LEVELS), lossless, False, prof)
+  return plan
