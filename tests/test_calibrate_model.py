@@ -48,6 +48,10 @@ def test_auto_follows_the_measured_point_where_a_line_through_smaller_sizes_misl
   prof = _profile(xla, hier)
   assert planner.choose(32 * MiB, 2, [NONE, NONE], False, prof) == "xla"
   assert planner.choose(MiB, 2, [NONE, NONE], False, prof) == "hierarchical"   # 21% faster
+  # the codecs may also be given as the profile names them
+  assert planner.choose(MiB, 2, list(KEY_NONE), False, prof) == "hierarchical"
+  assert planner.predict(prof, "xla", KEY_NONE, MiB) == planner.predict(prof, "xla", [NONE] * 2,
+                                                                        MiB) is not None
 
 
 def test_packed_bytes_follow_the_codecs_own_chunk_count():

@@ -148,8 +148,8 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
 
 
 def codec_key(codecs) -> tuple[str, ...]:
-  """How a profile names the codecs of a plan's levels."""
-  return tuple(repr(c) for c in codecs)
+  """How a profile names the codecs of a plan's levels (a name already, a string, is kept)."""
+  return tuple(c if isinstance(c, str) else repr(c) for c in codecs)
 
 
 def _dense(codecs, dtype):
