@@ -262,15 +262,17 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
   the norms' largest, and that profile decides the norms' plan, the same on every process.
   """
   largest = max(_norms_bytes(c, max(sizes)) for _, c in plans if _sparsifying(c))
-  upto = next((j for j, n in enumerate(sizes) if n >= largest), len(sizes) - 1)
-  small = list(range(max(upto, 1) + 1))
+  ascending = sorted(range(len(sizes)), key=lambda j: sizes[j])
+  upto = next((k for k, j in enumerate(ascending) if sizes[j] >= largest), len(sizes) - 1)
+  small = ascending[:max(upto, 1) + 1]       # at least two sizes, to interpolate between
   lossless = [i for i, (_, c) in enumerate(plans) if c is None]
   seconds = np.zeros((len(lossless), len(small)))
-  for j in small:
+  for k, j in enumerate(small):
     x = inputs[sizes[j]]
     calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in lossless]
     _warm_up(calls, warmup)
-    seconds[:, j] = [np.median(t) for t in _interleaved(calls, [_reps(sizes[j], reps)] * len(calls))]
+    counts = [_reps(sizes[j], reps)] * len(calls)
+    seconds[:, k] = [np.median(t) for t in _interleaved(calls, counts)]
   seconds = np.asarray(target.broadcast(seconds), np.float64)
   none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
   fits = tuple(cost_model.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
@@ -442,10 +444,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
 
 
 def _label(comp) -> str:
-  if comp is None:
-    return "none"
-  codec = next(iter(comp.values())) if isinstance(comp, dict) else comp
-  return codec.name
+  return "none" if comp is None else _codec_of(comp).name
 
 
 def choices(profile: cost_model.Profile, sizes: Sequence[int],

@@ -47,7 +47,8 @@ from jaxring._src import cost_model
 LEVELS = ("local", "node")
 CODECS = ("bf16", "int8", "topk")
 NAMES = (("alpha_local", "alpha_node", "alpha_ring", "beta_local", "beta_node", "alpha_native",
-          "link_native") + tuple(f"kappa_{c}" for c in CODECS) + tuple(f"gamma_{c}" for c in CODECS))
+          "link_native") + tuple(f"kappa_{c}" for c in CODECS)
+         + tuple(f"gamma_{c}" for c in CODECS))
 
 # the profile's codec strings (repr of each level's codec) -> the spelling jaxring.codecs.parse takes
 _SPELLING = (("Codec()", "none"), ("Bf16()", "bf16"), ("Int8(", "int8"), ("TopKChunks(", "topk"))
