@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxring
-from jaxring._src import calibrate, cost_model
+from jaxring._src import calibrate, cost_model, timing
 from jaxring._src.algorithms import planner
 
 MiB = 1 << 20
@@ -162,8 +162,8 @@ def test_plans_of_a_size_are_timed_side_by_side_each_spread_evenly():
   """A quick plan's calls are spread evenly among the others', not made in a row; the count of a large
   point follows its slowest process's warm-up time within the budget."""
   made = []
-  times = calibrate._interleaved([lambda: made.append("slow"), lambda: made.append("quick"),
-                                  lambda: made.append("topk")], [1, 2, 4])
+  times = timing.side_by_side([lambda: made.append("slow"), lambda: made.append("quick"),
+                               lambda: made.append("topk")], [1, 2, 4])
   # each plan's calls evenly over the span (k-th of c at (k + 1/2)/c), ties in the plans' order
   assert made == ["topk", "quick", "topk", "slow", "topk", "quick", "topk"]
   assert [len(t) for t in times] == [1, 2, 4] and all(s >= 0 for t in times for s in t)

@@ -28,7 +28,7 @@ LAYERS = {
     "topology": 1,
     "vma": 0,
     "cache": 0,           # where measured profiles and kernel choices are kept
-    "timing": 0,          # the order of calls timed side by side (calibrate, benchmarks)
+    "timing": 0,          # calls timed side by side, and their order (calibrate, benchmarks)
 }
 FACES = {"jaxring", "jaxring.codecs", "jaxring.distributed", "jaxring.bench", "jaxring.__main__",
          "jaxring.data", "jaxring.train"}

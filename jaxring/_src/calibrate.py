@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src import collectives, cost_model
 from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
-from jaxring._src.timing import spread
+from jaxring._src import timing
 from jaxring._src.transport import mpi_axis
 
 # Four sizes, log-spaced over the range gradient buckets and psums take (the default bucket is
@@ -148,30 +148,6 @@ def _target(mesh, axes):
   return _MpiTarget(binding)
 
 
-def _interleaved(calls: Sequence, counts: Sequence[int]) -> list[list[float]]:
-  """Seconds of ``counts[i]`` calls of each ``calls[i]``, side by side: each plan's calls spread
-  evenly among the others' (:func:`spread`).
-
-  The plans at a size are timed side by side, as ``bench cluster`` times its rows, so that a
-  slow phase of a shared machine falls on all of them rather than on whichever plan ran then,
-  and each call follows another plan's traffic, as a reduction in a training step follows other
-  work. Timed one plan after another, top-k's point came out 17-78 ms on the emulated cluster's
-  MPI shape against 27 ms in the benchmark's rows (docs/simulations.md).
-
-  Example:
-    >>> made = []
-    >>> times = _interleaved([lambda: made.append("a"), lambda: made.append("b")], [1, 3])
-    >>> made, [len(t) for t in times]
-    (['b', 'a', 'b', 'b'], [1, 3])
-  """
-  times: list[list[float]] = [[] for _ in calls]
-  for i in spread(counts):
-    t = time.perf_counter()
-    calls[i]()
-    times[i].append(time.perf_counter() - t)
-  return times
-
-
 def _large_reps(reps: int, slowest: float) -> int:
   """Calls at a large size for a plan whose warm-up call took ``slowest`` seconds on the slowest
   process: as many as fit in :data:`POINT_BUDGET_S`, between ``reps`` and
@@ -237,17 +213,6 @@ def _norms_bytes(comp, nbytes: int) -> int:
   return 4 * _codec_of(comp).num_chunks(max(1, nbytes // 4))
 
 
-def _warm_up(calls, warmup: int) -> list[float]:
-  """Makes ``warmup`` calls of each of ``calls``; returns each one's mean seconds."""
-  warm = []
-  for call in calls:
-    t = time.perf_counter()
-    for _ in range(warmup):
-      call()
-    warm.append((time.perf_counter() - t) / max(warmup, 1))
-  return warm
-
-
 def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmup: int,
                    log) -> cost_model.Profile:
   """The lossless plans timed at the sizes a sparsifying codec's chunk norms take, as the
@@ -270,9 +235,9 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
   for k, j in enumerate(small):
     x = inputs[sizes[j]]
     calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in lossless]
-    _warm_up(calls, warmup)
+    timing.warm_up(calls, warmup)
     counts = [_reps(sizes[j], reps)] * len(calls)
-    seconds[:, k] = [np.median(t) for t in _interleaved(calls, counts)]
+    seconds[:, k] = [np.median(t) for t in timing.side_by_side(calls, counts)]
   seconds = np.asarray(target.broadcast(seconds), np.float64)
   none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
   fits = tuple(cost_model.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
@@ -295,7 +260,7 @@ def _sparsifying(comp) -> bool:
 
 def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int, log):
   """Every candidate plan compiled at every size, then timed size by size, the plans side by
-  side (:func:`_interleaved`): ``(plans, compiled, seconds, calls, norms)``,
+  side (:func:`timing.side_by_side`): ``(plans, compiled, seconds, calls, norms)``,
   ``seconds[plan, size]`` process 0's medians, broadcast (the same on every process),
   ``calls[plan, size]`` how many calls each median rests on, ``norms`` the profile a
   sparsifying codec's programs were traced under (:func:`_norms_profile`; None without one)."""
@@ -320,14 +285,14 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
     calls = [lambda f=row[j]: jax.block_until_ready(f(x)) for row in compiled]
     # the first calls of a compiled program are often slow (docs/simulations.md, "Calibration's
     # warm-up call"); their time also sets a large point's number of calls
-    warm = _warm_up(calls, warmup)
+    warm = timing.warm_up(calls, warmup)
     counts = [_reps(nbytes, reps)] * len(plans)
     if nbytes >= _LARGE and warmup:
       counts = [_large_reps(reps, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
     # the median, as users and benchmarks see it: the fastest call favours plans whose times
     # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms;
     # the fastest calls chose hierarchical, the medians gloo)
-    seconds[:, j] = [np.median(t) for t in _interleaved(calls, counts)]
+    seconds[:, j] = [np.median(t) for t in timing.side_by_side(calls, counts)]
     calls_made[:, j] = counts
   first = np.asarray(target.broadcast(seconds), np.float64)
   if log is not None:
@@ -401,8 +366,9 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
 
   def retime(rows: list[int], j: int) -> list[float]:
     x = inputs[sizes[j]]
-    again = _interleaved([lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in rows],
-                         [int(calls[i, j]) for i in rows])
+    again = timing.side_by_side(
+        [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in rows],
+        [int(calls[i, j]) for i in rows])
     return list(target.broadcast(np.asarray([np.median(t) for t in again], np.float64)))
   table = _confirm(first, [_label(comp) for _, comp in plans], retime)
   if log is not None:

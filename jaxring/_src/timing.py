@@ -1,8 +1,9 @@
-"""The order of timed calls when several contenders are measured side by side (no jax here:
+"""Several contenders timed side by side, and the order of their calls (no jax here:
 the benchmark workers import it before jax is set up)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 
@@ -27,3 +28,38 @@ def spread(counts: Sequence[int], order: Sequence[int] | None = None) -> list[in
   slots = sorted((Fraction(2 * k + 1, 2 * c), rank[i], i)
                  for i, c in enumerate(counts) for k in range(c))
   return [i for _, _, i in slots]
+
+
+def side_by_side(calls: Sequence[Callable], counts: Sequence[int]) -> list[list[float]]:
+  """Seconds of ``counts[i]`` calls of each ``calls[i]``, side by side: each one's calls spread
+  evenly among the others' (:func:`spread`).
+
+  Calibration times the plans of a size this way, as ``bench cluster`` times its rows, so that a
+  slow phase of a shared machine falls on all of them rather than on whichever plan ran then,
+  and each call follows another plan's traffic, as a reduction in a training step follows other
+  work. Timed one plan after another, top-k's point came out 17-78 ms on the emulated cluster's
+  MPI shape against 27 ms in the benchmark's rows (docs/simulations.md).
+
+  Example:
+    >>> made = []
+    >>> times = side_by_side([lambda: made.append("a"), lambda: made.append("b")], [1, 3])
+    >>> made, [len(t) for t in times]
+    (['b', 'a', 'b', 'b'], [1, 3])
+  """
+  times: list[list[float]] = [[] for _ in calls]
+  for i in spread(counts):
+    t = time.perf_counter()
+    calls[i]()
+    times[i].append(time.perf_counter() - t)
+  return times
+
+
+def warm_up(calls: Sequence[Callable], n: int) -> list[float]:
+  """Makes ``n`` calls of each of ``calls``, one after another; returns each one's mean seconds."""
+  warm = []
+  for call in calls:
+    t = time.perf_counter()
+    for _ in range(n):
+      call()
+    warm.append((time.perf_counter() - t) / max(n, 1))
+  return warm
