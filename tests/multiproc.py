@@ -8,22 +8,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 
+from jaxring._src.tools import ports
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(REPO, "tests", "workers")
 
 
 def free_port() -> int:
-  """A TCP port on 127.0.0.1 that was free a moment ago."""
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A TCP port that was free a moment ago, outside the range connections take theirs from."""
+  return ports.free_port()
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -3,13 +3,14 @@ process with eight devices; metrics written by process 0 only."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+
+from jaxring._src.tools import ports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "tests", "workers", "train_dist.py")
@@ -19,18 +20,12 @@ import train_dist  # noqa: E402
 STEPS = 4
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("shard", ["none", "params", "params-hpz"])
 def test_two_processes_match_one_process_with_the_same_devices(tmp_path, shard):
   """Also fully sharded: the parameters split over both processes' devices, gathered and
   reduce-scattered across processes, give the one-process replicated result."""
-  port, metrics, out = _free_port(), tmp_path / "metrics.jsonl", tmp_path / "params.npz"
+  port, metrics, out = ports.free_port(), tmp_path / "metrics.jsonl", tmp_path / "params.npz"
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXRING_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 
+from jaxring._src.tools import ports
 from jaxring._src.tools.cluster.launch import USER_SETTINGS
 
 WORKER = "jaxring._src.tools.bench.fault_worker"
@@ -23,13 +24,6 @@ class Proc:
   output: str
   ended_at: float          # unix time
   named_at: float | None = None   # when the first "jaxring.distributed:" line appeared, if watched
-
-
-def free_port() -> int:
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def child_env(**extra) -> dict[str, str]:
@@ -84,7 +78,7 @@ def spawn(commands: list[list[str]], envs: list[dict], limit: float,
 def local_job(n: int, devices: int, worker_args: list[str], failure_timeout: float,
               limit: float, done=None) -> list[Proc]:
   """``n`` processes of the fault worker on 127.0.0.1, ``devices`` CPU devices each."""
-  port = free_port()
+  port = ports.free_port()
   cmd = [sys.executable, "-m", WORKER, *worker_args]
   envs = [child_env(JAXRING_COORDINATOR=f"127.0.0.1:{port}", JAXRING_NUM_PROCESSES=n,
                     JAXRING_PROCESS_ID=i, JAXRING_LOCAL_DEVICE_COUNT=devices,
