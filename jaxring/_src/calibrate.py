@@ -23,10 +23,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src import collectives, cost_model
+from jaxring._src import collectives, cost_model, timing
 from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
-from jaxring._src import timing
 from jaxring._src.transport import mpi_axis
 
 # Four sizes, log-spaced over the range gradient buckets and psums take (the default bucket is

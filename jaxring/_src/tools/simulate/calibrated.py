@@ -22,8 +22,9 @@ carry over to other sizes, link rates and plans:
   for both under-predicted the flat ring's top-k by 9-31% (docs/simulations.md).
 - ``kappa_c``, ``gamma_c``: codec ``c``'s encode and decode per f32 byte of the slow level's
   hops, and its cost per call.
-- Top-k chunks: the native all-reduce of the chunk norms; selection and scatter on the whole
-  buffer (``kappa``, ``gamma``); the dense plan on the packed chunks.
+- Top-k chunks: the chunk norms' all-reduce, by the lossless plan ``auto`` picks from the
+  profile (:func:`norms_plans`); selection and scatter on the whole buffer (``kappa``,
+  ``gamma``); the dense plan on the packed chunks.
 - The native all-reduce (``xla``: gloo, or ``MPI_Allreduce``) is a black box: a cost per call
   and a multiple of the flat ring's link time (MPICH's large-message algorithm sends about twice
   the ring's bytes per node link).
@@ -246,8 +247,9 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
       # next at 1 MiB on the emulated cluster, decides)
       points.append((fit_["algorithm"] == "xla", seconds - link, seconds ** -0.5, f))
   # The native all-reduce is a black box measured by its own points: fitted first, from them
-  # alone, then held (top-k's chunk norms take it too). Fitted jointly, the top-k points pulled
-  # its cost per call to 7 ms where its own 1 and 64 KiB points took 10-12 ms (2026-11-26).
+  # alone, then held (top-k's chunk norms take it too, where auto sums them by it). Fitted
+  # jointly, the top-k points pulled its cost per call to 7 ms where its own 1 and 64 KiB
+  # points took 10-12 ms (2026-11-26).
   coef = dict.fromkeys(NAMES, 0.0)
   native = ("alpha_native", "link_native")
   for names, rows_of in ((native, [p for p in points if p[0]]),
