@@ -266,20 +266,17 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
 
 def norms_plans(profile: dict):
   """``nbytes -> algorithm``: the lossless plan ``auto`` sums top-k's chunk norms of ``nbytes``
-  with under ``profile`` (``planner.choose`` on its lossless fits), which is the plan the
-  calibration timed top-k with (``calibrate._norms_profile``) and the one the rows run. On the
-  emulated cluster's JAX shape the hierarchical plan (about 6.6 ms for 8 KiB, against 10 ms for
-  gloo's psum): modelled as the native all-reduce, top-k's cost per call was fitted at 0 (the
-  least-squares bound) and its rows were still over-predicted."""
-  from jaxring._src.algorithms import planner
-  from jaxring._src.codecs.base import parse
+  with under ``profile`` (``calibrate.choices``), which is the plan the calibration timed top-k
+  with (``calibrate._norms_profile``) and the one the rows run. On the emulated cluster's JAX
+  shape the hierarchical plan (about 6.6 ms for 8 KiB, against 10 ms for gloo's psum): modelled
+  as the native all-reduce, top-k's cost per call was fitted at 0, the least-squares bound."""
+  from jaxring._src.calibrate import choices
 
   prof = cost_model.Profile(profile.get("key", {}), tuple(
       cost_model.Fit.from_points(f["algorithm"], f["codecs"], f["sizes"], f["seconds"])
-      for f in profile["fits"]))
-  lossless = [planner.codec_for(parse("none"), "", np.float32)] * len(LEVELS)
+      for f in profile["fits"]), meta={"levels": list(LEVELS)})
 
   @functools.lru_cache(maxsize=None)
   def plan(nbytes: int) -> str:
-    return planner.choose(int(nbytes), len(LEVELS), lossless, False, prof)
+    return choices(prof, [int(nbytes)], ["none"])[int(nbytes)]["none"]
   return plan
