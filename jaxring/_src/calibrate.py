@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src import collectives, cost_model, timing
+from jaxring._src import collectives, cost_model, distributed, timing
 from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
 from jaxring._src.transport import mpi_axis
@@ -42,6 +42,8 @@ POINT_BUDGET_S = 0.5
 #: Top-k's 32 MiB point (~30 ms a call on the emulated cluster, 25-34 ms between quartiles) took
 #: 24.5 to 34.5 ms from run to run on 9 calls, and the benchmark's rows 30; 16 calls fit the budget.
 QUICK_REPS_FACTOR = 6
+#: Seconds a process waits at the barrier before each timed call for the others to arrive.
+BARRIER_TIMEOUT_S = 300.0
 DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
 
 
@@ -102,6 +104,10 @@ class _MeshTarget:
     return jax.make_array_from_process_local_data(NamedSharding(self.mesh, P(self.axes)),
                                                   np.ones((mine * n,), np.float32))
 
+  def barrier(self) -> None:
+    if jax.process_count() > 1:
+      distributed.barrier("jaxring.calibrate", timeout_s=BARRIER_TIMEOUT_S)
+
   def broadcast(self, values: np.ndarray) -> np.ndarray:
     if jax.process_count() == 1:
       return values
@@ -129,6 +135,9 @@ class _MpiTarget:
 
   def input(self, n: int):
     return jnp.ones((n,), jnp.float32)
+
+  def barrier(self) -> None:
+    self.binding.comm.Barrier()
 
   def broadcast(self, values: np.ndarray) -> np.ndarray:
     return np.asarray(self.binding.comm.bcast(values, root=0))
@@ -159,38 +168,9 @@ def _large_reps(reps: int, slowest: float) -> int:
   return min(QUICK_REPS_FACTOR * reps, max(reps, int(POINT_BUDGET_S / max(slowest, 1e-9))))
 
 
-#: A plan within this factor of the fastest plan of its codec at a size is timed again there.
+#: A plan within this factor of the fastest plan of its codec at a size is timed again there
+#: (:func:`timing.confirm`).
 CONFIRM_WITHIN = 1.5
-
-
-def _confirm(table: np.ndarray, labels: Sequence[str], retime) -> np.ndarray:
-  """Times again, at each size, every plan within :data:`CONFIRM_WITHIN` of the fastest plan of
-  its codec, and keeps the lower of its two medians.
-
-  One slow phase of a shared machine (or a first use of links) can fall on one plan's calls and
-  decide a choice: on the emulated cluster one MPI-shape calibration timed the hierarchical plan at
-  1034 ms against 553 ms in the benchmark's rounds, and ``auto`` chose a plan 1.6x slower. Only the
-  contenders are timed again, side by side, and without a warm-up (they are compiled and warm). A
-  plan alone in its codec (top-k) is timed again too: no rival is measured beside it, but its
-  costs set the other plans' predictions (planner.predict) and the simulator's (one MPI-shape
-  calibration timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds).
-
-  ``table[plan, size]``: the broadcast first timings, the same on every process, so every process
-  times the same calls again (they are collective). ``retime(plans, size) -> seconds of each``.
-  """
-  table = table.copy()
-  for j in range(table.shape[1]):
-    again = []
-    # in order of first appearance, never a set's order: that differs between processes (string
-    # hashing is salted per process), and so would the collective calls
-    for label in dict.fromkeys(labels):
-      plans = [i for i, other in enumerate(labels) if other == label]
-      best = min(table[i, j] for i in plans)
-      again += [i for i in plans if table[i, j] <= CONFIRM_WITHIN * best]
-    again.sort()
-    for i, t in zip(again, retime(again, j)):
-      table[i, j] = min(table[i, j], t)
-  return table
 
 
 _LARGE = 4 << 20
@@ -236,7 +216,7 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
     calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in lossless]
     timing.warm_up(calls, warmup)
     counts = [_reps(sizes[j], reps)] * len(calls)
-    seconds[:, k] = [np.median(t) for t in timing.side_by_side(calls, counts)]
+    seconds[:, k] = [np.median(t) for t in timing.side_by_side(calls, counts, target.barrier)]
   seconds = np.asarray(target.broadcast(seconds), np.float64)
   none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
   fits = tuple(cost_model.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
@@ -259,9 +239,9 @@ def _sparsifying(comp) -> bool:
 
 def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int, log):
   """Every candidate plan compiled at every size, then timed size by size, the plans side by
-  side (:func:`timing.side_by_side`): ``(plans, compiled, seconds, calls, norms)``,
+  side (:func:`timing.side_by_side`): ``(plans, compiled, seconds, raw, norms)``,
   ``seconds[plan, size]`` process 0's medians, broadcast (the same on every process),
-  ``calls[plan, size]`` how many calls each median rests on, ``norms`` the profile a
+  ``raw[plan][size]`` this process's seconds of each call, ``norms`` the profile a
   sparsifying codec's programs were traced under (:func:`_norms_profile`; None without one)."""
   plans = list(_candidates(target.groups, codecs))
   t0 = time.perf_counter()
@@ -277,8 +257,7 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
                   [target.program(a, c).lower(inputs[n]).compile() for n in sizes]
                   for (a, c), row in zip(plans, compiled)]
   t_compiled = time.perf_counter()
-  seconds = np.zeros((len(plans), len(sizes)))
-  calls_made = np.zeros((len(plans), len(sizes)), np.int64)
+  raw: list[list[list[float]]] = [[] for _ in plans]
   for j, nbytes in enumerate(sizes):
     x = inputs[nbytes]
     calls = [lambda f=row[j]: jax.block_until_ready(f(x)) for row in compiled]
@@ -291,16 +270,18 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
     # the median, as users and benchmarks see it: the fastest call favours plans whose times
     # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms;
     # the fastest calls chose hierarchical, the medians gloo)
-    seconds[:, j] = [np.median(t) for t in timing.side_by_side(calls, counts)]
-    calls_made[:, j] = counts
-  first = np.asarray(target.broadcast(seconds), np.float64)
+    for row, t in zip(raw, timing.side_by_side(calls, counts, target.barrier)):
+      row.append(t)
+  medians = np.asarray([[np.median(t) for t in row] for row in raw], np.float64)
+  first = np.asarray(target.broadcast(medians), np.float64)
   if log is not None:
     log(f"compiled {len(plans)} plans at {len(sizes)} sizes in {t_compiled - t0:.1f} s, timed "
         f"side by side in {time.perf_counter() - t_compiled:.1f} s")
     for (algorithm, comp), row in zip(plans, first):
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
           f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, row)))
-  return plans, compiled, first, calls_made, norms
+  return plans, compiled, first, raw, norms
+
 
 
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
@@ -325,9 +306,11 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       one more call per plan and size (on the emulated cluster 24 s instead of 20 s) and keeps
       the timings within 14% of the same plans timed 5 times afterwards (up to 73% off
       without it). At each size the plans are timed side by side, each plan's calls spread
-      evenly among the others' (:func:`spread`), as ``bench cluster`` times its rows.
+      evenly among the others', each after a barrier of the processes
+      (:func:`timing.side_by_side`), as ``bench cluster`` times its rows.
       The plans within :data:`CONFIRM_WITHIN` of the fastest plan of their codec (or alone in
-      it) are then timed again, side by side, and keep the lower median (:func:`_confirm`).
+      it) are then timed again, side by side, and keep the lower median (alone: the median
+      of all its calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -360,16 +343,17 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       return cached
   t0 = time.perf_counter()
   inputs = {nbytes: target.input(max(1, nbytes // 4)) for nbytes in sizes}
-  plans, compiled, first, calls, norms = _time_candidates(target, key, codecs, sizes, inputs,
+  plans, compiled, first, raw, norms = _time_candidates(target, key, codecs, sizes, inputs,
                                                           reps, warmup, log)
 
-  def retime(rows: list[int], j: int) -> list[float]:
+  def retime(rows: list[int], j: int) -> np.ndarray:
     x = inputs[sizes[j]]
     again = timing.side_by_side(
         [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in rows],
-        [int(calls[i, j]) for i in rows])
-    return list(target.broadcast(np.asarray([np.median(t) for t in again], np.float64)))
-  table = _confirm(first, [_label(comp) for _, comp in plans], retime)
+        [len(raw[i][j]) for i in rows], target.barrier)
+    return target.broadcast(np.asarray([(np.median(t), np.median(t + raw[i][j]))
+                                        for i, t in zip(rows, again)], np.float64))
+  table = timing.confirm(first, [_label(comp) for _, comp in plans], retime, CONFIRM_WITHIN)
   if log is not None:
     changed = "  ".join(
         f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i, j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
@@ -386,7 +370,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
                        f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s) after {warmup} "
                        f"warm-up, process 0's, the plans side by side, each one's calls spread "
-                       f"evenly among the others'; plans within "
+                       f"evenly among the others', each after a barrier; plans within "
                        f"{CONFIRM_WITHIN}x of their codec's fastest (or alone in it) timed again, "
                        f"the lower median kept",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
+import numpy as np
+
 
 def spread(counts: Sequence[int], order: Sequence[int] | None = None) -> list[int]:
   """The order of ``sum(counts)`` calls, ``counts[i]`` of them to contender ``i``: each
@@ -30,9 +32,11 @@ def spread(counts: Sequence[int], order: Sequence[int] | None = None) -> list[in
   return [i for _, _, i in slots]
 
 
-def side_by_side(calls: Sequence[Callable], counts: Sequence[int]) -> list[list[float]]:
+def side_by_side(calls: Sequence[Callable], counts: Sequence[int],
+                 before: Callable[[], object] | None = None) -> list[list[float]]:
   """Seconds of ``counts[i]`` calls of each ``calls[i]``, side by side: each one's calls spread
-  evenly among the others' (:func:`spread`).
+  evenly among the others' (:func:`spread`), ``before()`` (untimed) ahead of each call: a barrier
+  of the processes for collective calls.
 
   Calibration times the plans of a size this way, as ``bench cluster`` times its rows, so that a
   slow phase of a shared machine falls on all of them rather than on whichever plan ran then,
@@ -48,6 +52,8 @@ def side_by_side(calls: Sequence[Callable], counts: Sequence[int]) -> list[list[
   """
   times: list[list[float]] = [[] for _ in calls]
   for i in spread(counts):
+    if before is not None:
+      before()
     t = time.perf_counter()
     calls[i]()
     times[i].append(time.perf_counter() - t)
@@ -63,3 +69,45 @@ def warm_up(calls: Sequence[Callable], n: int) -> list[float]:
       call()
     warm.append((time.perf_counter() - t) / max(n, 1))
   return warm
+
+
+def confirm(first: np.ndarray, groups: Sequence[str], retime, within: float) -> np.ndarray:
+  """Times again, in each column (a size), every contender within ``within`` of the fastest of
+  its group (calibration: plans of one codec) and every contender alone in its group. One with
+  rivals keeps the lower of its two medians; one alone, the median of all its calls.
+
+  One slow phase of a shared machine (or a first use of links) can fall on one plan's calls and
+  decide a choice: on the emulated cluster one MPI-shape calibration timed the hierarchical plan
+  at 1034 ms against 553 ms in the benchmark's rounds, and ``auto`` chose a plan 1.6x slower.
+  Only the contenders are timed again, side by side, and without a warm-up (they are compiled
+  and warm). A plan alone in its codec (top-k) has no rival to be chosen over, but its cost sets
+  the other plans' predictions (planner.predict) and the simulator's: one MPI-shape calibration
+  timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds; the lower of two medians of 16 calls
+  would sit 2-9% below the median of the rounds' calls drawn from (docs/simulations.md), the
+  median of all 32 does not.
+
+  ``first[contender, column]``: the first timings' medians, the same on every process, so every
+  process times the same calls again (they are collective). ``retime(contenders, column) ->``
+  for each, ``(median of its new calls, median of its new and first calls together)``, the same
+  on every process.
+
+  Example:
+    >>> first = np.array([[1.0], [1.2], [2.0], [0.5]])
+    >>> retime = lambda rows, j: [{0: (1.1, 1.05), 1: (0.9, 1.0), 3: (0.7, 0.6)}[i] for i in rows]
+    >>> confirm(first, ["a", "a", "a", "b"], retime, 1.5)[:, 0].tolist()
+    [1.0, 0.9, 2.0, 0.6]
+  """
+  table = first.copy()
+  alone = [list(groups).count(g) == 1 for g in groups]
+  for j in range(table.shape[1]):
+    again = []
+    # in order of first appearance, never a set's order: that differs between processes (string
+    # hashing is salted per process), and so would the collective calls
+    for group in dict.fromkeys(groups):
+      rows = [i for i, other in enumerate(groups) if other == group]
+      best = min(first[i, j] for i in rows)
+      again += [i for i in rows if first[i, j] <= within * best]
+    again.sort()
+    for i, (t, both) in zip(again, retime(again, j)):
+      table[i, j] = both if alone[i] else min(table[i, j], t)
+  return table

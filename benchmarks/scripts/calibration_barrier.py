@@ -1,0 +1,74 @@
+"""Whether calibration should wait at a barrier before each timed call: the same plans timed side
+by side (``jaxring._src.timing.side_by_side``) with and without one, in alternating passes, rank
+0's medians (the calibration's statistic) beside the median over ranks of each rank's median.
+
+Without a barrier, a call's time on rank 0 starts when rank 0 finished the previous call, and
+includes the skew that call left between the ranks (a 32 MiB all-reduce ends at different times
+on different ranks); ``bench cluster`` waits at a barrier before every call of its rows.
+
+  sudo jaxring cluster up --name jrq --nodes 4
+  sudo jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi \\
+      -- python benchmarks/scripts/calibration_barrier.py [--mib 32] [--passes 4]
+  sudo jaxring cluster down --name jrq
+"""
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from mpi4py import MPI
+
+import jaxring
+import jaxring.distributed
+from jaxring._src import timing
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--mib", type=int, default=32)
+ap.add_argument("--passes", type=int, default=4)
+ap.add_argument("--procs-per-node", type=int, default=2)
+ap.add_argument("--out-dir", default="benchmarks/results")
+args = ap.parse_args()
+comm = MPI.COMM_WORLD
+local = args.procs_per_node
+jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
+    jaxring.Level("local", local), jaxring.Level("node", comm.Get_size() // local, 1e9 / 8, 1e-4))))
+x = jax.device_put(np.ones(args.mib << 18, np.float32))
+plans = {"none": (3, None), "int8": (6, "int8"), "topk": (30, "topk")}
+calls, counts = [], []
+for name, (count, codec) in plans.items():
+  comp = None if codec is None else {"node": jaxring.codecs.parse(codec)}
+  f = jax.jit(lambda v, comp=comp: jaxring.psum(v, "mpi", algorithm="hierarchical",
+                                                compression=comp))
+  jax.block_until_ready(f(x)), jax.block_until_ready(f(x))
+  calls.append(lambda f=f: jax.block_until_ready(f(x)))
+  counts.append(count)
+times = {mode: [[] for _ in plans] for mode in ("no barrier", "barrier")}
+for p in range(args.passes):
+  for mode in (("no barrier", "barrier") if p % 2 == 0 else ("barrier", "no barrier")):
+    comm.Barrier()
+    got = timing.side_by_side(calls, counts, comm.Barrier if mode == "barrier" else None)
+    for i, t in enumerate(got):
+      times[mode][i] += t
+every = comm.gather({m: [float(np.median(t)) for t in ts] for m, ts in times.items()}, root=0)
+if comm.Get_rank() == 0:
+  print(f"{comm.Get_size()} ranks, {args.mib} MiB, hierarchical plans, {args.passes} passes each, "
+        "ms (rank 0's median / the median over ranks of each rank's median)")
+  print(f"{'plan':>6} {'no barrier':>22} {'barrier':>22}")
+  result = {}
+  for i, name in enumerate(plans):
+    cells = []
+    for mode in times:
+      mine = 1e3 * np.median(times[mode][i])
+      ranks = 1e3 * np.median([e[mode][i] for e in every])
+      result.setdefault(name, {})[mode] = {"rank0_ms": mine, "ranks_median_ms": ranks,
+                                           "calls": len(times[mode][i])}
+      cells.append(f"{mine:9.2f} / {ranks:9.2f}")
+    print(f"{name:>6} {cells[0]:>22} {cells[1]:>22}")
+  os.makedirs(args.out_dir, exist_ok=True)
+  path = os.path.join(args.out_dir, time.strftime("calibration-barrier-%Y%m%d-%H%M%S.json"))
+  with open(path, "w") as fh:
+    json.dump({"ranks": comm.Get_size(), "mib": args.mib, "passes": args.passes,
+               "plans": result}, fh, indent=1)
+  print("wrote", path)
