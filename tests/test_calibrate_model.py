@@ -182,8 +182,9 @@ def test_plans_of_a_size_are_timed_side_by_side_each_spread_evenly():
 
 def test_calibration_waits_at_a_barrier_before_every_timed_call():
   """Without one, a call's time on process 0 holds the skew the previous call left between the
-  processes: on the emulated cluster's MPI shape top-k at 32 MiB took 28.0 ms a call timed beside
-  the hierarchical plans without a barrier, 26.0 with one (docs/simulations.md)."""
+  processes: on the emulated cluster's MPI shape, timed beside the calibration's other plans at
+  32 MiB, top-k took 23.0 ms a call on rank 0 without a barrier, 19.7 with one
+  (benchmarks/scripts/calibration_barrier.py)."""
   import jax
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),

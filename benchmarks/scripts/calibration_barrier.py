@@ -1,10 +1,12 @@
-"""Whether calibration should wait at a barrier before each timed call: the same plans timed side
-by side (``jaxring._src.timing.side_by_side``) with and without one, in alternating passes, rank
-0's medians (the calibration's statistic) beside the median over ranks of each rank's median.
+"""Whether calibration should wait at a barrier before each timed call: the calibration's own
+candidate plans at one size, compiled as it compiles them, timed side by side
+(``jaxring._src.timing.side_by_side``) with the calibration's numbers of calls, in alternating
+passes with and without a barrier before each call. Rank 0's medians (the calibration's
+statistic) beside the median over ranks of each rank's median.
 
-Without a barrier, a call's time on rank 0 starts when rank 0 finished the previous call, and
-includes the skew that call left between the ranks (a 32 MiB all-reduce ends at different times
-on different ranks); ``bench cluster`` waits at a barrier before every call of its rows.
+Without a barrier a call's time on rank 0 starts when rank 0 finished the previous call, and
+holds the skew that call left between the ranks (a 32 MiB all-reduce ends at different times on
+different ranks); ``bench cluster`` waits at a barrier before every call of its rows.
 
   sudo jaxring cluster up --name jrq --nodes 4
   sudo jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi \\
@@ -22,7 +24,7 @@ from mpi4py import MPI
 
 import jaxring
 import jaxring.distributed
-from jaxring._src import timing
+from jaxring._src import calibrate, timing
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--mib", type=int, default=32)
@@ -34,38 +36,37 @@ comm = MPI.COMM_WORLD
 local = args.procs_per_node
 jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
     jaxring.Level("local", local), jaxring.Level("node", comm.Get_size() // local, 1e9 / 8, 1e-4))))
-x = jax.device_put(np.ones(args.mib << 18, np.float32))
-plans = {"none": (3, None), "int8": (6, "int8"), "topk": (30, "topk")}
-calls, counts = [], []
-for name, (count, codec) in plans.items():
-  comp = None if codec is None else {"node": jaxring.codecs.parse(codec)}
-  f = jax.jit(lambda v, comp=comp: jaxring.psum(v, "mpi", algorithm="hierarchical",
-                                                compression=comp))
-  jax.block_until_ready(f(x)), jax.block_until_ready(f(x))
-  calls.append(lambda f=f: jax.block_until_ready(f(x)))
-  counts.append(count)
-times = {mode: [[] for _ in plans] for mode in ("no barrier", "barrier")}
+target = calibrate._target(None, ("mpi",))
+plans = list(calibrate._candidates(target.groups, calibrate.DEFAULT_CODECS))
+names = [f"{a} {calibrate._label(c)}" for a, c in plans]
+x = target.input(args.mib << 18)
+calls = [lambda g=target.program(a, c).lower(x).compile(): jax.block_until_ready(g(x))
+         for a, c in plans]
+warm = timing.warm_up(calls, 1)      # as calibrate counts a large point's calls
+counts = [calibrate._large_reps(3, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
+modes = ("no barrier", "barrier")
+times = {mode: [[] for _ in plans] for mode in modes}
 for p in range(args.passes):
-  for mode in (("no barrier", "barrier") if p % 2 == 0 else ("barrier", "no barrier")):
+  for mode in (modes if p % 2 == 0 else modes[::-1]):
     comm.Barrier()
     got = timing.side_by_side(calls, counts, comm.Barrier if mode == "barrier" else None)
     for i, t in enumerate(got):
       times[mode][i] += t
 every = comm.gather({m: [float(np.median(t)) for t in ts] for m, ts in times.items()}, root=0)
 if comm.Get_rank() == 0:
-  print(f"{comm.Get_size()} ranks, {args.mib} MiB, hierarchical plans, {args.passes} passes each, "
-        "ms (rank 0's median / the median over ranks of each rank's median)")
-  print(f"{'plan':>6} {'no barrier':>22} {'barrier':>22}")
+  print(f"{comm.Get_size()} ranks, {args.mib} MiB, the calibration's plans, {args.passes} passes "
+        "each way; ms: rank 0's median / the median over ranks of each rank's median")
+  print(f"{'plan':>24} {'calls':>5} {'no barrier':>21} {'barrier':>21}")
   result = {}
-  for i, name in enumerate(plans):
+  for i, name in enumerate(names):
     cells = []
-    for mode in times:
-      mine = 1e3 * np.median(times[mode][i])
-      ranks = 1e3 * np.median([e[mode][i] for e in every])
+    for mode in modes:
+      mine = 1e3 * float(np.median(times[mode][i]))
+      ranks = 1e3 * float(np.median([e[mode][i] for e in every]))
       result.setdefault(name, {})[mode] = {"rank0_ms": mine, "ranks_median_ms": ranks,
                                            "calls": len(times[mode][i])}
       cells.append(f"{mine:9.2f} / {ranks:9.2f}")
-    print(f"{name:>6} {cells[0]:>22} {cells[1]:>22}")
+    print(f"{name:>24} {len(times[modes[0]][i]):>5} {cells[0]:>21} {cells[1]:>21}")
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, time.strftime("calibration-barrier-%Y%m%d-%H%M%S.json"))
   with open(path, "w") as fh:

@@ -36,7 +36,10 @@ def side_by_side(calls: Sequence[Callable], counts: Sequence[int],
                  before: Callable[[], object] | None = None) -> list[list[float]]:
   """Seconds of ``counts[i]`` calls of each ``calls[i]``, side by side: each one's calls spread
   evenly among the others' (:func:`spread`), ``before()`` (untimed) ahead of each call: a barrier
-  of the processes for collective calls.
+  of the processes for collective calls. Without one, process 0's time of a call holds the skew
+  the call before left between the processes: on the emulated cluster's MPI shape, top-k at
+  32 MiB timed beside calibration's other plans took 23.0 ms a call against 19.7 with a barrier
+  (``benchmarks/scripts/calibration_barrier.py``).
 
   Calibration times the plans of a size this way, as ``bench cluster`` times its rows, so that a
   slow phase of a shared machine falls on all of them rather than on whichever plan ran then,
@@ -82,9 +85,10 @@ def confirm(first: np.ndarray, groups: Sequence[str], retime, within: float) -> 
   Only the contenders are timed again, side by side, and without a warm-up (they are compiled
   and warm). A plan alone in its codec (top-k) has no rival to be chosen over, but its cost sets
   the other plans' predictions (planner.predict) and the simulator's: one MPI-shape calibration
-  timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds; the lower of two medians of 16 calls
-  would sit 2-9% below the median of the rounds' calls drawn from (docs/simulations.md), the
-  median of all 32 does not.
+  timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds. Two medians of 16 calls drawn from
+  a benchmark row's calls have a lower one 3.4% below the row's median on average over the
+  top-k rows of ten runs; the median of all 32, 0.5% above (``benchmarks/scripts/
+  confirm_bias.py``).
 
   ``first[contender, column]``: the first timings' medians, the same on every process, so every
   process times the same calls again (they are collective). ``retime(contenders, column) ->``
