@@ -177,6 +177,39 @@ def test_calibrated_fit_recovers_the_coefficients_and_moves_to_another_link_rate
           truth.all_reduce_seconds(*plan, 8 << 20, rate), rel=1e-6)
 
 
+def test_a_point_timed_far_slower_than_the_others_fit_is_left_out_and_a_faster_one_kept():
+  """One MPI-shape calibration timed the flat ring with bf16 at 547 ms for 32 MiB (its row: 275);
+  fitted through, it moved every bf16 plan's prediction. Slow phases only add time: a point far
+  faster than the fit is the model's miss, and stays."""
+  from jaxring._src.tools.simulate import calibrated
+  sizes, link = (2, 4), 125e6
+  truth = calibrated.Calibrated(sizes, {
+      **dict.fromkeys(calibrated.NAMES, 0.0), "alpha_local": 1e-3, "alpha_node": 2e-3,
+      "alpha_ring": 1.3e-3, "beta_local": 3e-9, "beta_node": 2e-9, "alpha_native": 8e-3,
+      "link_native": 1.8, "kappa_bf16": 2e-9, "kappa_int8": 4e-9, "kappa_topk": 3e-9,
+      "gamma_int8": 5e-3, "gamma_topk": 7e-3})
+  every = (1 << 10, 64 << 10, 1 << 20, 32 << 20)
+  profile = _profile(truth, sizes, link, PLANS, nbytes=every)
+  ring_bf16 = next(f for f in profile["fits"] if f["algorithm"] == "ring"
+                   and f["codecs"][-1] == "Bf16()")
+  clean = ring_bf16["seconds"][-1]
+  ring_bf16["seconds"][-1] = 2 * clean
+  model = calibrated.fit(profile, sizes, link)
+  assert [(a, c, n) for a, c, n, _, _ in model.dropped] == [("ring", "bf16", 32 << 20)]
+  assert model.dropped[0][4] == pytest.approx(clean, rel=1e-6)   # what the others fit it at
+  assert model.points == len(PLANS) * len(every) - 1
+  for plan in (("ring", "bf16"), ("hierarchical", "bf16")):
+    assert model.all_reduce_seconds(*plan, 32 << 20, link) == pytest.approx(
+        truth.all_reduce_seconds(*plan, 32 << 20, link), rel=1e-6)
+  ring_bf16["seconds"][-1] = 0.5 * clean                           # faster than the fit: kept
+  kept = calibrated.fit(profile, sizes, link)
+  assert kept.dropped == () and kept.points == len(PLANS) * len(every)
+  # top-k, the only plan of its codec: no other point can judge its own, however slow
+  topk = next(f for f in profile["fits"] if f["codecs"][-1].startswith("TopK"))
+  ring_bf16["seconds"][-1], topk["seconds"][-1] = clean, 3 * topk["seconds"][-1]
+  assert calibrated.fit(profile, sizes, link).dropped == ()
+
+
 def test_the_native_all_reduce_is_fitted_from_its_own_points_alone():
   from jaxring._src.tools.simulate import calibrated
   sizes, link = (2, 4), 125e6

@@ -269,7 +269,8 @@ def _validate(path: str, out_dir, calibration_path: str | None = None) -> int:
         + (f", calibrated {max(calibrated):.0%}" if calibrated else ""))
   fitted = validate.models(calibration or result)
   out = {"source": path, "calibration": calibration_path or path, "rows": rows,
-         "coefficients": {job: m.coef for job, m in fitted.items()}}
+         "coefficients": {job: m.coef for job, m in fitted.items()},
+         "left_out": _left_out(fitted)}
   print(f"wrote {common.write_json('simulate-validate', out, out_dir)}")
   return 0
 
@@ -295,9 +296,23 @@ def _validate_steps(path: str, calibration_path: str, out_dir) -> int:
   if rows:
     print(f"worst error: {max(abs(r['error']) for r in rows):.0%}")
   out = {"source": path, "calibration": calibration_path, "rows": rows,
-         "coefficients": {job: m.coef for job, m in fitted.items()}}
+         "coefficients": {job: m.coef for job, m in fitted.items()},
+         "left_out": _left_out(fitted)}
   print(f"wrote {common.write_json('simulate-validate-steps', out, out_dir)}")
   return 0
+
+
+def _left_out(fitted: dict) -> dict:
+  """Prints and returns the calibration points each job's fit left out (calibrated.OUTLIER)."""
+  out = {}
+  for job, fit in fitted.items():
+    out[job] = [dict(zip(("algorithm", "codec", "bytes", "seconds", "fitted_seconds"), d))
+                for d in fit.dropped]
+    for d in out[job]:
+      print(f"left out of the {job} job's fit: {d['algorithm']} {d['codec']} at "
+            f"{d['bytes'] >> 10} KiB, timed {d['seconds'] * 1e3:.1f} ms, "
+            f"{d['fitted_seconds'] * 1e3:.1f} ms by the fit of the other points")
+  return out
 
 
 def _plot(out: dict, json_path) -> None:
