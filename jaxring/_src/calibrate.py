@@ -283,7 +283,6 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
   return plans, compiled, first, raw, norms
 
 
-
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
               sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] = DEFAULT_CODECS,
               reps: int = 3, warmup: int = 1, reuse: bool = True, save: bool = True,
@@ -372,7 +371,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
                        f"warm-up, process 0's, the plans side by side, each one's calls spread "
                        f"evenly among the others', each after a barrier; plans within "
                        f"{CONFIRM_WITHIN}x of their codec's fastest (or alone in it) timed again, "
-                       f"the lower median kept",
+                       f"the lower median kept (alone: the median of all its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),

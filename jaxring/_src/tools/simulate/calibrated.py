@@ -32,7 +32,8 @@ carry over to other sizes, link rates and plans:
 Messages and bytes per level come from the cost model's own formulas, evaluated with unit
 constants, so the two cannot disagree. The coefficients are fitted by non-negative least
 squares over the timed points of the profile (:func:`fit`): the native all-reduce's two from its
-own points first, then the others from the rest.
+own points first, then the others from the rest, less any point timed far slower than the fit
+of all the others gives it (:data:`OUTLIER`).
 """
 from __future__ import annotations
 
