@@ -168,8 +168,8 @@ def _large_reps(reps: int, slowest: float) -> int:
   return min(QUICK_REPS_FACTOR * reps, max(reps, int(POINT_BUDGET_S / max(slowest, 1e-9))))
 
 
-#: A plan within this factor of the fastest plan of its codec at a size is timed again there
-#: (:func:`timing.confirm`).
+#: A plan within this factor of the fastest plan of its codec at a size of 4 MiB or more is timed
+#: again there; below, where calls are cheap, every plan is (:func:`timing.confirm`).
 CONFIRM_WITHIN = 1.5
 
 
@@ -308,8 +308,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       evenly among the others', each after a barrier of the processes
       (:func:`timing.side_by_side`), as ``bench cluster`` times its rows.
       The plans within :data:`CONFIRM_WITHIN` of the fastest plan of their codec (or alone in
-      it) are then timed again, side by side, and keep the lower median (alone: the median
-      of all its calls; :func:`timing.confirm`).
+      it; below 4 MiB every plan) are then timed again, side by side, and keep the lower
+      median (alone: the median of all its calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -352,13 +352,14 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
         [len(raw[i][j]) for i in rows], target.barrier)
     return target.broadcast(np.asarray([(np.median(t), np.median(t + raw[i][j]))
                                         for i, t in zip(rows, again)], np.float64))
-  table = timing.confirm(first, [_label(comp) for _, comp in plans], retime, CONFIRM_WITHIN)
+  table = timing.confirm(first, [_label(comp) for _, comp in plans], retime, CONFIRM_WITHIN,
+                         [n < _LARGE for n in sizes])
   if log is not None:
     changed = "  ".join(
         f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i, j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
         for i, (a, c) in enumerate(plans) for j in range(len(sizes)) if table[i, j] != first[i, j])
     log(f"timed again (within {CONFIRM_WITHIN:.1f}x of the fastest of their codec, or alone in "
-        f"it): {changed}")
+        f"it, or below 4 MiB): {changed}")
   fits = []
   for (algorithm, comp), seconds in zip(plans, table):
     codec_names = planner.codec_key(
@@ -370,7 +371,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
                        f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s) after {warmup} "
                        f"warm-up, process 0's, the plans side by side, each one's calls spread "
                        f"evenly among the others', each after a barrier; plans within "
-                       f"{CONFIRM_WITHIN}x of their codec's fastest (or alone in it) timed again, "
+                       f"{CONFIRM_WITHIN}x of their codec's fastest (or alone in it; all below 4 MiB) "
+                       f"timed again, "
                        f"the lower median kept (alone: the median of all its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}

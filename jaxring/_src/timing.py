@@ -74,18 +74,23 @@ def warm_up(calls: Sequence[Callable], n: int) -> list[float]:
   return warm
 
 
-def confirm(first: np.ndarray, groups: Sequence[str], retime, within: float) -> np.ndarray:
+def confirm(first: np.ndarray, groups: Sequence[str], retime, within: float,
+            every: Sequence[bool] | None = None) -> np.ndarray:
   """Times again, in each column (a size), every contender within ``within`` of the fastest of
-  its group (calibration: plans of one codec) and every contender alone in its group. One with
-  rivals keeps the lower of its two medians; one alone, the median of all its calls.
+  its group (calibration: plans of one codec) and every contender alone in its group; in a
+  column where ``every[column]``, every contender. One with rivals keeps the lower of its two
+  medians; one alone, the median of all its calls.
 
   One slow phase of a shared machine (or a first use of links) can fall on one plan's calls and
   decide a choice: on the emulated cluster one MPI-shape calibration timed the hierarchical plan
   at 1034 ms against 553 ms in the benchmark's rounds, and ``auto`` chose a plan 1.6x slower.
   Only the contenders are timed again, side by side, and without a warm-up (they are compiled
-  and warm). A plan alone in its codec (top-k) has no rival to be chosen over, but its cost sets
-  the other plans' predictions (planner.predict) and the simulator's: one MPI-shape calibration
-  timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds. Two medians of 16 calls drawn from
+  and warm); where calls are cheap (``every``), all of them: a slow phase can push the fastest
+  plan out of the window, as one JAX-shape calibration timed the hierarchical plan at 39.5 ms for
+  1 MiB (14.1-14.8 in four others), gloo's psum at 18.1, and ``auto`` ran gloo's at 1.40x.
+  A plan alone in its codec (top-k) has no rival to be chosen over, but its cost sets the other
+  plans' predictions (planner.predict) and the simulator's: one MPI-shape calibration timed
+  top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds. Two medians of 16 calls drawn from
   a benchmark row's calls have a lower one 3.4% below the row's median on average over the
   top-k rows of ten runs; the median of all 32, 0.5% above (``benchmarks/scripts/
   confirm_bias.py``).
@@ -110,7 +115,7 @@ def confirm(first: np.ndarray, groups: Sequence[str], retime, within: float) -> 
     for group in dict.fromkeys(groups):
       rows = [i for i, other in enumerate(groups) if other == group]
       best = min(first[i, j] for i in rows)
-      again += [i for i in rows if first[i, j] <= within * best]
+      again += [i for i in rows if first[i, j] <= within * best or (every and every[j])]
     again.sort()
     for i, (t, both) in zip(again, retime(again, j)):
       table[i, j] = both if alone[i] else min(table[i, j], t)
