@@ -168,11 +168,6 @@ def _large_reps(reps: int, slowest: float) -> int:
   return min(QUICK_REPS_FACTOR * reps, max(reps, int(POINT_BUDGET_S / max(slowest, 1e-9))))
 
 
-#: A plan within this factor of the fastest plan of its codec at a size of 4 MiB or more is timed
-#: again there; below, where calls are cheap, every plan is (:func:`timing.confirm`).
-CONFIRM_WITHIN = 1.5
-
-
 _LARGE = 4 << 20
 
 
@@ -307,9 +302,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       without it). At each size the plans are timed side by side, each plan's calls spread
       evenly among the others', each after a barrier of the processes
       (:func:`timing.side_by_side`), as ``bench cluster`` times its rows.
-      The plans within :data:`CONFIRM_WITHIN` of the fastest plan of their codec (or alone in
-      it; below 4 MiB every plan) are then timed again, side by side, and keep the lower
-      median (alone: the median of all its calls; :func:`timing.confirm`).
+      Every plan is then timed again, side by side, and keeps the lower median (one alone in
+      its codec: the median of all its calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -352,14 +346,12 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
         [len(raw[i][j]) for i in rows], target.barrier)
     return target.broadcast(np.asarray([(np.median(t), np.median(t + raw[i][j]))
                                         for i, t in zip(rows, again)], np.float64))
-  table = timing.confirm(first, [_label(comp) for _, comp in plans], retime, CONFIRM_WITHIN,
-                         [n < _LARGE for n in sizes])
+  table = timing.confirm(first, [_label(comp) for _, comp in plans], retime)
   if log is not None:
     changed = "  ".join(
         f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i, j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
         for i, (a, c) in enumerate(plans) for j in range(len(sizes)) if table[i, j] != first[i, j])
-    log(f"timed again (within {CONFIRM_WITHIN:.1f}x of the fastest of their codec, or alone in "
-        f"it, or below 4 MiB): {changed}")
+    log(f"timed again, every plan: {changed}")
   fits = []
   for (algorithm, comp), seconds in zip(plans, table):
     codec_names = planner.codec_key(
@@ -370,10 +362,9 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
                        f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s) after {warmup} "
                        f"warm-up, process 0's, the plans side by side, each one's calls spread "
-                       f"evenly among the others', each after a barrier; plans within "
-                       f"{CONFIRM_WITHIN}x of their codec's fastest (or alone in it; all below 4 MiB) "
-                       f"timed again, "
-                       f"the lower median kept (alone: the median of all its calls)",
+                       f"evenly among the others', each after a barrier; every plan timed "
+                       f"again, the lower median kept (alone in its codec: the median of all "
+                       f"its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),

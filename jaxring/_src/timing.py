@@ -74,49 +74,40 @@ def warm_up(calls: Sequence[Callable], n: int) -> list[float]:
   return warm
 
 
-def confirm(first: np.ndarray, groups: Sequence[str], retime, within: float,
-            every: Sequence[bool] | None = None) -> np.ndarray:
-  """Times again, in each column (a size), every contender within ``within`` of the fastest of
-  its group (calibration: plans of one codec) and every contender alone in its group; in a
-  column where ``every[column]``, every contender. One with rivals keeps the lower of its two
-  medians; one alone, the median of all its calls.
+def confirm(first: np.ndarray, groups: Sequence[str], retime) -> np.ndarray:
+  """Times every contender again, in each column (a size), side by side; one with rivals in its
+  group (calibration: the plans of one codec) keeps the lower of its two medians, one alone in
+  its group the median of all its calls.
 
   One slow phase of a shared machine (or a first use of links) can fall on one plan's calls and
   decide a choice: on the emulated cluster one MPI-shape calibration timed the hierarchical plan
   at 1034 ms against 553 ms in the benchmark's rounds, and ``auto`` chose a plan 1.6x slower.
-  Only the contenders are timed again, side by side, and without a warm-up (they are compiled
-  and warm); where calls are cheap (``every``), all of them: a slow phase can push the fastest
-  plan out of the window, as one JAX-shape calibration timed the hierarchical plan at 39.5 ms for
-  1 MiB (14.1-14.8 in four others), gloo's psum at 18.1, and ``auto`` ran gloo's at 1.40x.
-  A plan alone in its codec (top-k) has no rival to be chosen over, but its cost sets the other
-  plans' predictions (planner.predict) and the simulator's: one MPI-shape calibration timed
-  top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds. Two medians of 16 calls drawn from
+  Timing again only the plans near the fastest is not enough, since a slow phase can push the
+  fastest one out of any such window: one JAX-shape calibration timed the hierarchical plan at
+  39.5 ms for 1 MiB (14.1-14.8 in four others), gloo's psum at 18.1, and ``auto`` ran gloo's at
+  1.40x the hierarchical row. The second timing has no warm-up (the programs are compiled and
+  warm). A plan alone in its codec (top-k) has no rival to be chosen over, but its cost sets
+  the other plans' predictions (planner.predict) and the simulator's: one MPI-shape calibration
+  timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds. Two medians of 16 calls drawn from
   a benchmark row's calls have a lower one 3.4% below the row's median on average over the
   top-k rows of ten runs; the median of all 32, 0.5% above (``benchmarks/scripts/
   confirm_bias.py``).
 
-  ``first[contender, column]``: the first timings' medians, the same on every process, so every
-  process times the same calls again (they are collective). ``retime(contenders, column) ->``
+  ``first[contender, column]``: the first timings' medians. ``retime(contenders, column) ->``
   for each, ``(median of its new calls, median of its new and first calls together)``, the same
-  on every process.
+  on every process; the contenders are asked for in index order, the same on every process, as
+  collective calls must be.
 
   Example:
     >>> first = np.array([[1.0], [1.2], [2.0], [0.5]])
-    >>> retime = lambda rows, j: [{0: (1.1, 1.05), 1: (0.9, 1.0), 3: (0.7, 0.6)}[i] for i in rows]
-    >>> confirm(first, ["a", "a", "a", "b"], retime, 1.5)[:, 0].tolist()
-    [1.0, 0.9, 2.0, 0.6]
+    >>> again = {0: (1.1, 1.05), 1: (0.9, 1.0), 2: (1.0, 1.4), 3: (0.7, 0.6)}
+    >>> confirm(first, ["a", "a", "a", "b"], lambda rows, j: [again[i] for i in rows])[:, 0]
+    array([1. , 0.9, 1. , 0.6])
   """
   table = first.copy()
   alone = [list(groups).count(g) == 1 for g in groups]
+  rows = list(range(len(groups)))
   for j in range(table.shape[1]):
-    again = []
-    # in order of first appearance, never a set's order: that differs between processes (string
-    # hashing is salted per process), and so would the collective calls
-    for group in dict.fromkeys(groups):
-      rows = [i for i, other in enumerate(groups) if other == group]
-      best = min(first[i, j] for i in rows)
-      again += [i for i in rows if first[i, j] <= within * best or (every and every[j])]
-    again.sort()
-    for i, (t, both) in zip(again, retime(again, j)):
+    for i, (t, both) in zip(rows, retime(rows, j)):
       table[i, j] = both if alone[i] else min(table[i, j], t)
   return table
