@@ -42,8 +42,7 @@ names = [f"{a} {calibrate._label(c)}" for a, c in plans]
 x = target.input(args.mib << 18)
 calls = [lambda g=target.program(a, c).lower(x).compile(): jax.block_until_ready(g(x))
          for a, c in plans]
-warm = timing.warm_up(calls, 1)      # as calibrate counts a large point's calls
-counts = [calibrate._large_reps(3, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
+counts = calibrate._counts(target, args.mib << 20, 3, calls, 1)   # warmed up and counted as calibrate does
 modes = ("no barrier", "barrier")
 times = {mode: [[] for _ in plans] for mode in modes}
 for p in range(args.passes):

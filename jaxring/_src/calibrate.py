@@ -178,6 +178,16 @@ def _reps(nbytes: int, reps: int) -> int:
   return reps if nbytes >= _LARGE else 3 * reps
 
 
+def _counts(target, nbytes: int, reps: int, calls, warmup: int) -> list[int]:
+  """Makes ``warmup`` untimed calls of each of ``calls`` (plans at one size), then returns how
+  many to time: :func:`_reps`, at a large size :func:`_large_reps` of the slowest process's
+  warm-up (collective there: the same branch on every process, from the arguments alone)."""
+  warm = timing.warm_up(calls, warmup)
+  if nbytes < _LARGE or not warmup:
+    return [_reps(nbytes, reps)] * len(calls)
+  return [_large_reps(reps, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
+
+
 def _codec_of(comp):
   return next(iter(comp.values())) if isinstance(comp, dict) else comp
 
@@ -209,8 +219,7 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
   for k, j in enumerate(small):
     x = inputs[sizes[j]]
     calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in lossless]
-    timing.warm_up(calls, warmup)
-    counts = [_reps(sizes[j], reps)] * len(calls)
+    counts = _counts(target, sizes[j], reps, calls, warmup)
     seconds[:, k] = [np.median(t) for t in timing.side_by_side(calls, counts, target.barrier)]
   seconds = np.asarray(target.broadcast(seconds), np.float64)
   none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
@@ -258,10 +267,7 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
     calls = [lambda f=row[j]: jax.block_until_ready(f(x)) for row in compiled]
     # the first calls of a compiled program are often slow (docs/simulations.md, "Calibration's
     # warm-up call"); their time also sets a large point's number of calls
-    warm = timing.warm_up(calls, warmup)
-    counts = [_reps(nbytes, reps)] * len(plans)
-    if nbytes >= _LARGE and warmup:
-      counts = [_large_reps(reps, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
+    counts = _counts(target, nbytes, reps, calls, warmup)
     # the median, as users and benchmarks see it: the fastest call favours plans whose times
     # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms;
     # the fastest calls chose hierarchical, the medians gloo)
