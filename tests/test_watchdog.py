@@ -171,27 +171,42 @@ def test_a_peer_that_published_its_failure_ends_this_process_too():
   launches.reset()
 
 
-def test_launches_are_counted_at_dispatch_of_a_marked_program():
+def test_a_marked_collective_counts_each_launch_once_before_it_runs_without_a_jax_effect():
   import jax
   import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from jaxring._src.transport import launches
   launches.reset()
   launches.enable(2)
   try:
-    @jax.jit
-    def f(x):
-      launches.mark("41")
-      return x + 1
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    body = lambda v: lax.psum(launches.marker("41")(v), "d")   # noqa: E731
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P()))
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("d")))
     for _ in range(3):
-      f(jnp.ones(3))
-    assert launches.table() == {"41": 3}
-    assert launches.latest()[:2] == ("41", 3)
-    launches.mark("42", processes=5)   # over fewer/more processes than watched: not marked
+      jax.block_until_ready(f(x))
+    assert launches.table() == {"41": 3}   # once per launch, not once per device
+    key, k, at = launches.latest()
+    assert (key, k) == ("41", 3) and 0 <= time.monotonic() - at < 60   # Python's clock
+    # the marker runs before the collective: its result is held by the barrier the psum reads
+    hlo = f.lower(x).as_text()
+    assert (hlo.index("@jaxring_launch_mark") < hlo.index("optimization_barrier")
+            < hlo.index("all_reduce")), hlo
+    # no JAX effect and no host callback: the program keeps jax's C++ dispatch
+    assert not jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("d"),
+                                            out_specs=P()))(x).effects
+    assert "callback" not in hlo
+    # run eagerly, a collective is counted as it starts
+    assert launches.marker("43")(7) == 7 and launches.table()["43"] == 1
+    assert launches.marker("42", processes=5)(7) == 7   # over fewer/more processes: not marked
     assert "42" not in launches.table()
   finally:
     launches.enable(0)
     launches.reset()
+  assert launches.table() == {} and launches.marker("44")(7) == 7   # off: nothing staged
 
 
 def test_a_peer_behind_that_also_went_quiet_is_left_to_the_silence_check():

@@ -2,9 +2,14 @@
 // plus what it was built against so that jaxring._src.ext can refuse a mismatched build.
 #include <nanobind/nanobind.h>
 
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
 #include <type_traits>
 
 #include "handlers.h"
+#include "launches.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -39,6 +44,23 @@ NB_MODULE(_ext, m) {
 #undef JAXRING_ADD_CPU
     return targets;
   });
+  m.def("host_registrations", []() {
+    nb::dict targets;
+#define JAXRING_ADD_HOST(name, stem)                                        \
+  targets["jaxring_" name] = nb::make_tuple(EncapsulateFfiHandler(stem##Cpu), \
+                                            EncapsulateFfiHandler(stem##Cuda));
+    JAXRING_FOR_EACH_HOST_TARGET(JAXRING_ADD_HOST)
+#undef JAXRING_ADD_HOST
+    return targets;
+  });
+  m.def("launch_table", &jaxring::LaunchTable);
+  m.def("launch_latest", []() -> nb::object {
+    jaxring::LaunchLatest l = jaxring::LaunchLatestEntry();
+    if (!l.any) return nb::none();
+    return nb::make_tuple(l.key, l.count, l.monotonic_s);
+  });
+  m.def("launch_version", &jaxring::LaunchVersion);
+  m.def("launch_reset", &jaxring::LaunchReset);
   m.def("cuda_registrations", []() {
     nb::dict targets;
 #ifdef JAXRING_WITH_CUDA

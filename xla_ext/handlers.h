@@ -23,10 +23,15 @@
   X("local_all_gather", JaxringLocalAllGather)         \
   X("local_all_gather_decode", JaxringLocalAllGatherDecode)
 
+// Host-only handlers (launches.cc): registered for CPU and CUDA alike, whatever was built.
+#define JAXRING_FOR_EACH_HOST_TARGET(X) X("launch_mark", JaxringLaunchMark)
+
 #define JAXRING_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);
 JAXRING_FOR_EACH_TARGET(JAXRING_DECLARE_CPU)
 JAXRING_FOR_EACH_INPROCESS_TARGET(JAXRING_DECLARE_CPU)
+JAXRING_FOR_EACH_HOST_TARGET(JAXRING_DECLARE_CPU)
 #undef JAXRING_DECLARE_CPU
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxringLaunchMarkCuda);
 
 #ifdef JAXRING_WITH_CUDA
 #define JAXRING_DECLARE_CUDA(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cuda);

@@ -40,7 +40,7 @@ target = calibrate._target(None, ("mpi",))
 plans = list(calibrate._candidates(target.groups, calibrate.DEFAULT_CODECS))
 names = [f"{a} {calibrate._label(c)}" for a, c in plans]
 x = target.input(args.mib << 18)
-calls = [lambda g=target.program(a, c).lower(x).compile(): jax.block_until_ready(g(x))
+calls = [lambda g=calibrate._compiled(target.program(a, c), x): jax.block_until_ready(g(x))
          for a, c in plans]
 counts = calibrate._counts(target, args.mib << 20, 3, calls, 1)   # warmed up and counted as calibrate does
 modes = ("no barrier", "barrier")

@@ -44,9 +44,10 @@ def plan_for(binding, nbytes: int, dtype, algorithm, compression) -> Plan:
                    hierarchy=binding.hierarchy)
 
 
-def _fingerprint(op: str, binding, shape, dtype, algorithm, plan: Plan) -> None:
-  """Every process of a multi-process job must plan this collective alike (transport/fingerprint)."""
-  fingerprint.check({
+def _fingerprint(op: str, binding, shape, dtype, algorithm, plan: Plan):
+  """Every process of a multi-process job must plan this collective alike (transport/fingerprint).
+  Returns the function its operands go through (their launch marker's tie)."""
+  return fingerprint.check({
       "op": op, "axes": [str(a) for a in binding.axes], "axis_sizes": list(binding.sizes),
       "shape": [int(d) for d in shape], "dtype": str(jnp.dtype(dtype)),
       "algorithm": algorithm if isinstance(algorithm, str) else dict(algorithm),
@@ -146,7 +147,7 @@ def all_reduce_flat(flat, dtype, binding, algorithm, compression, *, want_error:
   """
   plan = plan_for(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype, algorithm,
                   compression)
-  _fingerprint("all_reduce", binding, flat.shape, dtype, algorithm, plan)
+  flat = _fingerprint("all_reduce", binding, flat.shape, dtype, algorithm, plan)(flat)
   if plan.kind == "xla" or binding.size == 1:  # one member: exact, nothing travels or compresses
     return _native_all_reduce(flat, binding.axes, plan), None
   return _all_reduce_planned(flat, dtype, binding, plan, want_error, segments)
@@ -177,7 +178,7 @@ def all_reduce(leaves: list, binding, algorithm, compression) -> list:
 
 
 def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
-  out = list(leaves)
+  leaves, out = list(leaves), list(leaves)
   by_dtype: dict[Any, list[int]] = {}
   for i, leaf in enumerate(leaves):
     if binding.size > 1 and np.size(leaf) > 0 and (_is_traced(leaf) or not binding.lax_bound):
@@ -187,7 +188,9 @@ def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
   for dtype, idxs in by_dtype.items():
     nbytes = sum(np.size(leaves[i]) for i in idxs) * dtype.itemsize
     plan = plan_for(binding, nbytes, dtype, algorithm, compression)
-    _fingerprint("psum", binding, (nbytes // dtype.itemsize,), dtype, algorithm, plan)
+    tie = _fingerprint("psum", binding, (nbytes // dtype.itemsize,), dtype, algorithm, plan)
+    for i, leaf in zip(idxs, tie([leaves[i] for i in idxs])):
+      leaves[i] = leaf
     if plan.kind == "xla":
       for i in idxs:
         out[i] = _native_all_reduce(leaves[i], binding.axes, plan)
@@ -220,7 +223,7 @@ def reduce_scatter(leaf, d: int, tiled: bool, binding, algorithm, compression):
   dtype = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
   nbytes = np.size(leaf) * dtype.itemsize
   plan = _reduce_scatter_plan(binding, nbytes, dtype, algorithm, compression)
-  _fingerprint("psum_scatter", binding, np.shape(leaf), dtype, algorithm, plan)
+  leaf = _fingerprint("psum_scatter", binding, np.shape(leaf), dtype, algorithm, plan)(leaf)
   _check_block_order(plan, binding, "psum_scatter")
   p = binding.size
   if not binding.lax_bound:
@@ -241,7 +244,7 @@ def all_gather(leaf, ax: int, tiled: bool, binding, algorithm, compression):
   p = binding.size
   nbytes = leaf.size * dtype.itemsize * p
   plan = plan_for(binding, nbytes, dtype, algorithm, compression)
-  _fingerprint("all_gather", binding, leaf.shape, dtype, algorithm, plan)
+  leaf = _fingerprint("all_gather", binding, leaf.shape, dtype, algorithm, plan)(leaf)
   _check_per_hop(plan, "all_gather")
   _check_block_order(plan, binding, "all_gather")
   if not binding.lax_bound:
@@ -277,7 +280,7 @@ def reduce_scatter_flat(flat, dtype, binding, algorithm, compression, *, want_er
   p = binding.size
   plan = _reduce_scatter_plan(binding, flat.shape[0] * jnp.dtype(dtype).itemsize, dtype,
                               algorithm, compression)
-  _fingerprint("psum_scatter", binding, flat.shape, dtype, algorithm, plan)
+  flat = _fingerprint("psum_scatter", binding, flat.shape, dtype, algorithm, plan)(flat)
   if plan.kind == "xla" or p == 1:
     return lax.psum_scatter(flat, axis_arg(binding.axes), scatter_dimension=0, tiled=True), None
   return _reduce_scatter_rows(flat.reshape(p, -1), p, dtype, plan, want_error)

@@ -41,6 +41,9 @@ def _register(ext) -> None:
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   for name, capsule in ext.cuda_registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+  for name, (cpu, cuda) in ext.host_registrations().items():   # host-only: every platform built
+    jax.ffi.register_ffi_target(name, cpu, platform="cpu")
+    jax.ffi.register_ffi_target(name, cuda, platform="CUDA")
 
 
 try:

@@ -112,12 +112,16 @@ def _exchange_mpi(comm, mine: str, timeout: float):
   return others, sorted(recvs)
 
 
-def check(record: dict, binding=None) -> None:
+def check(record: dict, binding=None):
   """Publishes this process's ``record`` for its next collective and compares it with the others'.
 
   A no-op outside a multi-process job. ``binding`` is the axes' binding: an MPI-bound axis
   compares over its control communicator; otherwise the ``jax.distributed`` job's processes
   compare through the coordination service.
+
+  Returns:
+    the function the collective's operands (a pytree) go through, which ties its launch marker
+    to them (``transport/launches.py``); the identity where nothing is marked.
 
   Raises:
     CollectiveMismatchError: another process's record for the same collective differs.
@@ -130,7 +134,7 @@ def check(record: dict, binding=None) -> None:
   if off or (control is None and ids is None) or (control is not None and
                                                   control.Get_size() < 2):
     flight_recorder.record(flight_recorder.next_seq(), record)
-    return
+    return launches.unmarked
   mine = json.dumps(record, sort_keys=True, default=str)
   timeout = failure_timeout(None) or 120.0
   with _lock:
@@ -161,4 +165,4 @@ def check(record: dict, binding=None) -> None:
         f"{describe(mine_rec)}, and\n  " + "\n  ".join(lines) +
         "\nEvery process must call the same collectives in the same order with the same "
         "shapes, dtypes, algorithm and compression.", seq, differing)
-  launches.mark(str(seq) if control is None else f"{seq}@{binding.name}", n)
+  return launches.marker(str(seq) if control is None else f"{seq}@{binding.name}", n)

@@ -14,44 +14,51 @@ collective, how many times it has launched a program that contains it; the peer 
 Both then exit (the watchdog's usual way out), so the job ends non-zero.
 
 How a launch is seen: each jaxring collective of a multi-process job, when it is planned (with its
-fingerprint, once per trace), stages a host callback into the program under the name scope
-``jaxring_launch_<key>``, behind a branch that is never taken (so it never runs). A program with a host callback is dispatched by jax's Python path
-(``pxla.ExecuteReplicated.__call__``), which :func:`install` wraps: on the first launch of an
-executable it reads the keys from its HLO's op names, and every launch counts them, on the host,
-before the program is enqueued. Counting at dispatch rather than inside the program matters: XLA
-may schedule an operand-free callback after the collective it was traced with (measured with a
-native psum: it ran after the all-reduce, so a blocked process never counted its launch).
-Markers are staged only while a watchdog runs (:func:`enable`): multi-process jobs with
-``JAXRING_FAILURE_TIMEOUT`` > 0, unless ``JAXRING_LAUNCH_MARKERS=0``. Cost: the Python dispatch
-instead of jax's C++ one, 0.1-0.3 ms per launch (an 8-device ring psum of 4 KB on a loaded
-2-core machine: 1.42-1.47 against 1.19-1.22 ms per call).
+fingerprint, once per trace), stages the custom call ``jaxring_launch_mark`` (xla_ext/launches.cc)
+and ties its result to the collective's input with an optimization barrier, so that the program
+runs it before the collective: when a process blocks inside a collective, it has counted that
+launch. The devices of one process share the launch's run id and count it once. The custom call
+has no JAX effect (XLA keeps it as a side-effecting call), so the program keeps jax's C++
+dispatch; a collective run eagerly is counted in Python when it starts. Markers are staged only
+while a watchdog runs (:func:`enable`): multi-process jobs with ``JAXRING_FAILURE_TIMEOUT`` > 0,
+unless ``JAXRING_LAUNCH_MARKERS=0`` or jaxring's extension did not load. The handler runs on the
+host and is registered for CPU and CUDA; on other platforms the marker is a constant and counts
+nothing (no stuck peer is named there).
 """
 from __future__ import annotations
 
 import collections
+import functools
 import os
-import re
 import threading
 import time
+
+import numpy as np
 
 ENV_MARKERS = "JAXRING_LAUNCH_MARKERS"   # 0: no markers (no stuck peer is named then)
 
 # the most recent collectives whose counts are kept and published (eager loops over MPI plan a
-# new collective per call: the table must stay bounded)
+# new collective per call: the table must stay bounded); xla_ext/launches.h keeps as many
 KEEP = 256
 
 _lock = threading.Lock()
-_counts: collections.OrderedDict[str, int] = collections.OrderedDict()
-_latest: list = [None]   # (key, launch number, time.monotonic() at its start)
+_counts: collections.OrderedDict[str, int] = collections.OrderedDict()   # eager launches
+_latest: list = [None]   # (key, launch number, time.monotonic() at its start), eager launches
 _world = [0]             # processes watched by the running watchdog; 0: markers off
 _version = [0]           # bumped at every start: heartbeats publish only what changed
+
+
+def _ext():
+  """jaxring's extension, which counts the launches of compiled programs; None if not loaded."""
+  from jaxring._src.ext import loader
+  return loader._ext if loader.LOAD_ERROR is None else None
 
 
 def enable(processes: int) -> None:
   """Stage launch markers into collectives over ``processes`` processes planned from now on
   (the watchdog calls this with its job's size when it starts, with 0 when it stops)."""
   if processes > 1 and (os.environ.get(ENV_MARKERS, "1").lower() in ("0", "off", "false")
-                        or not install()):
+                        or _ext() is None):
     return
   _world[0] = int(processes)
 
@@ -72,19 +79,35 @@ def _started(keys) -> None:
     _version[0] += 1
 
 
-def _scope(key: str) -> str:
-  return "jaxring_launch_" + key.encode().hex()
+@functools.cache
+def _mark_p():
+  """The primitive that stages ``jaxring_launch_mark``: no operands, a placeholder int32 scalar
+  (never written), no JAX effect; lowered as a side-effecting custom call on CPU and CUDA."""
+  import jax
+  from jax.core import ShapedArray
+  from jax.extend.core import Primitive
+  from jax.interpreters import batching, mlir
+
+  p = Primitive("jaxring_launch_mark")
+  p.def_abstract_eval(lambda *, key: ShapedArray((), np.int32))
+  p.def_impl(lambda *, key: (_started((key,)), np.int32(0))[1])   # run eagerly (under vmap)
+  batching.primitive_batchers[p] = lambda args, dims, **kw: (p.bind(**kw), batching.not_mapped)
+  mlir.register_lowering(p, lambda ctx, *, key: [mlir.ir_constant(np.int32(0))])
+  rule = jax.ffi.ffi_lowering("jaxring_launch_mark", has_side_effect=True)
+  for platform in ("cpu", "cuda"):
+    mlir.register_lowering(p, rule, platform=platform)
+  return p
 
 
-_SCOPE = re.compile(r"jaxring_launch_([0-9a-f]+)")
+def unmarked(operands):
+  """What :func:`marker` returns where nothing is marked: the operands unchanged."""
+  return operands
 
 
-def _noop() -> None:
-  pass
-
-
-def mark(key: str, processes: int | None = None) -> None:
-  """Stages "collective ``key`` launches" into the program being traced (no-op unless enabled).
+def marker(key: str, processes: int | None = None):
+  """Stages "collective ``key`` launches" into the program being traced; returns the function
+  that ties it to the collective's operands (a pytree), which must go through it. Identity
+  unless markers are enabled.
 
   Args:
     key: the collective's name common to every process (its fingerprint sequence number).
@@ -92,64 +115,14 @@ def mark(key: str, processes: int | None = None) -> None:
       processes than the watchdog watches is not marked: the others never launch it.
   """
   if _world[0] < 2 or (processes is not None and processes != _world[0]):
-    return
-  import jax
-  import jax.numpy as jnp
+    return unmarked
   from jax._src import core
   if core.trace_state_clean():   # an eager collective: it runs now
     _started((key,))
-    return
+    return unmarked
   from jax import lax
-  # the callback is never run: its presence gives the program jax's Python dispatch (where the
-  # launch is counted) and its name scope the key. Run on every device at every launch, it cost
-  # 3 ms per launch of an 8-device psum (measured: 6.4 against 3.3 ms); behind a predicate XLA
-  # cannot fold (an optimization barrier), it costs a branch.
-  never = lax.optimization_barrier(jnp.zeros((), bool))
-  with jax.named_scope(_scope(key)):
-    lax.cond(never, lambda: jax.debug.callback(_noop), lambda: None)
-
-
-_programs: collections.OrderedDict[int, tuple] = collections.OrderedDict()
-
-
-def _keys_of(executable) -> tuple[str, ...]:
-  """The collectives marked in a compiled program (read once per executable)."""
-  hit = _programs.get(id(executable))
-  if hit is not None and hit[0] is executable:
-    return hit[1]
-  try:
-    text = "".join(m.to_string() for m in executable.xla_executable.hlo_modules())
-    keys = tuple(dict.fromkeys(bytes.fromhex(h).decode() for h in _SCOPE.findall(text)))
-  except Exception:  # noqa: BLE001 - no HLO to read: nothing to count
-    keys = ()
-  _programs[id(executable)] = (executable, keys)   # held, so that its id is not reused
-  while len(_programs) > 4 * KEEP:
-    _programs.popitem(last=False)
-  return keys
-
-
-def install() -> bool:
-  """Counts launches at jax's Python dispatch of compiled programs; False where this jax has no
-  such point (then no stuck peer is named)."""
-  try:
-    from jax._src.interpreters import pxla
-    cls = pxla.ExecuteReplicated
-  except (ImportError, AttributeError):
-    return False
-  if getattr(cls.__call__, "_jaxring_launches", False):
-    return True
-  original = cls.__call__
-
-  def call(self, *args):
-    if self.has_host_callbacks and _world[0] > 1:
-      keys = _keys_of(self)
-      if keys:
-        _started(keys)
-    return original(self, *args)
-
-  call._jaxring_launches = True
-  cls.__call__ = call
-  return True
+  token = _mark_p().bind(key=key)
+  return lambda operands: lax.optimization_barrier((operands, token))[0]
 
 
 def describe(key: str) -> str:
@@ -165,17 +138,23 @@ def describe(key: str) -> str:
 
 def table() -> dict[str, int]:
   """Collective key -> how many times this process has launched it."""
+  ext = _ext()
+  out = dict(ext.launch_table()) if ext is not None else {}
   with _lock:
-    return dict(_counts)
+    out.update(_counts)
+  return out
 
 
 def version() -> int:
-  return _version[0]
+  ext = _ext()
+  return _version[0] + (ext.launch_version() if ext is not None else 0)
 
 
 def latest() -> tuple[str, int, float] | None:
   """The last collective this process started: (key, launch number, monotonic time)."""
-  return _latest[0]
+  ext = _ext()
+  found = [x for x in (_latest[0], ext.launch_latest() if ext is not None else None) if x]
+  return max(found, key=lambda x: x[2]) if found else None
 
 
 def behind(key: str, k: int, peers: dict[int, dict[str, int]]) -> dict[int, int]:
@@ -221,3 +200,6 @@ def reset() -> None:
     _counts.clear()
     _latest[0] = None
     _version[0] += 1
+  ext = _ext()
+  if ext is not None:
+    ext.launch_reset()
