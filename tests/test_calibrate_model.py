@@ -125,6 +125,46 @@ def test_calibrate_times_topk_once_and_its_dense_plans(tmp_path, monkeypatch):
   assert set(picks[64 << 10]) == {"topk"} and picks[64 << 10]["topk"] in ("ring", "hierarchical")
 
 
+@pytest.mark.slow
+def test_compressed_plans_are_compiled_and_timed_only_from_their_smallest_size_up(monkeypatch):
+  """Below COMPRESSED_FROM a call is latency: only the lossless plans are compiled and timed
+  there, the compressed plans' fits hold their larger points only, and the two timings of the
+  lossless plans at the small size are side by side without them."""
+  import jax
+  monkeypatch.setattr(calibrate, "COMPRESSED_FROM", 64 << 10)
+  compiled = []
+  real = calibrate._compiled
+  monkeypatch.setattr(calibrate, "_compiled",
+                      lambda program, x: compiled.append(x.size * 4 // 8) or real(program, x))
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  sizes = (16 << 10, 64 << 10, 128 << 10)
+  with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
+                                              jaxring.Level("node", 2, 1.25e8, 1e-4)))):
+    prof = jaxring.calibrate(mesh, ("node", "local"), sizes=sizes, codecs=("none", "int8"),
+                             reps=1, save=False, reuse=False)
+  by_plan = {(f.algorithm, "Int8" in f.codecs[-1]): f for f in prof.fits}
+  assert sorted(by_plan) == [("hierarchical", False), ("hierarchical", True), ("ring", False),
+                             ("ring", True), ("xla", False)]
+  for (algorithm, lossy), fit in by_plan.items():
+    assert fit.sizes == (sizes[1:] if lossy else sizes), (algorithm, fit)
+    assert len(fit.seconds) == len(fit.sizes) and min(fit.seconds) > 0
+  # 3 lossless plans at 3 sizes, 2 compressed at 2: 13 programs instead of 15
+  assert sorted(compiled) == sorted([n for n in sizes for _ in range(3)] + list(sizes[1:]) * 2)
+  assert calibrate._sizes_for({"node": jaxring.codecs.int8()}, (1 << 10, 1 << 20)) == (
+      1 << 10, 1 << 20)    # fewer than two sizes from COMPRESSED_FROM up: every size
+
+
+def test_a_contender_not_timed_at_a_size_is_not_timed_again_there():
+  import numpy as np
+  first = np.array([[0.010, 0.750], [np.nan, 0.180], [np.nan, 0.200]])
+  asked = []
+  table = timing.confirm(first, ["none", "int8", "int8"],
+                         lambda rows, j: asked.append((rows, j)) or [(0.5 * first[i, j],) * 2
+                                                                     for i in rows])
+  assert asked == [([0], 0), ([0, 1, 2], 1)]
+  np.testing.assert_array_equal(table, [[0.005, 0.375], [np.nan, 0.09], [np.nan, 0.1]])
+
+
 def test_every_plan_is_timed_again_and_keeps_the_lower_median_or_alone_the_median_of_all():
   import numpy as np
   # plans: xla/none, ring/none, hierarchical/none, hierarchical/int8 (alone in its codec)

@@ -45,6 +45,9 @@ QUICK_REPS_FACTOR = 6
 #: Seconds a process waits at the barrier before each timed call for the others to arrive.
 BARRIER_TIMEOUT_S = 300.0
 DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
+#: Compressed plans are timed from this size up: below, a call is latency, which the lossless
+#: plans' small points pin (docs/design.md, "What calibration compiles").
+COMPRESSED_FROM = 1 << 20
 
 
 def _default_algorithm(groups) -> str:
@@ -188,6 +191,18 @@ def _counts(target, nbytes: int, reps: int, calls, warmup: int) -> list[int]:
   return [_large_reps(reps, max(target.gather(int(1e3 * w) + 1)) / 1e3) for w in warm]
 
 
+def _sizes_for(comp, sizes: Sequence[int]) -> tuple[int, ...]:
+  """The sizes a plan is timed at: all for a lossless plan (``comp`` None), from
+  :data:`COMPRESSED_FROM` up for a compressed one (all, where fewer than two sizes are that large).
+
+  Example:
+    >>> _sizes_for({"node": jaxring.codecs.int8()}, DEFAULT_SIZES)
+    (1048576, 33554432)
+  """
+  large = tuple(n for n in sizes if n >= COMPRESSED_FROM)
+  return tuple(sizes) if comp is None or len(large) < 2 else large
+
+
 def _codec_of(comp):
   return next(iter(comp.values())) if isinstance(comp, dict) else comp
 
@@ -260,36 +275,39 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
   t0 = time.perf_counter()
   # compiled before the clock starts: a first call that compiles, among three timed at 32 MiB,
   # makes their median the slower of the other two
-  compiled = [None if _sparsifying(c) else
-              [_compiled(target.program(a, c), inputs[n]) for n in sizes] for a, c in plans]
+  def compile_row(a, c):   # None where the plan is not timed (_sizes_for)
+    return [_compiled(target.program(a, c), inputs[n]) if n in _sizes_for(c, sizes) else None
+            for n in sizes]
+  compiled = [None if _sparsifying(c) else compile_row(a, c) for a, c in plans]
   norms = None
   if any(_sparsifying(c) for _, c in plans):
     norms = _norms_profile(target, key, plans, compiled, sizes, inputs, reps, warmup, log)
     with cost_model.use_profile(norms):
-      compiled = [row if row is not None else
-                  [_compiled(target.program(a, c), inputs[n]) for n in sizes]
+      compiled = [row if row is not None else compile_row(a, c)
                   for (a, c), row in zip(plans, compiled)]
   t_compiled = time.perf_counter()
   raw: list[list[list[float]]] = [[] for _ in plans]
   for j, nbytes in enumerate(sizes):
     x = inputs[nbytes]
-    calls = [lambda f=row[j]: jax.block_until_ready(f(x)) for row in compiled]
+    live = [i for i, row in enumerate(compiled) if row[j] is not None]
+    calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in live]
     # the first calls of a compiled program are often slow (docs/simulations.md, "Calibration's
     # warm-up call"); their time also sets a large point's number of calls
     counts = _counts(target, nbytes, reps, calls, warmup)
     # the median, as users and benchmarks see it: the fastest call favours plans whose times
     # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms;
     # the fastest calls chose hierarchical, the medians gloo)
-    for row, t in zip(raw, timing.side_by_side(calls, counts, target.barrier)):
-      row.append(t)
-  medians = np.asarray([[np.median(t) for t in row] for row in raw], np.float64)
+    times = dict(zip(live, timing.side_by_side(calls, counts, target.barrier)))
+    for i, row in enumerate(raw):
+      row.append(times.get(i, []))
+  medians = np.asarray([[np.median(t) if t else np.nan for t in row] for row in raw], np.float64)
   first = np.asarray(target.broadcast(medians), np.float64)
   if log is not None:
     log(f"compiled {len(plans)} plans at {len(sizes)} sizes in {t_compiled - t0:.1f} s, timed "
         f"side by side in {time.perf_counter() - t_compiled:.1f} s")
     for (algorithm, comp), row in zip(plans, first):
       log(f"{algorithm:>12} {_label(comp):<10} " + "  ".join(
-          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, row)))
+          f"{s >> 10:>7} KiB {t * 1e3:9.2f} ms" for s, t in zip(sizes, row) if np.isfinite(t)))
   return plans, compiled, first, raw, norms
 
 
@@ -365,17 +383,19 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   if log is not None:
     changed = "  ".join(
         f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i, j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
-        for i, (a, c) in enumerate(plans) for j in range(len(sizes)) if table[i, j] != first[i, j])
+        for i, (a, c) in enumerate(plans) for j in range(len(sizes)) if first[i, j] != table[i, j]
+        and np.isfinite(first[i, j]))
     log(f"timed again, every plan: {changed}")
   fits = []
   for (algorithm, comp), seconds in zip(plans, table):
     codec_names = planner.codec_key(
         [planner.codec_for(comp, g.name, jnp.float32) for g in target.groups])
-    fits.append(cost_model.Fit.from_points(algorithm, codec_names, sizes,
-                                           [float(t) for t in seconds]))
+    fits.append(cost_model.Fit.from_points(algorithm, codec_names, *zip(*(
+        (n, float(t)) for n, t in zip(sizes, seconds) if np.isfinite(t)))))
   del inputs, compiled
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
-                       f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s) after {warmup} "
+                       f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s; compressed plans "
+                       f"from {COMPRESSED_FROM >> 20} MiB up) after {warmup} "
                        f"warm-up, process 0's, the plans side by side, each one's calls spread "
                        f"evenly among the others', each after a barrier; every plan timed "
                        f"again, the lower median kept (alone in its codec: the median of all "

@@ -93,7 +93,8 @@ def confirm(first: np.ndarray, groups: Sequence[str], retime) -> np.ndarray:
   top-k rows of ten runs; the median of all 32, 0.5% above (``benchmarks/scripts/
   confirm_bias.py``).
 
-  ``first[contender, column]``: the first timings' medians. ``retime(contenders, column) ->``
+  ``first[contender, column]``: the first timings' medians, NaN where a contender is not timed
+  (it is left out there). ``retime(contenders, column) ->``
   for each, ``(median of its new calls, median of its new and first calls together)``, the same
   on every process; the contenders are asked for in index order, the same on every process, as
   collective calls must be.
@@ -106,8 +107,8 @@ def confirm(first: np.ndarray, groups: Sequence[str], retime) -> np.ndarray:
   """
   table = first.copy()
   alone = [list(groups).count(g) == 1 for g in groups]
-  rows = list(range(len(groups)))
   for j in range(table.shape[1]):
+    rows = [i for i in range(len(groups)) if np.isfinite(table[i, j])]
     for i, (t, both) in zip(rows, retime(rows, j)):
       table[i, j] = both if alone[i] else min(table[i, j], t)
   return table
