@@ -323,8 +323,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     mesh: the mesh the program reduces over (every device of it takes part); None for an axis
       name bound to an MPI communicator (``jaxring.distributed.bind_mpi_axis``).
     axes: the axis names, as the program passes them to ``psum`` (default: all of the mesh's).
-    sizes: bytes per device to time each plan at (at least two; costs between and beyond them
-      are interpolated, ``cost_model.Fit.predict``).
+    sizes: bytes per device to time the plans at (at least two; compressed plans from
+      :data:`COMPRESSED_FROM` up; costs between and beyond are interpolated, ``Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
       below 4 MiB, and above it up to :data:`QUICK_REPS_FACTOR` times where they fit in
