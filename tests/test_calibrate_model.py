@@ -128,8 +128,7 @@ def test_calibrate_times_topk_once_and_its_dense_plans(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_compressed_plans_are_compiled_and_timed_only_from_their_smallest_size_up(monkeypatch):
   """Below COMPRESSED_FROM a call is latency: only the lossless plans are compiled and timed
-  there, the compressed plans' fits hold their larger points only, and the two timings of the
-  lossless plans at the small size are side by side without them."""
+  there, and the compressed plans' fits hold their larger points only."""
   import jax
   monkeypatch.setattr(calibrate, "COMPRESSED_FROM", 64 << 10)
   compiled = []

@@ -17,17 +17,17 @@ import subprocess
 import sys
 import tempfile
 
-COMPRESSED_FROM = 1 << 20
+from jaxring._src.calibrate import _sizes_for
 
 
 def strip(result: dict) -> dict:
+  """The run's calibration with only the points calibration now times (``_sizes_for``)."""
   for job in result["calibration"]:
     for fit in job["profile"]["fits"]:
-      if fit["codecs"][-1] == "Codec()":     # lossless: every point kept
-        continue
-      kept = [(s, t) for s, t in zip(fit["sizes"], fit["seconds"]) if s >= COMPRESSED_FROM]
-      if len(kept) >= 2:
-        fit["sizes"], fit["seconds"] = [s for s, _ in kept], [t for _, t in kept]
+      comp = None if fit["codecs"][-1] == "Codec()" else fit["codecs"][-1]   # lossless or not
+      keep = _sizes_for(comp, fit["sizes"])
+      fit["seconds"] = [t for s, t in zip(fit["sizes"], fit["seconds"]) if s in keep]
+      fit["sizes"] = list(keep)
   return result
 
 
