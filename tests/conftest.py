@@ -8,8 +8,15 @@ os.environ["JAXRING_CACHE_DIR"] = os.path.join(
 os.environ.pop("JAXRING_PROFILE", None)
 # the flight recorder dumps when a watchdog gives up: into a temporary folder, not the checkout
 os.environ["JAXRING_FLIGHT_DIR"] = os.path.join(os.environ["JAXRING_CACHE_DIR"], "flight")
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+_flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# The in-process tests compile thousands of programs and run each a few times: without LLVM's
+# optimizations (XLA:CPU's level 2 by default) the compile-bound ones take half the time on the
+# 2-core machine (docs/benchmarks.md, "The test suite's time"). Same numerics: no fast-math at
+# either level. Processes started through multiproc.clean_env (multi-process and MPI tests, the
+# docs' blocks) compile at the default level, as users do; XLA_FLAGS naming a level overrides it.
+if "--xla_backend_optimization_level" not in _flags:
+  _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
