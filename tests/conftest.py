@@ -1,10 +1,15 @@
 """8 emulated CPU devices for every in-process test; strict dtype promotion; the ``slow`` marker."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# `auto` reads calibrated profiles from the cache: tests must not see the developer's own
-os.environ["JAXRING_CACHE_DIR"] = os.path.join(
-    __import__("tempfile").mkdtemp(prefix="jaxring-test-cache-"), "jaxring")
+# `auto` reads calibrated profiles from the cache: tests must not see the developer's own. The
+# folder (one per pytest process) is deleted when the process ends.
+_CACHE_ROOT = tempfile.mkdtemp(prefix="jaxring-test-cache-")
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)
+os.environ["JAXRING_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "jaxring")
 os.environ.pop("JAXRING_PROFILE", None)
 # the flight recorder dumps when a watchdog gives up: into a temporary folder, not the checkout
 os.environ["JAXRING_FLIGHT_DIR"] = os.path.join(os.environ["JAXRING_CACHE_DIR"], "flight")
