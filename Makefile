@@ -19,7 +19,7 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 EXT_STAMP := $(VENV)/.ext-stamp
 EXT_SOURCES := pyproject.toml CMakeLists.txt $(shell find xla_ext -type f 2>/dev/null)
 # One pytest worker per core, at most 4, each test module on one worker (its processes, ports and
-# namespaces stay together): the whole suite in about 14 minutes on 2 cores (docs/benchmarks.md).
+# namespaces stay together): the whole suite in 14 to 16 minutes on 2 cores (docs/benchmarks.md).
 PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 
 .PHONY: demo test install clean bench doctor tcmalloc gpu-check
