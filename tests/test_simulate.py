@@ -463,6 +463,21 @@ def test_any_flax_model_by_module_and_function(tmp_path, monkeypatch):
     cli.load_model("simmodel.params")
 
 
+def test_validation_of_a_wrong_or_missing_file_says_so_without_a_traceback(tmp_path, capsys):
+  import json
+
+  from jaxring._src.tools.simulate import cli
+  steps = tmp_path / "train-cluster.json"
+  steps.write_text(json.dumps({"bench": "train-cluster", "compute_s": 0.1}))
+  assert cli.main(["--validate", str(steps), "--out-dir", str(tmp_path)]) == 2
+  err = capsys.readouterr().err
+  assert "not a `jaxring bench cluster` result" in err and "--validate-steps" in err
+  assert cli.main(["--validate-steps", str(steps), "--calibration", str(tmp_path / "no.json"),
+                   "--out-dir", str(tmp_path)]) == 2
+  assert "no.json" in capsys.readouterr().err
+  assert not list(tmp_path.glob("simulate-validate*.json"))
+
+
 def test_bench_cluster_rounds_call_quick_contenders_as_often_as_their_budget_allows():
   """Every contender once in the first round; then as many calls a round as fit in 1 s at
   the slowest process's first-round time, 1 to 30, the same count on every process; each round

@@ -173,14 +173,18 @@ def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   from jaxring._src.tools.bench import common
   t0 = time.perf_counter()
-  if args.validate:
-    return _validate(args.validate, args.out_dir, args.calibration)
-  if args.validate_steps:
-    if not args.calibration:
+  if args.validate or args.validate_steps:
+    if args.validate_steps and not args.calibration:
       print("jaxring simulate: --validate-steps needs --calibration CLUSTER_JSON (a `jaxring "
             "bench cluster` run on the same emulated cluster shape)", file=sys.stderr)
       return 2
-    return _validate_steps(args.validate_steps, args.calibration, args.out_dir)
+    try:
+      if args.validate:
+        return _validate(args.validate, args.out_dir, args.calibration)
+      return _validate_steps(args.validate_steps, args.calibration, args.out_dir)
+    except (OSError, ValueError) as e:   # a missing, unreadable or wrong result file
+      print(f"jaxring simulate: {e}", file=sys.stderr)
+      return 2
   if args.reproduce == "baidu":
     result = baidu()
     print("# Baidu ring all-reduce: 1.2 GB over 6 GB/s links, alpha ignored (source: ~400 ms "

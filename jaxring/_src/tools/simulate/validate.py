@@ -103,8 +103,10 @@ def load(path: str, bench: str | tuple[str, ...] = "cluster") -> dict:
     result = json.load(f)
   wanted = (bench,) if isinstance(bench, str) else bench
   if result.get("bench") not in wanted:
+    hint = (" (its steps are validated with --validate-steps)"
+            if result.get("bench") in ("tta", "train-cluster") else "")
     raise ValueError(f"{path}: not a `jaxring bench {' / '.join(wanted)}` result "
-                     f"(bench={result.get('bench')!r})")
+                     f"(bench={result.get('bench')!r}){hint}")
   if result["bench"] in ("tta", "train-cluster") and "compute_s" not in result:
     raise ValueError(f"{path}: no measured computation (compute_s): a run from before "
                      f"`bench {result['bench']}` measured it")
