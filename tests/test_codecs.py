@@ -219,6 +219,25 @@ def test_fp16_wire_never_overflows_and_passes_inf_and_nan():
   np.testing.assert_array_equal(got[rest], 8.0)
 
 
+def test_fp16_scale_exponents_from_the_bits_equal_frexp_and_ldexp():
+  """The fp16 wire's scale is read off f32's exponent bits: the same exponents as ``jnp.frexp``
+  for every finite non-negative f32 up to the clamp the encoder applies (zeros, subnormals and
+  f32's largest included), and the same powers of two as ``jnp.ldexp``."""
+  from jaxring._src.codecs import cast
+  rng = np.random.default_rng(3)
+  f32 = np.finfo(np.float32)
+  a = np.concatenate([[0.0, -0.0, f32.smallest_subnormal, 1e-40, f32.tiny, 0.5, 1.0, 65504.0, f32.max],
+                      np.abs(rng.standard_normal(2000)) * 2.0 ** rng.integers(-149, 128, 2000)])
+  a = jnp.asarray(a.astype(np.float32))
+  clamp = -f32.minexp                      # the encoder's k = min(15 - e, clamp)
+  got = jnp.minimum(15 - cast._frexp_exponent(a), clamp)
+  want = jnp.minimum(15 - jnp.frexp(a)[1], clamp)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  k = jnp.arange(-126, 128)
+  np.testing.assert_array_equal(np.asarray(cast._pow2(k, jnp.float32)),
+                                np.asarray(jnp.ldexp(jnp.ones((), jnp.float32), k)))
+
+
 def test_fp16_and_int8_flush_thresholds_as_documented():
   # fp16: relative to the block's largest magnitude (1.0 here), 2**-38 survives, 2**-41 is zero
   x = np.zeros((8, 512), np.float32)
