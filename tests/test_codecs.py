@@ -226,7 +226,8 @@ def test_fp16_scale_exponents_from_the_bits_equal_frexp_and_ldexp():
   from jaxring._src.codecs import cast
   rng = np.random.default_rng(3)
   f32 = np.finfo(np.float32)
-  a = np.concatenate([[0.0, -0.0, f32.smallest_subnormal, 1e-40, f32.tiny, 0.5, 1.0, 65504.0, f32.max],
+  edges = [0.0, -0.0, f32.smallest_subnormal, 1e-40, f32.tiny, 0.5, 1.0, 65504.0, f32.max]
+  a = np.concatenate([edges,
                       np.abs(rng.standard_normal(2000)) * 2.0 ** rng.integers(-149, 128, 2000)])
   a = jnp.asarray(a.astype(np.float32))
   clamp = -f32.minexp                      # the encoder's k = min(15 - e, clamp)

@@ -66,7 +66,7 @@ def _frexp_exponent(a):
   ``jnp.frexp`` and ``jnp.ldexp`` handle every special case in the traced program (a third of
   the fp16 ring's HLO and of its compile time); here the values are finite and non-negative and
   the powers of two normal, so the bits give the same numbers. A subnormal ``a`` reads as
-  ``minexp - 1`` (frexp: lower still), which the encoder's clamp (``k <= -minexp``) makes the
+  ``minexp`` (-126; frexp: lower still), which the encoder's clamp (``k <= -minexp``) makes the
   same scale.
   """
   info = jnp.finfo(a.dtype)

@@ -178,13 +178,18 @@ def main(argv=None) -> int:
       print("jaxring simulate: --validate-steps needs --calibration CLUSTER_JSON (a `jaxring "
             "bench cluster` run on the same emulated cluster shape)", file=sys.stderr)
       return 2
-    try:
-      if args.validate:
-        return _validate(args.validate, args.out_dir, args.calibration)
-      return _validate_steps(args.validate_steps, args.calibration, args.out_dir)
+    from jaxring._src.tools.simulate import validate
+    try:   # the input files only: an error past them is a bug, with its traceback
+      result = validate.load(args.validate or args.validate_steps,
+                             "cluster" if args.validate else ("tta", "train-cluster"))
+      calibration = validate.load(args.calibration) if args.calibration else None
     except (OSError, ValueError) as e:   # a missing, unreadable or wrong result file
       print(f"jaxring simulate: {e}", file=sys.stderr)
       return 2
+    if args.validate:
+      return _validate(args.validate, result, args.out_dir, args.calibration, calibration)
+    return _validate_steps(args.validate_steps, result, args.calibration, calibration,
+                           args.out_dir)
   if args.reproduce == "baidu":
     result = baidu()
     print("# Baidu ring all-reduce: 1.2 GB over 6 GB/s links, alpha ignored (source: ~400 ms "
@@ -254,11 +259,10 @@ def main(argv=None) -> int:
   return 0
 
 
-def _validate(path: str, out_dir, calibration_path: str | None = None) -> int:
+def _validate(path: str, result: dict, out_dir, calibration_path: str | None = None,
+              calibration: dict | None = None) -> int:
   from jaxring._src.tools.bench import common
   from jaxring._src.tools.simulate import validate
-  result = validate.load(path)
-  calibration = validate.load(calibration_path) if calibration_path else None
   rows = validate.predict_cluster_rows(result, lambda alg, codec: _codec_plan(codec, alg),
                                        calibration)
   print(f"# {path}: {result['nodes']} nodes x {result['args']['devices_per_node']} devices, "
@@ -279,11 +283,10 @@ def _validate(path: str, out_dir, calibration_path: str | None = None) -> int:
   return 0
 
 
-def _validate_steps(path: str, calibration_path: str, out_dir) -> int:
+def _validate_steps(path: str, result: dict, calibration_path: str, calibration: dict,
+                    out_dir) -> int:
   from jaxring._src.tools.bench import common
   from jaxring._src.tools.simulate import validate
-  result = validate.load(path, ("tta", "train-cluster"))
-  calibration = validate.load(calibration_path)
   fitted = validate.models(calibration)
   rows = validate.predict_steps(result, fitted)
   if result.get("auto_profile"):
