@@ -3,8 +3,9 @@
 The tuned glibc settings are checked by their effect: a process that allocates, fills and frees a
 64 MiB buffer 20 times page-faults it in every time under plain glibc malloc (a fresh mmap per
 buffer), once under the tuned settings; a second thread (its own arena, as XLA's threads have)
-maps it afresh every time even when tuned, but in huge pages. A misspelt tunable is ignored by
-glibc, so it fails here.
+maps it afresh every time even when tuned, but in huge pages; a thread that holds two 40 MiB blocks
+at a time keeps the heap the second one took (top_pad) instead of mapping and zeroing it again. A
+misspelt tunable is ignored by glibc, so it fails here.
 """
 import os
 import platform
@@ -27,9 +28,11 @@ libc.free.argtypes = [ctypes.c_void_p]
 
 def work():
   for _ in range(20):
-    p = libc.malloc(64 << 20)
-    ctypes.memset(p, 1, 64 << 20)
-    libc.free(p)
+    blocks = [libc.malloc(SIZE) for _ in range(AT_ONCE)]
+    for p in blocks:
+      ctypes.memset(p, 1, SIZE)
+    for p in reversed(blocks):
+      libc.free(p)
 
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 if THREAD:   # a thread of its own takes an arena of its own
@@ -43,8 +46,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(env, thread: bool = False) -> int:
-  out = subprocess.run([sys.executable, "-c", f"THREAD = {thread}\n" + _FAULTS], env=env,
+def _faults(env, thread: bool = False, size: int = 64 << 20, at_once: int = 1) -> int:
+  head = f"THREAD = {thread}\nSIZE = {size}\nAT_ONCE = {at_once}\n"
+  out = subprocess.run([sys.executable, "-c", head + _FAULTS], env=env,
                        capture_output=True, text=True, timeout=120, check=True)
   return int(out.stdout.strip())
 
@@ -74,6 +78,19 @@ def test_tuned_glibc_maps_a_threads_large_blocks_in_huge_pages():
   pages = 20 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
   assert _faults(thresholds_only, thread=True) > 0.8 * pages   # every block mapped afresh
   assert _faults(tuned, thread=True) < 0.2 * pages             # ... in 2 MiB pages
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's tunables")
+def test_tuned_glibc_keeps_a_threads_second_heap():
+  """Two 40 MiB blocks at a time do not fit one 64 MiB heap: the second takes a heap of its own,
+  which glibc unmaps as soon as it is all free unless top_pad covers a heap (then every round
+  maps and zeroes 40 MiB again: ~10,000 huge-page faults over 20 rounds, ~50 with top_pad)."""
+  tuned = dict(_plain_env(), GLIBC_TUNABLES=":".join(allocator.GLIBC_TUNED))
+  no_pad = dict(_plain_env(), GLIBC_TUNABLES=":".join(
+      t for t in allocator.GLIBC_TUNED if "top_pad" not in t))
+  kw = dict(thread=True, size=40 << 20, at_once=2)
+  without, with_pad = _faults(no_pad, **kw), _faults(tuned, **kw)
+  assert with_pad < 0.05 * without, (with_pad, without)
 
 
 def test_fast_env_keeps_the_callers_tunables_and_is_idempotent(monkeypatch):

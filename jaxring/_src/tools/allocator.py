@@ -29,11 +29,15 @@ ENV_OPT_OUT = "JAXRING_NO_TCMALLOC"
 # main arena only: a thread's own arena grows in heaps of at most 64 MiB and maps a larger block
 # afresh whatever the threshold (and XLA's threads allocate most buffers), so every such block is
 # also asked for in transparent huge pages (hugetlb=1: 2 MiB a page fault instead of 4 KiB; a
-# 32 MiB psum on 8 CPU devices 34-46 -> 24-25 ms, docs/benchmarks.md). Not one arena:
+# 32 MiB psum on 8 CPU devices 34-46 -> 24-25 ms, docs/benchmarks.md). And a thread arena's
+# second heap, unmapped by glibc as soon as it is all free (whatever trim_threshold says) and
+# mapped and zeroed again by the next large block, stays while top_pad is at least a heap's size
+# (top_pad=64 MiB: a thread that holds two 40 MiB blocks at a time and frees them, 20 times,
+# page-faults 10,666 times without it, 48 with it; tests/test_allocator.py). Not one arena:
 # glibc.malloc.arena_max=1 made single collectives steadier but cost the demo's training step 40%
 # (lock contention between XLA's threads: 272 against 438 images/s, docs/benchmarks.md)
 GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_threshold=1073741824",
-               "glibc.malloc.hugetlb=1")
+               "glibc.malloc.hugetlb=1", "glibc.malloc.top_pad=67108864")
 
 
 def tcmalloc_libraries() -> list[str]:
@@ -73,7 +77,7 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
 
   Example:
     >>> allocator_in_use({"GLIBC_TUNABLES": ":".join(GLIBC_TUNED)})
-    'glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; huge pages)'
+    "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; threads' heaps kept; huge pages)"
     >>> allocator_in_use({})
     'glibc malloc'
   """
@@ -82,7 +86,7 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
   if "tcmalloc" in pre:
     return f"tcmalloc ({pre})"
   if _tuned(env):
-    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; huge pages)"
+    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; threads' heaps kept; huge pages)"
   return "glibc malloc"
 
 
