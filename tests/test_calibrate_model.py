@@ -222,6 +222,32 @@ def test_plans_of_a_size_are_timed_side_by_side_each_spread_evenly():
   assert made == ["|", "b", "|", "a", "|", "b"]
 
 
+def test_a_quick_plans_count_at_a_large_size_follows_its_second_warm_up_call():
+  """The first call of a program is slow: a 40 ms plan whose first call took 0.3 s is called
+  once more and counted by that call (as many calls as fit the budget); a plan whose first call
+  exceeds the budget is not called again; below 4 MiB nothing is called again."""
+  import time
+
+  class Target:
+    def gather(self, value):
+      return [value, value // 2]   # the slowest process decides
+
+  def plan(first, later):
+    made = []
+    def call():
+      time.sleep(first if not made else later)
+      made.append(1)
+    return call, made
+
+  quick, quick_made = plan(0.3, 0.04)
+  slow, slow_made = plan(0.6, 0.6)
+  counts = calibrate._counts(Target(), 32 << 20, 3, [quick, slow], 1)
+  assert (len(quick_made), len(slow_made)) == (2, 1)
+  assert counts == [calibrate._large_reps(3, 0.04), 3] and counts[0] > 3
+  small, small_made = plan(0.0, 0.0)
+  assert calibrate._counts(Target(), 1 << 20, 3, [small], 1) == [9] and len(small_made) == 1
+
+
 def test_calibration_waits_at_a_barrier_before_every_timed_call():
   """Without one, a call's time on process 0 holds the skew the previous call left between the
   processes: on the emulated cluster's MPI shape, timed beside the calibration's other plans at
