@@ -184,18 +184,13 @@ def _reps(nbytes: int, reps: int) -> int:
 def _counts(target, nbytes: int, reps: int, calls, warmup: int) -> list[int]:
   """Makes ``warmup`` untimed calls of each of ``calls`` (plans at one size), then returns how
   many to time: :func:`_reps`, at a large size :func:`_large_reps` of the slowest process's
-  warm-up (collective there: the same branch on every process, from the arguments alone).
-
-  At a large size a plan whose warm-up fits :data:`POINT_BUDGET_S` is called once more and
-  counted by the quicker of its calls: the first calls of a program are slow (on the emulated
-  cluster's MPI shape 1-3x a later call, and top-k's 40 ms call took over 170 ms on some rank),
-  so top-k got 3 calls instead of 18, and its point, the median of 6, missed the benchmark's
-  rows by up to 47% (docs/simulations.md)."""
+  warm-up, collectively (the same on every process). There a plan whose warm-up fits
+  :data:`POINT_BUDGET_S` is called once more and counted by the quicker call: a program's first
+  calls are slow, and top-k got 3 calls instead of 18 (docs/simulations.md)."""
   warm = timing.warm_up(calls, warmup)
   if nbytes < _LARGE or not warmup:
     return [_reps(nbytes, reps)] * len(calls)
-  def slowest(seconds):   # over the processes: the same on every one
-    return max(target.gather(int(1e3 * seconds) + 1)) / 1e3
+  slowest = lambda t: max(target.gather(int(1e3 * t) + 1)) / 1e3   # noqa: E731
   slow = [slowest(w) for w in warm]
   again = [i for i, t in enumerate(slow) if t < POINT_BUDGET_S]
   for i, t in zip(again, timing.warm_up([calls[i] for i in again], 1)):
@@ -238,13 +233,10 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
   """The lossless plans timed at the sizes a sparsifying codec's chunk norms take, as the
   profile under which its programs are traced.
 
-  Top-k sums its chunk norms with the lossless plan ``auto`` picks for their size
-  (``engine.sum_norms``), which reads a profile. Traced under whatever profile is cached (an
-  earlier calibration's, or none on a fresh machine), the top-k timed here would not be the
-  top-k that runs once this calibration is the profile: on the emulated cluster's JAX shape
-  the 8 KiB norms take 10 ms with gloo's psum (no profile) and 6.6 ms with the hierarchical plan
-  (docs/simulations.md). So the lossless plans are timed first at the calibration sizes up to
-  the norms' largest, and that profile decides the norms' plan, the same on every process.
+  Top-k sums its chunk norms with the lossless plan ``auto`` picks (``engine.sum_norms``).
+  Traced under a cached profile (or none), the top-k timed would not be the one this profile
+  runs (emulated cluster, JAX shape: 8 KiB of norms 10 ms by gloo's psum, 6.6 by hierarchical;
+  docs/simulations.md). So the lossless plans are timed first up to the norms' largest size.
   """
   largest = max(_norms_bytes(c, max(sizes)) for _, c in plans if _sparsifying(c))
   ascending = sorted(range(len(sizes)), key=lambda j: sizes[j])
@@ -339,16 +331,13 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       :data:`COMPRESSED_FROM` up; costs between and beyond are interpolated, ``Fit.predict``).
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
-      below 4 MiB, and above it up to :data:`QUICK_REPS_FACTOR` times where they fit in
-      :data:`POINT_BUDGET_S`).
-      Each program is compiled before its calls are timed; the warm-up call after that costs
-      one more call per plan and size (on the emulated cluster 24 s instead of 20 s) and keeps
-      the timings within 14% of the same plans timed 5 times afterwards (up to 73% off
-      without it). At each size the plans are timed side by side, each plan's calls spread
-      evenly among the others', each after a barrier of the processes
-      (:func:`timing.side_by_side`), as ``bench cluster`` times its rows.
-      Every plan is then timed again, side by side, and keeps the lower median (one alone in
-      its codec: the median of all its calls; :func:`timing.confirm`).
+      below 4 MiB, above it up to :data:`QUICK_REPS_FACTOR` times where they fit in
+      :data:`POINT_BUDGET_S`: :func:`_counts`). Each program is compiled first; the warm-up
+      call keeps the timings within 14% of the same plans timed 5 times afterwards (up to 73%
+      off without it) for 4 s more on the emulated cluster. At each size the plans are timed
+      side by side, each one's calls spread evenly among the others', each after a barrier
+      (:func:`timing.side_by_side`), as ``bench cluster`` times its rows; then every plan again,
+      keeping the lower median (alone in its codec: that of all its calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -406,13 +395,11 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
         (n, float(t)) for n, t in zip(sizes, seconds) if np.isfinite(t)))))
   del inputs, compiled
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
-                       f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s; compressed plans "
-                       f"from {COMPRESSED_FROM >> 20} MiB up) after {warmup} "
-                       f"warm-up (one more from {_LARGE >> 20} MiB up where a plan's first fits "
-                       f"{POINT_BUDGET_S} s, counted by the quicker), process 0's, the plans side by side, each one's calls spread "
-                       f"evenly among the others', each after a barrier; every plan timed "
-                       f"again, the lower median kept (alone in its codec: the median of all "
-                       f"its calls)",
+                       f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s by the quicker of "
+                       f"{warmup + 1} warm-up calls; compressed plans from {COMPRESSED_FROM >> 20}"
+                       f" MiB up) after {warmup} warm-up, process 0's, side by side, each call "
+                       f"after a barrier; every plan timed again, the lower median kept (alone "
+                       f"in its codec: the median of all its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),
