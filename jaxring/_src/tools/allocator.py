@@ -40,6 +40,10 @@ GLIBC_TUNED = ("glibc.malloc.mmap_threshold=1073741824", "glibc.malloc.trim_thre
                "glibc.malloc.hugetlb=1", "glibc.malloc.top_pad=67108864")
 
 
+TUNED_GLIBC = ("glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; threads' heaps "
+               "kept; huge pages)")
+
+
 def tcmalloc_libraries() -> list[str]:
   """Installed tcmalloc shared libraries, sorted (``libtcmalloc_minimal`` before ``libtcmalloc``).
 
@@ -76,8 +80,8 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
   process started with ``env``).
 
   Example:
-    >>> allocator_in_use({"GLIBC_TUNABLES": ":".join(GLIBC_TUNED)})
-    "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; threads' heaps kept; huge pages)"
+    >>> allocator_in_use({"GLIBC_TUNABLES": ":".join(GLIBC_TUNED)}) == TUNED_GLIBC
+    True
     >>> allocator_in_use({})
     'glibc malloc'
   """
@@ -86,7 +90,7 @@ def allocator_in_use(env: Mapping[str, str] | None = None) -> str:
   if "tcmalloc" in pre:
     return f"tcmalloc ({pre})"
   if _tuned(env):
-    return "glibc malloc, tuned (GLIBC_TUNABLES: heap blocks up to 1 GiB, kept; threads' heaps kept; huge pages)"
+    return TUNED_GLIBC
   return "glibc malloc"
 
 
