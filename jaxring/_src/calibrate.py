@@ -203,7 +203,7 @@ def _sizes_for(comp, sizes: Sequence[int]) -> tuple[int, ...]:
   :data:`COMPRESSED_FROM` up for a compressed one (all, where fewer than two sizes are that large).
 
   Example:
-    >>> _sizes_for({"node": jaxring.codecs.int8()}, DEFAULT_SIZES)
+    >>> _sizes_for({"node": parse_codec("int8")}, DEFAULT_SIZES)
     (1048576, 33554432)
   """
   large = tuple(n for n in sizes if n >= COMPRESSED_FROM)
