@@ -480,7 +480,7 @@ def test_validation_of_a_wrong_or_missing_file_says_so_without_a_traceback(tmp_p
 
 def test_bench_cluster_rounds_call_quick_contenders_as_often_as_their_budget_allows():
   """Every contender once in the first round; then as many calls a round as fit in 1 s at
-  the slowest process's first-round time, 1 to 30, the same count on every process; each round
+  the slowest process's first-round time, 2 to 30, the same count on every process; each round
   in an order of its own, the same on every process."""
   import types
 
@@ -497,6 +497,11 @@ def test_bench_cluster_rounds_call_quick_contenders_as_often_as_their_budget_all
   assert len(seen) == 1 and len(seen[0]) == 3
   calls = {label: len(times) for label, times, _, _ in out}
   assert calls == {"slow": 1 + 2 * 3, "quick": 1 + 2 * 10, "instant": 1 + 2 * 30}
+  # a call over half the budget (MPICH's 0.8 s) still gets two a round, not one
+  long = list(cw.time_rounds(ready[:1], types.SimpleNamespace(reps=3), barriers.append, "lo",
+                             lambda values: [0.8]))
+  assert [len(times) for _, times, _, _ in long] == [1 + 2 * 2]
+  del barriers[-5:], made[-5:]
   assert made.count("quick") == 21 and len(barriers) == len(made) == 7 + 21 + 61
   # each round's order is a permutation of its own, drawn from the round's number alone
   orders = [cw.round_order(3, r) for r in range(3)]

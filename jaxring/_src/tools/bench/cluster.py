@@ -17,9 +17,9 @@ All contenders run in one invocation, on the same shaped links, one after the ot
   row against that best.
 
 Per contender: median of the timed calls after warm-up, in ``--reps`` rounds (every contender in
-turn each round, in an order of the round's own; after the first, one that is quick is called as
-often as fits in 1 s, up to 30 times, its calls spread evenly among the others', so its median
-rests on more calls:
+turn each round, in an order of the round's own; after the first, each is called as often as
+fits in 1 s, 2 to 30 times, its calls spread evenly among the others', so its median rests on
+more calls:
 ``cluster_worker.time_rounds``), algbw (bytes per device / time),
 bytes each node put on its link per call (delta of the interface's tx counter over the timed calls,
 divided by the calls), the link-rate bound T_min = 2(p-1)/p * bytes * wire ratio / link rate with

@@ -180,6 +180,12 @@ def probe_link(mesh, axes, sizes, codecs, algorithms, barrier, iface, calls: int
 #: as the square root of the calls (docs/benchmarks.md, "Current figures").
 ROUND_BUDGET_S = 1.0
 MAX_CALLS_PER_ROUND = 30
+#: Calls a contender gets per round after the first, at least: a call over ROUND_BUDGET_S / 2
+#: (MPICH's all-reduce, the uncompressed plans) would otherwise have one a round. MPICH's calls
+#: at 32 MiB fall in two groups (209 calls over 40 runs: quartiles 731-887 ms, most at 680-800
+#: and 840-960), and a median of 5 landed in the upper one in a quarter of the runs, 15-20%
+#: above the calibration's (docs/simulations.md, "MPICH's row").
+MIN_CALLS_PER_ROUND = 2
 
 
 def round_order(n: int, r: int) -> list[int]:
@@ -202,8 +208,9 @@ def time_rounds(ready, args, barrier, iface, agree=None):
   Each round calls the contenders in its own order (:func:`round_order`), a contender's calls
   spread evenly among the others' (``jaxring._src.timing.spread``, as calibration times its plans).
   ``agree(times) -> the largest of each over every process``: after the first round a contender
-  is called as often as fits in :data:`ROUND_BUDGET_S` per round (at most
-  :data:`MAX_CALLS_PER_ROUND`; the same count on every process, the calls being collective).
+  is called as often as fits in :data:`ROUND_BUDGET_S` per round (at least
+  :data:`MIN_CALLS_PER_ROUND`, at most :data:`MAX_CALLS_PER_ROUND`; the same count on every
+  process, the calls being collective).
   Yields (label, times, tx bytes per call, extra) per contender, in the order given."""
   times = {label: [] for label, _, _ in ready}
   tx = dict.fromkeys(times, 0)
@@ -224,7 +231,8 @@ def time_rounds(ready, args, barrier, iface, agree=None):
       tx[label] += tx_bytes(iface) - b0
     if r == 0 and agree is not None:
       slowest = agree([times[label][0] for label in times])
-      calls = {label: min(MAX_CALLS_PER_ROUND, max(1, int(ROUND_BUDGET_S / max(t, 1e-6) + 1e-9)))
+      calls = {label: min(MAX_CALLS_PER_ROUND, max(MIN_CALLS_PER_ROUND,
+                                                  int(ROUND_BUDGET_S / max(t, 1e-6) + 1e-9)))
                for label, t in zip(times, slowest)}
   for label, _, extra in ready:
     yield label, times[label], tx[label] / len(times[label]), extra
