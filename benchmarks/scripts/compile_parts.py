@@ -37,4 +37,5 @@ if comm.Get_rank() == 0:
   print(f"{len(rows)} programs in {time.perf_counter() - start:.1f} s")
   for a, c, n, *s in rows:
     print(f"{a:>12} {c:>11} {n:>9} B  trace {s[0]:.2f}  lower {s[1]:.2f}  compile {s[2]:.2f} s")
-  print("sums: trace {:.1f}, lower {:.1f}, compile {:.1f} s".format(*np.sum([r[3:] for r in rows], 0)))
+  sums = np.sum([r[3:] for r in rows], 0)
+  print("sums: trace {:.1f}, lower {:.1f}, compile {:.1f} s".format(*sums))

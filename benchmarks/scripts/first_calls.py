@@ -1,6 +1,6 @@
 """Why a compiled program's first calls are slow on the emulated cluster (docs/simulations.md,
-"Calibration's first calls"): the calibration's plans at one size, compiled as calibration
-compiles them, then each called CALLS times in a row (each call after a barrier), in the
+"What makes a program's first calls slow"): the calibration's plans at one size, compiled as
+calibration compiles them, then each called CALLS times in a row (each call after a barrier), in the
 calibration's order or reversed. Per call: rank 0's milliseconds, and every rank's minor page
 faults (a fault of a huge page zeroes 2 MiB). Before anything, rank 0 times the first touch of
 256 MiB of fresh memory against a rewrite of it (what a page fault costs on this machine).
@@ -71,7 +71,8 @@ if rank == 0:
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   os.makedirs("benchmarks/results", exist_ok=True)
   with open(f"benchmarks/results/first-calls-{stamp}.json", "w") as f:
-    json.dump({"bench": "first-calls", "mib": mib, "reversed": reversed_order, "ranks": comm.Get_size(),
-               "first_touch_mib_per_s": first_touch[0], "rewrite_mib_per_s": first_touch[1],
-               "allocator": os.environ.get("GLIBC_TUNABLES", "") or os.environ.get("LD_PRELOAD", ""),
+    json.dump({"bench": "first-calls", "mib": mib, "reversed": reversed_order,
+               "ranks": comm.Get_size(), "first_touch_mib_per_s": first_touch[0],
+               "rewrite_mib_per_s": first_touch[1],
+               "allocator": os.environ.get("GLIBC_TUNABLES") or os.environ.get("LD_PRELOAD", ""),
                "rows": rows}, f, indent=1)

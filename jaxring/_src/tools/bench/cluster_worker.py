@@ -182,9 +182,9 @@ ROUND_BUDGET_S = 1.0
 MAX_CALLS_PER_ROUND = 30
 #: Calls a contender gets per round after the first, at least: a call over ROUND_BUDGET_S / 2
 #: (MPICH's all-reduce, the uncompressed plans) would otherwise have one a round. MPICH's calls
-#: at 32 MiB fall in two groups (209 calls over 40 runs: quartiles 731-887 ms, most at 680-800
-#: and 840-960), and a median of 5 landed in the upper one in a quarter of the runs, 15-20%
-#: above the calibration's (docs/simulations.md, "MPICH's row").
+#: at 32 MiB fall in two groups (209 calls over 41 runs: quartiles 731-887 ms, most at 680-800
+#: and 840-960), and a median of 5 could land in the upper one: the calibration's point was
+#: 15-26% below the row in 11 of those runs (docs/simulations.md, "MPICH's row").
 MIN_CALLS_PER_ROUND = 2
 
 
