@@ -9,9 +9,11 @@ references of jaxring._src.ext.reference, which define the same numerics bit for
 once with a warning; ``JAXRING_KERNELS=reference`` asks for them explicitly.
 
 A custom call is not always the faster path: on an H100, XLA's own fusion of the int8 reference
-ran 2x faster than the CUDA kernel. ``jaxring bench kernels --save-choice`` records, per platform,
-the kernels whose reference measured faster (``kernels-<platform>.json`` in jaxring's cache,
-or the file ``JAXRING_KERNEL_CHOICE`` names), and the codecs run those references there. The
+ran 2x faster than the CUDA kernel. ``jaxring bench kernels --save-choice`` records, per platform and
+measured size, the kernels whose reference measured faster (``kernels-<platform>.json`` in
+jaxring's cache, or the file ``JAXRING_KERNEL_CHOICE`` names), and the codecs run those
+references there: everywhere for a kernel slower at every size, else at the calls whose size is
+nearest a size where it was slower (on an H200, ``dequantize_int8`` lost to XLA at 64 MiB only). The
 numerics are the same bit for bit either way. :func:`backend` tells what is in use.
 """
 from __future__ import annotations
@@ -32,16 +34,34 @@ def choice_path(platform: str):
   return os.environ.get(ENV_CHOICE) or cache.cache_dir() / f"kernels-{platform}.json"
 
 
-def _measured_references(platform: str) -> frozenset:
-  """Kernels whose jnp reference measured faster than the custom call on ``platform``."""
+def _measured_references(platform: str) -> tuple[frozenset, dict]:
+  """Kernels whose jnp reference measured faster than the custom call on ``platform``: those
+  faster at every measured size, and, per kernel faster at some sizes only, the sorted
+  ``(elements, reference_faster)`` pairs measured."""
   try:
     with open(choice_path(platform)) as f:
       recorded = json.load(f)
   except (FileNotFoundError, ValueError):
-    return frozenset()
+    return frozenset(), {}
   if recorded.get("platform") != platform:
-    return frozenset()
-  return frozenset(recorded.get("use_reference", ()))
+    return frozenset(), {}
+  by_size = {n: sorted((int(e), bool(ref)) for e, ref in s)
+             for n, s in recorded.get("reference_by_size", {}).items()}
+  return frozenset(recorded.get("use_reference", ())), by_size
+
+
+def _by_size(custom, reference, measured: list[tuple[int, bool]]):
+  """``custom`` or ``reference`` per call, by the measured size nearest the call's first operand
+  (in ratio: a call between two measured sizes takes the nearer's choice, one outside their
+  range the end's). Shapes are static, so the choice is made once per trace."""
+  import math
+
+  @functools.wraps(custom)
+  def kernel(x, *args, **kwargs):
+    n = max(1, math.prod(x.shape))
+    _, ref = min(measured, key=lambda m: abs(math.log(n / m[0])))
+    return (reference if ref else custom)(x, *args, **kwargs)
+  return kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,13 +79,18 @@ def _resolve(platform: str) -> tuple[types.SimpleNamespace, str]:
                   "pure-jnp references instead (same numerics, slower)", RuntimeWarning,
                   stacklevel=3)
     return _namespace(reference), f"reference ({e})"
-  slower = _measured_references(platform)
-  if slower:
-    ns = _namespace(ext)
-    for name in slower & set(vars(ns)):
-      setattr(ns, name, getattr(reference, name))
-    return ns, f"ffi (measured faster on {platform}: the references of {sorted(slower)})"
-  return _namespace(ext), "ffi"
+  slower, by_size = _measured_references(platform)
+  ns = _namespace(ext)
+  for name in slower & set(vars(ns)):
+    setattr(ns, name, getattr(reference, name))
+  by_size = {n: m for n, m in by_size.items() if n in vars(ns) and n not in slower and m}
+  for name, measured in by_size.items():
+    setattr(ns, name, _by_size(getattr(ext, name), getattr(reference, name), measured))
+  said = ([f"the references of {sorted(slower)}"] if slower else []) + [
+      f"{n}'s reference at {[e for e, ref in m if ref]} elements" for n, m in by_size.items()]
+  if said:
+    return ns, f"ffi (measured faster on {platform}: {'; '.join(said)})"
+  return ns, "ffi"
 
 
 def _namespace(module) -> types.SimpleNamespace:

@@ -181,25 +181,31 @@ def _copy_baseline(src: np.ndarray, launches: int = 1) -> Callable[[], object]:
 
 
 def save_choice(rows: list[dict], platform: str) -> str:
-  """Writes which kernels the codecs should run as their jnp reference on ``platform``: those
-  whose every measured variant at the largest size ran more than 5% slower than the reference."""
+  """Writes, per kernel and measured size, whether the codecs should run the jnp reference on
+  ``platform``: where every measured variant of the kernel at that size ran more than 5% slower
+  than the reference. A kernel slower at every size runs its reference everywhere; one slower at
+  some sizes only runs it at the calls nearest those sizes (``codecs.kernels``)."""
   import json
 
   from jaxring._src.codecs import kernels as codec_kernels
   from jaxring._src.ext import FFI_KERNELS
-  largest = max(r["size_mib"] for r in rows)
-  slower: dict[str, list[bool]] = {}
+  slower: dict[str, dict[int, list[bool]]] = {}
   for r in rows:
     name = r["kernel"].split()[0]
-    if r["size_mib"] == largest and name in FFI_KERNELS and r["xla_reference_gbps"]:
-      slower.setdefault(name, []).append(r["xla_reference_gbps"] > 1.05 * r["gbps"])
-  use = sorted(n for n, s in slower.items() if all(s))
+    if name in FFI_KERNELS and r["xla_reference_gbps"]:
+      elements = int(r["size_mib"] * MiB) // 4   # the case's element count (f32 input size)
+      slower.setdefault(name, {}).setdefault(elements, []).append(
+          r["xla_reference_gbps"] > 1.05 * r["gbps"])
+  by_size = {n: sorted((e, all(v)) for e, v in sizes.items()) for n, sizes in slower.items()}
+  use = sorted(n for n, s in by_size.items() if all(ref for _, ref in s))
+  mixed = {n: s for n, s in by_size.items() if n not in use and any(ref for _, ref in s)}
   path = codec_kernels.choice_path(platform)
   os.makedirs(os.path.dirname(str(path)) or ".", exist_ok=True)
   with open(path, "w") as f:
-    json.dump({"platform": platform, "use_reference": use, "size_mib": largest,
-               "measured": {n: s for n, s in slower.items()}}, f, indent=1)
-  return f"kernel choice for {platform}: references for {use or 'none'}; wrote {path}"
+    json.dump({"platform": platform, "use_reference": use, "reference_by_size": mixed,
+               "measured": by_size}, f, indent=1)
+  some = "".join(f"; {n} at {[e for e, ref in s if ref]} elements" for n, s in mixed.items())
+  return (f"kernel choice for {platform}: references for {use or 'none'}{some}; wrote {path}")
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -218,8 +224,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                  help="kernel runs per timed call, in one jitted program so that dispatch is "
                  "excluded (default 1 on a CPU, 50 on an accelerator)")
   p.add_argument("--save-choice", action="store_true",
-                 help="record, for this platform, the kernels whose jnp reference ran faster "
-                 "(by more than 5%% at the largest size): the codecs use those references here")
+                 help="record, for this platform and each measured size, the kernels whose jnp "
+                 "reference ran faster (by more than 5%%): the codecs use those references "
+                 "there, at the calls whose size is nearest")
   p.add_argument("--out", default=None, help="folder for the JSON (default benchmarks/results)")
   return p.parse_args(argv)
 
