@@ -28,19 +28,14 @@ from jaxring._src.algorithms import planner
 from jaxring._src.codecs.base import parse as parse_codec
 from jaxring._src.transport import mpi_axis
 
-# Four sizes, log-spaced over the range gradient buckets and psums take (the default bucket is
-# 25 MiB): the smallest pins the per-call latency (the statistics, losses and chunk norms a
-# training step reduces beside its gradients: 4 bytes to ~10 KB), the next the small buckets and
-# the packed chunks of top-k 1%, the largest the cost where plans part; costs are interpolated
-# between them (cost_model.Fit.predict). A line through 1 and 16 MiB chose the slower plan at
-# 32 MiB on the emulated cluster (docs/benchmarks.md).
+# Log-spaced over what gradient buckets and psums take: 1 KiB pins the per-call latency (a step's
+# statistics, losses, chunk norms), 64 KiB small buckets and top-k's packed chunks, 32 MiB the
+# cost where plans part (a line through 1 and 16 MiB chose the slower plan at 32 MiB).
 DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 32 << 20)
-#: Seconds of timed calls a large point gets at most: a plan that is quick at the largest size
-#: (top-k) is called more than ``reps`` times, up to :data:`QUICK_REPS_FACTOR` times as many
-#: (docs/simulations.md).
+#: Seconds of timed calls a large point gets at most: a quick plan (top-k) is called more than
+#: ``reps`` times, up to :data:`QUICK_REPS_FACTOR` times as many (docs/simulations.md).
 POINT_BUDGET_S = 0.5
-#: Top-k's 32 MiB point (~30 ms a call on the emulated cluster, 25-34 ms between quartiles) took
-#: 24.5 to 34.5 ms from run to run on 9 calls, and the benchmark's rows 30; 16 calls fit the budget.
+#: Top-k's 32 MiB point (~30 ms a call on the emulated cluster) took 24.5-34.5 ms on 9 calls.
 QUICK_REPS_FACTOR = 6
 #: Seconds a process waits at the barrier before each timed call for the others to arrive.
 BARRIER_TIMEOUT_S = 300.0
@@ -117,11 +112,12 @@ class _MeshTarget:
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
-  def gather(self, value: int) -> list[int]:
+  def most(self, values: list[int]) -> list[int]:   # per element, the largest over the processes
     if jax.process_count() == 1:
-      return [value]
+      return list(values)
     from jax.experimental import multihost_utils
-    return [int(v) for v in np.asarray(multihost_utils.process_allgather(np.int64(value)))]
+    everyone = multihost_utils.process_allgather(np.asarray(values, np.int64))
+    return [int(v) for v in np.max(np.asarray(everyone), axis=0)]
 
 
 class _MpiTarget:
@@ -145,8 +141,8 @@ class _MpiTarget:
   def broadcast(self, values: np.ndarray) -> np.ndarray:
     return np.asarray(self.binding.comm.bcast(values, root=0))
 
-  def gather(self, value: int) -> list[int]:
-    return [int(v) for v in self.binding.comm.allgather(int(value))]
+  def most(self, values: list[int]) -> list[int]:
+    return [int(v) for v in np.max(self.binding.comm.allgather(list(values)), axis=0)]
 
 
 def _target(mesh, axes):
@@ -176,8 +172,7 @@ _LARGE = 4 << 20
 
 def _reps(nbytes: int, reps: int) -> int:
   """Calls timed at a size: three times ``reps`` below 4 MiB, where a call costs tens of ms and
-  varies by 2x on the emulated cluster's shared cores, and its median needs more of them. The
-  same on every process (the calls are collective)."""
+  varies by 2x on the emulated cluster's shared cores (the same on every process)."""
   return reps if nbytes >= _LARGE else 3 * reps
 
 
@@ -190,11 +185,11 @@ def _counts(target, nbytes: int, reps: int, calls, warmup: int) -> list[int]:
   warm = timing.warm_up(calls, warmup)
   if nbytes < _LARGE or not warmup:
     return [_reps(nbytes, reps)] * len(calls)
-  slowest = lambda t: max(target.gather(int(1e3 * t) + 1)) / 1e3   # noqa: E731
-  slow = [slowest(w) for w in warm]
+  slowest = lambda ts: [t / 1e3 for t in target.most([int(1e3 * t) + 1 for t in ts])]  # noqa: E731
+  slow = slowest(warm)
   again = [i for i, t in enumerate(slow) if t < POINT_BUDGET_S]
-  for i, t in zip(again, timing.warm_up([calls[i] for i in again], 1)):
-    slow[i] = min(slow[i], slowest(t))
+  for i, t in zip(again, slowest(timing.warm_up([calls[i] for i in again], 1))):
+    slow[i] = min(slow[i], t)
   return [_large_reps(reps, t) for t in slow]
 
 
@@ -220,10 +215,8 @@ def _norms_bytes(comp, nbytes: int) -> int:
 
 
 def _compiled(program, x):
-  """``program`` (a ``jax.jit``) compiled for ``x``, before any clock starts; its calls reuse the
-  compilation. Not the ahead-of-time ``Compiled`` itself: in jax 0.10 that one's C++ fast path
-  drops the token argument of a program with an ordered effect (mpi4jax's), and its second call
-  fails ("Execution supplied 1 arguments but compiled program expected 2")."""
+  """``program`` (a ``jax.jit``) compiled for ``x`` before any clock starts. Not the AOT
+  ``Compiled``: in jax 0.10 its fast path drops an ordered effect's token (mpi4jax's)."""
   program.lower(x).compile()
   return program
 
@@ -248,7 +241,8 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
     x = inputs[sizes[j]]
     calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in lossless]
     counts = _counts(target, sizes[j], reps, calls, warmup)
-    seconds[:, k] = [np.median(t) for t in timing.side_by_side(calls, counts, target.barrier)]
+    seconds[:, k] = [np.median(t) for t in timing.unpaged(calls, counts, target.barrier,
+                                                          target.most)]
   seconds = np.asarray(target.broadcast(seconds), np.float64)
   none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
   fits = tuple(cost_model.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
@@ -301,7 +295,8 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
     # the median, as users and benchmarks see it: the fastest call favours plans whose times
     # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms;
     # the fastest calls chose hierarchical, the medians gloo)
-    times = dict(zip(live, timing.side_by_side(calls, counts, target.barrier)))
+    # calls that paged in fresh memory left out (timing.unpaged: a first-use cost, not the plan's)
+    times = dict(zip(live, timing.unpaged(calls, counts, target.barrier, target.most)))
     for i, row in enumerate(raw):
       row.append(times.get(i, []))
   medians = np.asarray([[np.median(t) if t else np.nan for t in row] for row in raw], np.float64)
@@ -332,12 +327,11 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
       below 4 MiB, above it up to :data:`QUICK_REPS_FACTOR` times where they fit in
-      :data:`POINT_BUDGET_S`: :func:`_counts`). Each program is compiled first; the warm-up
-      call keeps the timings within 14% of the same plans timed 5 times afterwards (up to 73%
-      off without it) for 4 s more on the emulated cluster. At each size the plans are timed
-      side by side, each one's calls spread evenly among the others', each after a barrier
-      (:func:`timing.side_by_side`), as ``bench cluster`` times its rows; then every plan again,
-      keeping the lower median (alone in its codec: that of all its calls; :func:`timing.confirm`).
+      :data:`POINT_BUDGET_S`: :func:`_counts`). Each program is compiled, then warmed up. At each
+      size the plans are timed side by side, each call after a barrier, leaving out calls that
+      paged in fresh memory (:func:`timing.unpaged`), as ``bench cluster`` times its rows; then
+      every plan again, keeping the lower median (alone in its codec: the median of all its
+      calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -365,8 +359,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   if reuse:
     cached = cost_model.find_profile(key)
     digest = cached.digest() if cached else -1
-    everyone = set(target.gather(digest))   # every process takes part, cached or not
-    if cached is not None and everyone == {digest}:
+    # every process takes part, cached or not; the largest of d and of -d is d, -d: all alike
+    if target.most([digest, -digest]) == [digest, -digest] and cached is not None:
       return cached
   t0 = time.perf_counter()
   inputs = {nbytes: target.input(max(1, nbytes // 4)) for nbytes in sizes}
@@ -375,9 +369,9 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
 
   def retime(rows: list[int], j: int) -> np.ndarray:
     x = inputs[sizes[j]]
-    again = timing.side_by_side(
+    again = timing.unpaged(
         [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in rows],
-        [len(raw[i][j]) for i in rows], target.barrier)
+        [max(len(raw[i][j]), _reps(sizes[j], reps)) for i in rows], target.barrier, target.most)
     return target.broadcast(np.asarray([(np.median(t), np.median(t + raw[i][j]))
                                         for i, t in zip(rows, again)], np.float64))
   table = timing.confirm(first, [_label(comp) for _, comp in plans], retime)
@@ -398,8 +392,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
                        f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s by the quicker of "
                        f"{warmup + 1} warm-up calls; compressed plans from {COMPRESSED_FROM >> 20}"
                        f" MiB up) after {warmup} warm-up, process 0's, side by side, each call "
-                       f"after a barrier; every plan timed again, the lower median kept (alone "
-                       f"in its codec: the median of all its calls)",
+                       f"after a barrier, calls that paged left out; every plan timed again, the "
+                       f"lower median kept (alone in its codec: the median of all its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),
