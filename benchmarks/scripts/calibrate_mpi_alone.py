@@ -1,0 +1,36 @@
+"""``jaxring.calibrate`` alone in the emulated cluster's MPI shape (one process per device, the
+axis bound as ``bench cluster``'s MPI job binds it), rank 0's log with seconds since the start,
+and the points it kept. ``WARMUP`` sets calibrate's ``warmup`` (default 1).
+
+  jaxring cluster up --name jrq --nodes 4
+  jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi -- \
+      env WARMUP=0 python benchmarks/scripts/calibrate_mpi_alone.py
+"""
+import os
+import time
+
+from mpi4py import MPI
+
+import jaxring
+import jaxring.distributed
+
+comm = MPI.COMM_WORLD
+local = 2
+nodes = comm.Get_size() // local
+node_level = jaxring.Level("node", nodes, 1e9 / 8, 1e-4)
+topology = jaxring.Topology((jaxring.Level("local", local), node_level))
+jaxring.distributed.bind_mpi_axis("mpi", comm, topology)
+warmup = int(os.environ.get("WARMUP", "1"))
+t0 = time.perf_counter()
+
+
+def log(line):
+  print(f"[{time.perf_counter() - t0:6.1f}] {line}", flush=True)
+
+
+prof = jaxring.calibrate(axes="mpi", reuse=False, save=False, warmup=warmup,
+                         log=log if comm.Get_rank() == 0 else None)
+if comm.Get_rank() == 0:
+  print(f"WARMUP={warmup} total {time.perf_counter() - t0:.1f} s")
+  for f in prof.fits:
+    print("FIT", f.algorithm, f.codecs[-1][:12], [round(s * 1e3, 1) for s in f.seconds])
