@@ -405,12 +405,11 @@ def test_a_kernel_slower_than_its_reference_at_some_sizes_runs_it_at_the_calls_n
 
   monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
   # as measured on an H200: XLA's fusion 8% ahead at 64 MiB only (within 5% at 256: noise)
-  rows = [{"kernel": "dequantize_int8 ->f32", "size_mib": 16, "gbps": 2207, "xla_reference_gbps": 1520},
-          {"kernel": "dequantize_int8 ->f32", "size_mib": 64, "gbps": 2370, "xla_reference_gbps": 2568},
-          {"kernel": "dequantize_int8 ->bf16", "size_mib": 64, "gbps": 1797, "xla_reference_gbps": 1420},
-          {"kernel": "dequantize_int8 ->f32", "size_mib": 256, "gbps": 3396, "xla_reference_gbps": 3401},
-          {"kernel": "ring_hop_int8_last", "size_mib": 64, "gbps": 2504, "xla_reference_gbps": 2765},
-          {"kernel": "ring_hop_int8_last", "size_mib": 256, "gbps": 3780, "xla_reference_gbps": 3859}]
+  def row(kernel, mib, gbps, xla):
+    return {"kernel": kernel, "size_mib": mib, "gbps": gbps, "xla_reference_gbps": xla}
+  f32, bf16, last = "dequantize_int8 ->f32", "dequantize_int8 ->bf16", "ring_hop_int8_last"
+  rows = [row(f32, 16, 2207, 1520), row(f32, 64, 2370, 2568), row(bf16, 64, 1797, 1420),
+          row(f32, 256, 3396, 3401), row(last, 64, 2504, 2765), row(last, 256, 3780, 3859)]
   save_choice(rows, "cpu")
   recorded = json.loads((tmp_path / "kernels-cpu.json").read_text())
   assert recorded["use_reference"] == []

@@ -9,12 +9,13 @@ references of jaxring._src.ext.reference, which define the same numerics bit for
 once with a warning; ``JAXRING_KERNELS=reference`` asks for them explicitly.
 
 A custom call is not always the faster path: on an H100, XLA's own fusion of the int8 reference
-ran 2x faster than the CUDA kernel. ``jaxring bench kernels --save-choice`` records, per platform and
-measured size, the kernels whose reference measured faster (``kernels-<platform>.json`` in
-jaxring's cache, or the file ``JAXRING_KERNEL_CHOICE`` names), and the codecs run those
-references there: everywhere for a kernel slower at every size, else at the calls whose size is
-nearest a size where it was slower (on an H200, ``dequantize_int8`` lost to XLA at 64 MiB only). The
-numerics are the same bit for bit either way. :func:`backend` tells what is in use.
+ran 2x faster than the CUDA kernel. ``jaxring bench kernels --save-choice`` records, per
+platform and measured size, the kernels whose reference measured faster
+(``kernels-<platform>.json`` in jaxring's cache, or the file ``JAXRING_KERNEL_CHOICE`` names),
+and the codecs run those references there: everywhere for a kernel slower at every size, else at
+the calls whose size is nearest a size where it was slower (on an H200, ``ring_hop_int8_last``
+lost to XLA by 9% at 64 MiB and tied at 256). The numerics are the same bit for bit either way.
+:func:`backend` tells what is in use.
 """
 from __future__ import annotations
 
