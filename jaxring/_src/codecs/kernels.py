@@ -14,8 +14,8 @@ platform and measured size, the kernels whose reference measured faster
 (``kernels-<platform>.json`` in jaxring's cache, or the file ``JAXRING_KERNEL_CHOICE`` names),
 and the codecs run those references there: everywhere for a kernel slower at every size, else at
 the calls whose size is nearest a size where it was slower (on an H200, ``ring_hop_int8_last``
-lost to XLA by 10% at 64 MiB and was within 2% at 256). The numerics are the same bit for bit either way.
-:func:`backend` tells what is in use.
+lost to XLA by 10% at 64 MiB and was within 2% at 256). The numerics are the same bit for
+bit either way. :func:`backend` tells what is in use.
 """
 from __future__ import annotations
 
