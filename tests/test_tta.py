@@ -1,5 +1,7 @@
 """``jaxring bench tta``'s pieces that decide its figures: the contenders train the same thing, each
 member sees the convergence benchmark's batches, and time to target is read off the curve."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,32 @@ def test_cosine_schedule_reaches_every_contenders_optimizer():
       v = 0.9 * v + 1.0 if momentum else 1.0
       want -= rate * v
     np.testing.assert_allclose(np.asarray(params["w"]), want, rtol=1e-6, err_msg=name)
+
+
+def test_interleaved_timing_settles_each_contender_untimed_before_its_timed_steps():
+  from jaxring._src.tools.bench import common
+  made = []   # (contender, inside the timed block)
+  inside = []
+
+  def stepper(name):
+    def step(state, batch):
+      made.append((name, bool(inside)))
+      return state + batch, {"n": state}
+    return step
+
+  @contextlib.contextmanager
+  def around(name):
+    inside.append(name)
+    yield
+    inside.pop()
+
+  states = {"a": jnp.zeros(()), "b": jnp.zeros(())}
+  times = common.time_interleaved({"a": stepper("a"), "b": stepper("b")}, states, jnp.ones(()),
+                                  reps=2, steps=3, settle=1, around=around)
+  one_rep = [("a", False)] + [("a", True)] * 3 + [("b", False)] + [("b", True)] * 3
+  assert made == one_rep * 2
+  assert {k: float(v) for k, v in states.items()} == {"a": 8.0, "b": 8.0}   # every step counted
+  assert [len(t) for t in times.values()] == [2, 2]
 
 
 def test_compute_share_times_the_step_alone_and_before_a_psum():

@@ -188,12 +188,15 @@ class ComputeShare:
     self.sync: list[float] = []
     self.sample(steps)
 
-  def sample(self, steps: int) -> float:
+  def sample(self, steps: int, settle: int = 0) -> float:
     """Times ``steps`` computation-only steps (and, with a mesh, as many followed by the
-    ``psum`` and the ``psum`` alone); returns the computation's mean seconds."""
+    ``psum`` and the ``psum`` alone), each kind after ``settle`` untimed ones (as
+    :func:`time_interleaved` times the contenders); returns the computation's mean seconds."""
     import jax
 
     def mean_seconds(call) -> float:
+      for _ in range(settle):
+        jax.block_until_ready(call())
       t0 = time.perf_counter()
       for _ in range(steps):
         jax.block_until_ready(call())
@@ -252,11 +255,14 @@ def warm_up_contenders(contenders: dict, make_state: Callable[[], object], batch
 
 
 def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps: int,
-                     around=None, between=None) -> dict[str, list[float]]:
+                     settle: int = 0, around=None, between=None) -> dict[str, list[float]]:
   """Seconds per step of each train-step contender, ``reps`` repetitions of ``steps`` steps.
 
   Contenders run one after the other within each repetition, so the machine's drifting load hits
-  all alike; ``states`` is updated in place. ``around(name)``, if given, is a context manager
+  all alike; ``states`` is updated in place. ``settle`` untimed steps precede each contender's
+  timed ones in every repetition: the first step after another contender's pays for the switch
+  (on the emulated cluster, TCP connections idle meanwhile and buffers to page in again), which
+  training, one step after another, does not. ``around(name)``, if given, is a context manager
   entered around each contender's timed steps (a barrier, a byte counter); ``between()``, if
   given, runs after each repetition.
   """
@@ -266,8 +272,12 @@ def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps:
   times: dict[str, list[float]] = {name: [] for name in contenders}
   for _ in range(reps):
     for name, step in contenders.items():
+      state = states[name]
+      for _ in range(settle):
+        state, metrics = step(state, batch)
+      jax.block_until_ready(state)
       with (around(name) if around else contextlib.nullcontext()):
-        state, t0 = states[name], time.perf_counter()
+        t0 = time.perf_counter()
         for _ in range(steps):
           state, metrics = step(state, batch)
         jax.block_until_ready((state, metrics))

@@ -9,7 +9,9 @@ ResNet-18-style step as ``jaxring bench train`` (``jaxring._src.tools.bench.trai
 * ``train_step int8+EF, overlap``: int8 on the node level with error feedback, each bucket's
   reduction issued inside the backward pass; and the same with ``overlap=False``.
 
-Contenders are interleaved repetition by repetition; each repetition times ``--steps`` steps.
+Contenders are interleaved repetition by repetition; each repetition times ``--steps`` steps of
+each, after ``--settle`` untimed ones (the first step after another contender's pays for the
+switch: ``benchmarks/scripts/overlap_penalty.py``, docs/simulations.md).
 Reported: median ms/step, steps/s, images/s and the ratio to the uncompressed ``train_step``
 (median of per-repetition ratios), the bytes each node put on its link per step, and the step's
 computation alone (``common.ComputeShare``: each node's devices with no collective, sampled
@@ -109,10 +111,10 @@ def worker(args) -> int:
 
   def sample_compute():   # every node at once, as the contenders ran
     jaxring.distributed.barrier(f"compute-{next(barriers)}", timeout_s=600)
-    compute.sample(args.steps)
+    compute.sample(args.steps, args.settle)
 
   times = common.time_interleaved(contenders, states, batch, reps=args.reps, steps=args.steps,
-                                  around=counted, between=sample_compute)
+                                  settle=args.settle, around=counted, between=sample_compute)
   leaves = {"grads": [4 * int(np.size(p)) for p in jax.tree.leaves(variables["params"])],
             "batch_stats": [4 * int(np.size(p)) for p in jax.tree.leaves(variables["batch_stats"])]}
   for name in contenders:
@@ -137,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--steps", type=int, default=2, help="steps timed per repetition")
   ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--settle", type=int, default=1,
+                  help="untimed steps of each contender before its timed ones, every repetition")
   ap.add_argument("--timeout", type=float, default=1500)
   ap.add_argument("--out-dir", default=None)
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -160,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
   state = netns.up(name, args.nodes, rate=args.link)
   worker_args = ["--worker", "--width", str(args.width), "--batch-per-device",
                  str(args.batch_per_device), "--bucket-mib", str(args.bucket_mib), "--reps",
-                 str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                 str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                 "--settle", str(args.settle)]
   try:
     rc, recs, log = cluster._run_job(name, args.nodes, 1, args.devices_per_node, "jax",
                                      worker_args, args.timeout, worker=WORKER)
