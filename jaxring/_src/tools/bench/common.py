@@ -260,9 +260,10 @@ def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps:
 
   Contenders run one after the other within each repetition, so the machine's drifting load hits
   all alike; ``states`` is updated in place. ``settle`` untimed steps precede each contender's
-  timed ones in every repetition: the first step after another contender's pays for the switch
-  (on the emulated cluster, TCP connections idle meanwhile and buffers to page in again), which
-  training, one step after another, does not. ``around(name)``, if given, is a context manager
+  timed ones in every repetition: the first step after another contender's can pay for the
+  switch, which training, one step after another, does not (on the emulated cluster the int8
+  step right after the uncompressed one took 11-24% longer than the same step after its own
+  kind; cause not measured; ``benchmarks/scripts/overlap_penalty.py``). ``around(name)``, if given, is a context manager
   entered around each contender's timed steps (a barrier, a byte counter); ``between()``, if
   given, runs after each repetition.
   """
