@@ -263,9 +263,9 @@ def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps:
   timed ones in every repetition: the first step after another contender's can pay for the
   switch, which training, one step after another, does not (on the emulated cluster the int8
   step right after the uncompressed one took 11-24% longer than the same step after its own
-  kind; cause not measured; ``benchmarks/scripts/overlap_penalty.py``). ``around(name)``, if given, is a context manager
-  entered around each contender's timed steps (a barrier, a byte counter); ``between()``, if
-  given, runs after each repetition.
+  kind; cause not measured; ``benchmarks/scripts/overlap_penalty.py``). ``around(name)``, if
+  given, is a context manager entered around each contender's timed steps (a barrier, a byte
+  counter); ``between()``, if given, runs after each repetition.
   """
   import contextlib
 
