@@ -1,8 +1,8 @@
 """Per call of one plan in the emulated cluster's MPI shape (4 nodes x 2 ranks, 32 MiB f32 per
-rank): rank 0's seconds, the most minor page faults of any rank, and the TCP segments retransmitted and retransmission timeouts (RTO)
-in each node's network namespace during the call (``/proc/net/snmp``, ``/proc/net/netstat``:
+rank): rank 0's seconds, the most minor page faults of any rank, and the TCP segments
+retransmitted and retransmission timeouts (RTO) in each node's network namespace during the call (``/proc/net/snmp``, ``/proc/net/netstat``:
 the counters of the namespace the reading process is in). Are the rare calls 2-3x slower than a
-plan's median TCP timeouts? ``PLAN=ring`` (default) or ``hierarchical``, ``CODEC=bf16`` (default),
+plan's median TCP timeouts, or page faults? ``PLAN=ring`` (default) or ``hierarchical``, ``CODEC=bf16`` (default),
 ``int8`` or ``none``; ``CALLS`` (default 20).
 
   jaxring cluster up --name jrq --nodes 4
@@ -55,5 +55,5 @@ for i in range(int(os.environ.get("CALLS", "20"))):
   rows = comm.gather((c1[0] - c0[0], c1[1] - c0[1]), root=0)
   if comm.Get_rank() == 0:
     per_node = [rows[r] for r in range(0, comm.Get_size(), local)]   # one rank per namespace
-    print(f"call {i:2d} {dt * 1e3:7.1f} ms  page faults {faults:4d}  retransmitted segments, timeouts per node: "
-          f"{per_node}", flush=True)
+    print(f"call {i:2d} {dt * 1e3:7.1f} ms  page faults {faults:4d}  retransmitted segments, "
+          f"timeouts per node: {per_node}", flush=True)
