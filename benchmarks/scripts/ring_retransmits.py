@@ -1,9 +1,10 @@
 """Per call of one plan in the emulated cluster's MPI shape (4 nodes x 2 ranks, 32 MiB f32 per
 rank): rank 0's seconds, the most minor page faults of any rank, and the TCP segments
-retransmitted and retransmission timeouts (RTO) in each node's network namespace during the call (``/proc/net/snmp``, ``/proc/net/netstat``:
-the counters of the namespace the reading process is in). Are the rare calls 2-3x slower than a
-plan's median TCP timeouts, or page faults? ``PLAN=ring`` (default) or ``hierarchical``, ``CODEC=bf16`` (default),
-``int8`` or ``none``; ``CALLS`` (default 20).
+retransmitted and retransmission timeouts (RTO) in each node's network namespace during the call
+(``/proc/net/snmp``, ``/proc/net/netstat``: the counters of the namespace the reading process is
+in). Are the rare calls 2-3x slower than a plan's median TCP timeouts, or page faults?
+``PLAN=ring`` (default) or ``hierarchical``, ``CODEC=bf16`` (default), ``int8`` or ``none``;
+``CALLS`` (default 20).
 
   jaxring cluster up --name jrq --nodes 4
   jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi -- \\
