@@ -193,6 +193,24 @@ def _counts(target, nbytes: int, reps: int, calls, warmup: int) -> list[int]:
   return [_large_reps(reps, t) for t in slow]
 
 
+def _again(nbytes: int, reps: int, kept: int, median: float) -> int:
+  """Calls a plan gets in the second timing (:func:`timing.confirm`): as many as its first
+  timing kept, at least :func:`_reps`, and at a large size as many as its first median says fit
+  :data:`POINT_BUDGET_S` (:func:`_large_reps`; ``median`` is process 0's, the same on every
+  process). A plan whose first calls paged in fresh memory gets its count there: in the MPI
+  shape top-k's first call at 32 MiB took 0.97 s and its second 0.54, where the later ones took
+  36-46 ms; its count from them was 3, and the point off its rows by up to 47%
+  (docs/simulations.md).
+
+  Example:
+    >>> _again(32 << 20, 3, 3, 0.046), _again(32 << 20, 3, 3, 0.5), _again(1 << 20, 3, 7, 0.01)
+    (10, 3, 9)
+  """
+  count = max(kept, _reps(nbytes, reps))
+  return count if nbytes < _LARGE or not np.isfinite(median) else max(
+      count, _large_reps(reps, median))
+
+
 def _sizes_for(comp, sizes: Sequence[int]) -> tuple[int, ...]:
   """The sizes a plan is timed at: all for a lossless plan (``comp`` None), from
   :data:`COMPRESSED_FROM` up for a compressed one (all, where fewer than two sizes are that large).
@@ -330,8 +348,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       :data:`POINT_BUDGET_S`: :func:`_counts`). Each program is compiled, then warmed up. At each
       size the plans are timed side by side, each call after a barrier, leaving out calls that
       paged in fresh memory (:func:`timing.unpaged`), as ``bench cluster`` times its rows; then
-      every plan again, keeping the lower median (alone in its codec: the median of all its
-      calls; :func:`timing.confirm`).
+      every plan again (:func:`_again` calls), keeping the lower median (alone in its codec: the
+      median of all its calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -371,7 +389,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     x = inputs[sizes[j]]
     again = timing.unpaged(
         [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in rows],
-        [max(len(raw[i][j]), _reps(sizes[j], reps)) for i in rows], target.barrier, target.most)
+        [_again(sizes[j], reps, len(raw[i][j]), first[i, j]) for i in rows], target.barrier,
+        target.most)
     return target.broadcast(np.asarray([(np.median(t), np.median(t + raw[i][j]))
                                         for i, t in zip(rows, again)], np.float64))
   table = timing.confirm(first, [_label(comp) for _, comp in plans], retime)
@@ -392,7 +411,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
                        f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s by the quicker of "
                        f"{warmup + 1} warm-up calls; compressed plans from {COMPRESSED_FROM >> 20}"
                        f" MiB up) after {warmup} warm-up, process 0's, side by side, each call "
-                       f"after a barrier, calls that paged left out; every plan timed again, the "
+                       f"after a barrier, calls that paged left out; every plan timed again (above "
+                       f"4 MiB as many calls as its first median fits in the budget), the "
                        f"lower median kept (alone in its codec: the median of all its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
