@@ -304,6 +304,32 @@ def test_calibration_waits_at_a_barrier_before_every_timed_call():
   assert len(plans) == 3 and len(waits) == sum(len(t) for row in raw for t in row) == 3 * 2 * 3
 
 
+def test_the_lossless_plans_timed_for_the_chunk_norms_are_the_first_timing_at_those_sizes():
+  """Top-k's chunk norms need the lossless plans' small points before its programs are traced;
+  the first timing at those sizes (lossless plans only) reuses those calls, not times them
+  twice: one MPI-shape calibration spent 0.5 s, one JAX-shape 1.5 s on the repeat."""
+  import jax
+  mesh = jax.make_mesh((2, 4), ("node", "local"))
+  with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
+                                              jaxring.Level("node", 2, 1.25e8, 1e-4)))):
+    target = calibrate._target(mesh, ("node", "local"))
+    waits = []
+    target.barrier = lambda: waits.append(1)
+    key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
+    sizes = (1 << 10, 64 << 10, 1 << 20, 2 << 20)   # top-k timed from 1 MiB, its norms < 1 KiB
+    inputs = {n: target.input(n // 4) for n in sizes}
+    plans, _, first, raw, norms = calibrate._time_candidates(target, key, ("none", "topk"),
+                                                             sizes, inputs, 1, 1, None)
+  assert len(plans) == 4 and norms is not None
+  # 3 calls a point (below 4 MiB): the norms' 3 plans x 2 sizes, then 4 plans x 2 sizes (some
+  # calls may be left out of raw for paging in fresh memory: timing.unpaged)
+  assert len(waits) == 3 * (3 * 2 + 4 * 2) >= sum(len(t) for row in raw for t in row)
+  by_norms = {f.algorithm: f.seconds for f in norms.fits}
+  for (algorithm, comp), row in zip(plans, first):
+    if comp is None:     # the norms profile's points are the first timing's, at both sizes
+      assert tuple(row[:2]) == pytest.approx(by_norms[algorithm], abs=1e-6)   # stored in µs
+
+
 def test_topk_is_timed_with_the_chunk_norms_plan_this_calibration_chooses_not_a_cached_one():
   """Top-k sums its chunk norms by the lossless plan ``auto`` picks from a profile; calibrating
   must not time it with an earlier (stale) profile's pick, nor with none on a fresh machine."""

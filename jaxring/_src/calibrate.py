@@ -240,9 +240,11 @@ def _compiled(program, x):
 
 
 def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmup: int,
-                   log) -> cost_model.Profile:
+                   log) -> tuple[cost_model.Profile, dict]:
   """The lossless plans timed at the sizes a sparsifying codec's chunk norms take, as the
-  profile under which its programs are traced.
+  profile under which its programs are traced, and ``{size index: {plan index: this process's
+  seconds of each call}}``: the first timing at those sizes, where only lossless plans are
+  timed (below :data:`COMPRESSED_FROM`), is this one.
 
   Top-k sums its chunk norms with the lossless plan ``auto`` picks (``engine.sum_norms``).
   Traced under a cached profile (or none), the top-k timed would not be the one this profile
@@ -255,12 +257,14 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
   small = ascending[:max(upto, 1) + 1]       # at least two sizes, to interpolate between
   lossless = [i for i, (_, c) in enumerate(plans) if c is None]
   seconds = np.zeros((len(lossless), len(small)))
+  timed: dict[int, dict[int, list[float]]] = {}
   for k, j in enumerate(small):
     x = inputs[sizes[j]]
     calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in lossless]
     counts = _counts(target, sizes[j], reps, calls, warmup)
-    seconds[:, k] = [np.median(t) for t in timing.unpaged(calls, counts, target.barrier,
-                                                          target.most)]
+    times = timing.unpaged(calls, counts, target.barrier, target.most)
+    seconds[:, k] = [np.median(t) for t in times]
+    timed[j] = dict(zip(lossless, times))
   seconds = np.asarray(target.broadcast(seconds), np.float64)
   none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
   fits = tuple(cost_model.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
@@ -270,7 +274,7 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
     log("chunk norms: " + ", ".join(
         f"{n} B by {plan['none']}" for n, plan in choices(profile, _norm_sizes(plans, sizes),
                                                           ["none"]).items()))
-  return profile
+  return profile, timed
 
 
 def _norm_sizes(plans, sizes) -> list[int]:
@@ -295,9 +299,9 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
     return [_compiled(target.program(a, c), inputs[n]) if n in _sizes_for(c, sizes) else None
             for n in sizes]
   compiled = [None if _sparsifying(c) else compile_row(a, c) for a, c in plans]
-  norms = None
+  norms, done = None, {}
   if any(_sparsifying(c) for _, c in plans):
-    norms = _norms_profile(target, key, plans, compiled, sizes, inputs, reps, warmup, log)
+    norms, done = _norms_profile(target, key, plans, compiled, sizes, inputs, reps, warmup, log)
     with cost_model.use_profile(norms):
       compiled = [row if row is not None else compile_row(a, c)
                   for (a, c), row in zip(plans, compiled)]
@@ -306,15 +310,18 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
   for j, nbytes in enumerate(sizes):
     x = inputs[nbytes]
     live = [i for i, row in enumerate(compiled) if row[j] is not None]
-    calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in live]
-    # the first calls of a compiled program are often slow (docs/simulations.md, "Calibration's
-    # warm-up call"); their time also sets a large point's number of calls
-    counts = _counts(target, nbytes, reps, calls, warmup)
-    # the median, as users and benchmarks see it: the fastest call favours plans whose times
-    # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523 ms;
-    # the fastest calls chose hierarchical, the medians gloo)
-    # calls that paged in fresh memory left out (timing.unpaged: a first-use cost, not the plan's)
-    times = dict(zip(live, timing.unpaged(calls, counts, target.barrier, target.most)))
+    if set(done.get(j, ())) == set(live):      # timed for the chunk norms, the same way
+      times = done[j]
+    else:
+      calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in live]
+      # the first calls of a compiled program are often slow (docs/simulations.md,
+      # "Calibration's warm-up call"); their time also sets a large point's number of calls
+      counts = _counts(target, nbytes, reps, calls, warmup)
+      # the median, as users and benchmarks see it: the fastest call favours plans whose times
+      # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523
+      # ms; the fastest calls chose hierarchical, the medians gloo); calls that paged in fresh
+      # memory left out (timing.unpaged: a first-use cost, not the plan's)
+      times = dict(zip(live, timing.unpaged(calls, counts, target.barrier, target.most)))
     for i, row in enumerate(raw):
       row.append(times.get(i, []))
   medians = np.asarray([[np.median(t) if t else np.nan for t in row] for row in raw], np.float64)
