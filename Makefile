@@ -18,11 +18,16 @@ NO_CACHE := --no-cache-dir
 DEPS_STAMP := $(VENV)/.deps-stamp
 EXT_STAMP := $(VENV)/.ext-stamp
 EXT_SOURCES := pyproject.toml CMakeLists.txt $(shell find xla_ext -type f 2>/dev/null)
+# The editable install maps each Python module to its file: when one moves (a module becoming a
+# package), the install is redone. The stamp is rewritten only when the list of files changes.
+LAYOUT_STAMP := $(VENV)/.layout
+LAYOUT := $(shell find jaxring -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null | sort | md5sum | cut -c1-32)
 # One pytest worker per core, at most 4, each test module on one worker (its processes, ports and
 # namespaces stay together): the whole suite in 14 to 16 minutes on 2 cores (docs/benchmarks.md).
 PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 
-.PHONY: demo test install clean bench doctor tcmalloc gpu-check
+.PHONY: demo test install clean bench doctor tcmalloc gpu-check FORCE
+FORCE:
 demo: install
 	$(PY) -m jaxring demo
 
@@ -47,7 +52,10 @@ $(DEPS_STAMP): requirements.txt | $(PY)
 	touch $@
 
 # jaxring itself, editable, with its C++/CUDA extension built by scikit-build-core.
-$(EXT_STAMP): $(DEPS_STAMP) $(EXT_SOURCES)
+$(LAYOUT_STAMP): FORCE | $(PY)
+	@[ "$$(cat $@ 2>/dev/null)" = "$(LAYOUT)" ] || echo "$(LAYOUT)" > $@
+
+$(EXT_STAMP): $(DEPS_STAMP) $(EXT_SOURCES) $(LAYOUT_STAMP)
 	$(if $(filter-out off,$(JAXRING_CUDA)),$(if $(CUDA_ROOT),CUDACXX=$(CUDA_ROOT)/bin/nvcc)) \
 	  $(PIP) install -q $(NO_CACHE) --no-build-isolation --no-deps -e .
 	$(PY) -m jaxring doctor --brief

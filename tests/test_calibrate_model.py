@@ -293,7 +293,7 @@ def test_calibration_waits_at_a_barrier_before_every_timed_call():
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
                                               jaxring.Level("node", 2, 1.25e8, 1e-4)))):
-    target = calibrate._target(mesh, ("node", "local"))
+    target = calibrate.targets.target(mesh, ("node", "local"))
     waits = []
     target.barrier = lambda: waits.append(1)
     key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
@@ -312,7 +312,7 @@ def test_the_lossless_plans_timed_for_the_chunk_norms_are_the_first_timing_at_th
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
                                               jaxring.Level("node", 2, 1.25e8, 1e-4)))):
-    target = calibrate._target(mesh, ("node", "local"))
+    target = calibrate.targets.target(mesh, ("node", "local"))
     waits = []
     target.barrier = lambda: waits.append(1)
     key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
@@ -340,7 +340,7 @@ def test_topk_is_timed_with_the_chunk_norms_plan_this_calibration_chooses_not_a_
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
                                               jaxring.Level("node", 2, 1.25e8, 1e-4)))):
-    target = calibrate._target(mesh, ("node", "local"))
+    target = calibrate.targets.target(mesh, ("node", "local"))
     key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
     sizes = (1 << 10, 64 << 10)
     inputs = {n: target.input(n // 4) for n in sizes}

@@ -36,7 +36,7 @@ comm = MPI.COMM_WORLD
 local = args.procs_per_node
 jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
     jaxring.Level("local", local), jaxring.Level("node", comm.Get_size() // local, 1e9 / 8, 1e-4))))
-target = calibrate._target(None, ("mpi",))
+target = calibrate.targets.target(None, ("mpi",))
 plans = list(calibrate._candidates(target.groups, calibrate.DEFAULT_CODECS))
 names = [f"{a} {calibrate._label(c)}" for a, c in plans]
 x = target.input(args.mib << 18)

@@ -18,7 +18,7 @@ from jaxring._src import calibrate
 comm = MPI.COMM_WORLD
 jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
     jaxring.Level("local", 2), jaxring.Level("node", comm.Get_size() // 2, 1e9 / 8, 1e-4))))
-target = calibrate._target(None, ("mpi",))
+target = calibrate.targets.target(None, ("mpi",))
 rows = []
 start = time.perf_counter()
 for algorithm, comp in calibrate._candidates(target.groups, calibrate.DEFAULT_CODECS):

@@ -45,7 +45,7 @@ def touch_rates(nbytes=256 << 20):
 first_touch = touch_rates() if rank == 0 else None
 jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
     jaxring.Level("local", 2), jaxring.Level("node", comm.Get_size() // 2, 1e9 / 8, 1e-4))))
-target = calibrate._target(None, ("mpi",))
+target = calibrate.targets.target(None, ("mpi",))
 plans = list(calibrate._candidates(target.groups, calibrate.DEFAULT_CODECS))
 x = target.input(mib << 18)
 programs = [calibrate._compiled(target.program(a, c), x) for a, c in plans]
