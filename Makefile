@@ -21,7 +21,8 @@ EXT_SOURCES := pyproject.toml CMakeLists.txt $(shell find xla_ext -type f 2>/dev
 # The editable install maps each Python module to its file: when one moves (a module becoming a
 # package), the install is redone. The stamp is rewritten only when the list of files changes.
 LAYOUT_STAMP := $(VENV)/.layout
-LAYOUT := $(shell find jaxring -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null | sort | md5sum | cut -c1-32)
+LAYOUT := $(shell find jaxring -name '*.py' -not -path '*/__pycache__/*' 2>/dev/null | sort \
+  | md5sum | cut -c1-32)
 # One pytest worker per core, at most 4, each test module on one worker (its processes, ports and
 # namespaces stay together): the whole suite in 14 to 16 minutes on 2 cores (docs/benchmarks.md).
 PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
