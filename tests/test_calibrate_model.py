@@ -284,11 +284,9 @@ def test_the_second_timing_counts_a_quick_plan_by_its_first_median_not_its_warm_
   assert calibrate._again(32 << 20, 3, 2, float("nan")) == 3
 
 
-def test_calibration_waits_at_a_barrier_before_every_timed_call():
-  """Without one, a call's time on process 0 holds the skew the previous call left between the
-  processes: on the emulated cluster's MPI shape, timed beside the calibration's other plans at
-  32 MiB, top-k took 23.0 ms a call on rank 0 without a barrier, 19.7 with one
-  (benchmarks/scripts/calibration_barrier.py)."""
+def _timed_counting_barriers(codecs, sizes):
+  """``calibrate._time_candidates`` on 2 x 4 emulated devices, one call each timed: ``(plans,
+  first medians, raw seconds, norms profile, the barriers waited at)``."""
   import jax
   mesh = jax.make_mesh((2, 4), ("node", "local"))
   with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
@@ -297,29 +295,28 @@ def test_calibration_waits_at_a_barrier_before_every_timed_call():
     waits = []
     target.barrier = lambda: waits.append(1)
     key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
-    sizes = (1 << 10, 64 << 10)
     inputs = {n: target.input(n // 4) for n in sizes}
-    plans, _, _, raw, _ = calibrate._time_candidates(target, key, ("none",), sizes, inputs, 1, 1,
-                                                     None)
+    plans, _, first, raw, norms = calibrate._time_candidates(target, key, codecs, sizes, inputs,
+                                                             1, 1, None)
+  return plans, first, raw, norms, waits
+
+
+def test_calibration_waits_at_a_barrier_before_every_timed_call():
+  """Without one, a call's time on process 0 holds the skew the previous call left between the
+  processes: on the emulated cluster's MPI shape, timed beside the calibration's other plans at
+  32 MiB, top-k took 23.0 ms a call on rank 0 without a barrier, 19.7 with one
+  (benchmarks/scripts/calibration_barrier.py)."""
+  plans, _, raw, _, waits = _timed_counting_barriers(("none",), (1 << 10, 64 << 10))
   assert len(plans) == 3 and len(waits) == sum(len(t) for row in raw for t in row) == 3 * 2 * 3
 
 
 def test_the_lossless_plans_timed_for_the_chunk_norms_are_the_first_timing_at_those_sizes():
   """Top-k's chunk norms need the lossless plans' small points before its programs are traced;
   the first timing at those sizes (lossless plans only) reuses those calls, not times them
-  twice: one MPI-shape calibration spent 0.5 s, one JAX-shape 1.5 s on the repeat."""
-  import jax
-  mesh = jax.make_mesh((2, 4), ("node", "local"))
-  with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
-                                              jaxring.Level("node", 2, 1.25e8, 1e-4)))):
-    target = calibrate.targets.target(mesh, ("node", "local"))
-    waits = []
-    target.barrier = lambda: waits.append(1)
-    key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
-    sizes = (1 << 10, 64 << 10, 1 << 20, 2 << 20)   # top-k timed from 1 MiB, its norms < 1 KiB
-    inputs = {n: target.input(n // 4) for n in sizes}
-    plans, _, first, raw, norms = calibrate._time_candidates(target, key, ("none", "topk"),
-                                                             sizes, inputs, 1, 1, None)
+  twice: in one trace each, the repeat took 0.6 s (MPI shape) and 1.7 s (JAX shape)."""
+  # top-k timed from 1 MiB, its chunk norms under 1 KiB
+  plans, first, raw, norms, waits = _timed_counting_barriers(
+      ("none", "topk"), (1 << 10, 64 << 10, 1 << 20, 2 << 20))
   assert len(plans) == 4 and norms is not None
   # 3 calls a point (below 4 MiB): the norms' 3 plans x 2 sizes, then 4 plans x 2 sizes (some
   # calls may be left out of raw for paging in fresh memory: timing.unpaged)

@@ -120,8 +120,8 @@ def _again(nbytes: int, reps: int, kept: int, median: float) -> int:
   :data:`POINT_BUDGET_S` (:func:`_large_reps`; ``median`` is process 0's, the same on every
   process). A plan whose first calls paged in fresh memory gets its count there: in the MPI
   shape top-k's first call at 32 MiB took 0.97 s and its second 0.54, where the later ones took
-  36-46 ms; its count from them was 3, and the point off its rows by up to 47%
-  (docs/simulations.md).
+  36-46 ms, and its count from them was 3 (that point has been 20-47% off its rows in the MPI
+  shape's runs, docs/simulations.md).
 
   Example:
     >>> _again(32 << 20, 3, 3, 0.046), _again(32 << 20, 3, 3, 0.5), _again(1 << 20, 3, 7, 0.01)
