@@ -478,9 +478,10 @@ def test_codecs_are_hashable_values():
 
 
 @pytest.mark.parametrize("codec,targets", [
-    (codecs.int8(), ["jaxring_quantize_int8", "jaxring_ring_hop_int8",
-                     "jaxring_ring_hop_int8_last", "jaxring_dequantize_int8"]),
-    (codecs.bf16(), ["jaxring_ring_hop_cast", "jaxring_ring_hop_cast_last"]),
+    # the ring's hops read the local chunk in place on the CPU (the ``_at`` targets, ext/window.py)
+    (codecs.int8(), ["jaxring_quantize_int8", "jaxring_quantize_int8_at", "jaxring_ring_hop_int8_at",
+                     "jaxring_ring_hop_int8_last_at", "jaxring_dequantize_int8"]),
+    (codecs.bf16(), ["jaxring_ring_hop_cast_at", "jaxring_ring_hop_cast_last_at"]),
     (codecs.topk_chunks(0.1, 64), ["jaxring_chunk_norms", "jaxring_gather_chunks",
                                    "jaxring_scatter_add_chunks"]),
 ], ids=["int8", "bf16", "topk"])

@@ -111,6 +111,64 @@ auto ScatterAddChunks() {
       .template Attr<int64_t>("chunk_size");
 }
 
+// Windowed variants (CPU only): the f32 operand is `base`, read from the int32 scalar `offset` on.
+template <class Ctx>
+auto QuantizeInt8At() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // base
+      .template Arg<Buf>()  // offset
+      .template Arg<Buf>()  // seed
+      .template Ret<Buf>()  // q
+      .template Ret<Buf>()  // scales
+      .template Attr<int64_t>("block_size")
+      .template Attr<bool>("stochastic");
+}
+
+template <class Ctx>
+auto RingHopInt8At() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // q
+      .template Arg<Buf>()  // scales
+      .template Arg<Buf>()  // base
+      .template Arg<Buf>()  // offset
+      .template Arg<Buf>()  // seed
+      .template Ret<Buf>()  // new_partial
+      .template Ret<Buf>()  // q_out
+      .template Ret<Buf>()  // scales_out
+      .template Attr<int64_t>("block_size")
+      .template Attr<bool>("stochastic");
+}
+
+template <class Ctx>
+auto RingHopInt8LastAt() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()  // q
+      .template Arg<Buf>()  // scales
+      .template Arg<Buf>()  // base
+      .template Arg<Buf>()  // offset
+      .template Ret<Buf>()  // new_partial
+      .template Attr<int64_t>("block_size");
+}
+
+template <class Ctx>
+auto RingHopCastAt() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()   // recv
+      .template Arg<Buf>()   // base
+      .template Arg<Buf>()   // offset
+      .template Ret<Buf>()   // new_partial
+      .template Ret<Buf>();  // out
+}
+
+template <class Ctx>
+auto RingHopCastLastAt() {
+  return Bind<Ctx>()
+      .template Arg<Buf>()   // recv
+      .template Arg<Buf>()   // base
+      .template Arg<Buf>()   // offset
+      .template Ret<Buf>();  // new_partial
+}
+
 }  // namespace jaxring::bindings
 
 #endif  // JAXRING_XLA_EXT_BINDINGS_H_

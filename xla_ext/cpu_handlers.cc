@@ -196,6 +196,130 @@ ffi::Error RingHopCastLastImpl(ffi::ThreadPool pool, AnyBuffer recv, AnyBuffer p
   return RingHopCast("jaxring_ring_hop_cast_last", pool, recv, partial, *new_partial, nullptr);
 }
 
+// --- Windowed operands: the ring's local chunk read where it lies ----------------------------
+// The ring hands its whole f32 buffer and the chunk's first element (an int32 scalar operand,
+// traced in SPMD programs, where it depends on the device's rank); a sliced operand would be
+// copied by XLA before the call (docs/design.md, "The ring's chunks are read in place").
+
+ffi::Error Window(std::string_view op, const AnyBuffer& base, const AnyBuffer& offset, int64_t n,
+                  const float** out) {
+  JR_RETURN_IF_ERROR(CheckDType(op, "base", base.element_type(), {DataType::F32}));
+  if (base.dimensions().size() != 1)
+    return InvalidArgument(op, "base must be flat, got shape ", DimsString(base.dimensions()));
+  if (offset.element_type() != DataType::S32 || offset.dimensions().size() != 0)
+    return InvalidArgument(op, "offset must be an int32 scalar, got ",
+                           DTypeName(offset.element_type()), DimsString(offset.dimensions()));
+  const int64_t off = *Data<const int32_t>(offset), len = base.dimensions()[0];
+  if (off < 0 || off + n > len)
+    return InvalidArgument(op, "the window [", off, ", ", off + n, ") of ", n,
+                           " elements is not inside base of ", len);
+  *out = Data<const float>(base) + off;
+  return ffi::Error::Success();
+}
+
+// The codes' plan for a windowed call: q flat (no batch rows), scales of its blocks.
+ffi::Error PlanWindowCodes(std::string_view op, const char* q_arg, const AnyBuffer& q,
+                           const char* scales_arg, const AnyBuffer& scales, int64_t block_size,
+                           BlockPlan* p) {
+  JR_RETURN_IF_ERROR(PlanBlocks(op, q_arg, q, {DataType::S8}, block_size, p));
+  if (p->layout.rows != 1)
+    return InvalidArgument(op, q_arg, " must be flat, got shape ", DimsString(q.dimensions()));
+  return CheckOperand(op, scales_arg, scales, DataType::F32, q_arg, q, p->blocks);
+}
+
+ffi::Error QuantizeInt8AtImpl(ffi::ThreadPool pool, AnyBuffer base, AnyBuffer offset,
+                              AnyBuffer seed, Result<AnyBuffer> q, Result<AnyBuffer> scales,
+                              int64_t block_size, bool stochastic) {
+  constexpr std::string_view op = "jaxring_quantize_int8_at";
+  BlockPlan p;
+  JR_RETURN_IF_ERROR(PlanWindowCodes(op, "q (result)", *q, "scales (result)", *scales,
+                                     block_size, &p));
+  JR_RETURN_IF_ERROR(CheckOperand(op, "seed", seed, DataType::U32, "q (result)", *q, -1));
+  const int64_t n = p.layout.cols;
+  const float* x;
+  JR_RETURN_IF_ERROR(Window(op, base, offset, n, &x));
+  const uint32_t key = RowKey(seed, 0);
+  ParallelFor(pool, p.blocks, n * 5, [&](int64_t b0, int64_t b1) {
+    cpu::QuantizeBlocks(cpu::Wire::kF32, x, n, p.block, b0, b1, stochastic, key,
+                        Data<int8_t>(*q), Data<float>(*scales));
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error RingHopInt8At(std::string_view op, ffi::ThreadPool& pool, const AnyBuffer& q,
+                         const AnyBuffer& scales, const AnyBuffer& base, const AnyBuffer& offset,
+                         const AnyBuffer* seed, const AnyBuffer& new_partial,
+                         const AnyBuffer* q_out, const AnyBuffer* scales_out,
+                         int64_t block_size, bool stochastic) {
+  BlockPlan p;
+  JR_RETURN_IF_ERROR(PlanWindowCodes(op, "q", q, "scales", scales, block_size, &p));
+  const int64_t n = p.layout.cols, nb = p.blocks;
+  JR_RETURN_IF_ERROR(
+      CheckOperand(op, "new_partial (result)", new_partial, DataType::F32, "q", q, n));
+  if (seed) JR_RETURN_IF_ERROR(CheckOperand(op, "seed", *seed, DataType::U32, "q", q, -1));
+  if (q_out) JR_RETURN_IF_ERROR(CheckOperand(op, "q_out (result)", *q_out, DataType::S8, "q", q, n));
+  if (scales_out)
+    JR_RETURN_IF_ERROR(
+        CheckOperand(op, "scales_out (result)", *scales_out, DataType::F32, "q", q, nb));
+  const float* partial;
+  JR_RETURN_IF_ERROR(Window(op, base, offset, n, &partial));
+  const uint32_t key = seed ? RowKey(*seed, 0) : 0;
+  ParallelFor(pool, nb, n * (q_out ? 10 : 9), [&](int64_t b0, int64_t b1) {
+    cpu::RingHopInt8Blocks(Data<const int8_t>(q), Data<const float>(scales), partial, n, p.block,
+                           b0, b1, stochastic, key, Data<float>(new_partial),
+                           q_out ? Data<int8_t>(*q_out) : nullptr,
+                           scales_out ? Data<float>(*scales_out) : nullptr);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error RingHopInt8AtImpl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales, AnyBuffer base,
+                             AnyBuffer offset, AnyBuffer seed, Result<AnyBuffer> new_partial,
+                             Result<AnyBuffer> q_out, Result<AnyBuffer> scales_out,
+                             int64_t block_size, bool stochastic) {
+  return RingHopInt8At("jaxring_ring_hop_int8_at", pool, q, scales, base, offset, &seed,
+                       *new_partial, &*q_out, &*scales_out, block_size, stochastic);
+}
+
+ffi::Error RingHopInt8LastAtImpl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales,
+                                 AnyBuffer base, AnyBuffer offset, Result<AnyBuffer> new_partial,
+                                 int64_t block_size) {
+  return RingHopInt8At("jaxring_ring_hop_int8_last_at", pool, q, scales, base, offset, nullptr,
+                       *new_partial, nullptr, nullptr, block_size, false);
+}
+
+ffi::Error RingHopCastAt(std::string_view op, ffi::ThreadPool& pool, const AnyBuffer& recv,
+                         const AnyBuffer& base, const AnyBuffer& offset,
+                         const AnyBuffer& new_partial, const AnyBuffer* out) {
+  JR_RETURN_IF_ERROR(CheckDType(op, "recv", recv.element_type(), kFloatTypes));
+  if (recv.dimensions().size() != 1)
+    return InvalidArgument(op, "recv must be flat, got shape ", DimsString(recv.dimensions()));
+  const int64_t n = recv.dimensions()[0], width = ffi::ByteWidth(recv.element_type());
+  JR_RETURN_IF_ERROR(
+      CheckOperand(op, "new_partial (result)", new_partial, DataType::F32, "recv", recv, n));
+  if (out)
+    JR_RETURN_IF_ERROR(CheckOperand(op, "out (result)", *out, recv.element_type(), "recv", recv, n));
+  const float* partial;
+  JR_RETURN_IF_ERROR(Window(op, base, offset, n, &partial));
+  ParallelFor(pool, n, n * (8 + (out ? 2 : 1) * width), [&](int64_t i0, int64_t i1) {
+    cpu::RingHopCastRange(WireOf(recv.element_type()), recv.untyped_data(), partial, i0, i1,
+                          Data<float>(new_partial), out ? out->untyped_data() : nullptr);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error RingHopCastAtImpl(ffi::ThreadPool pool, AnyBuffer recv, AnyBuffer base,
+                             AnyBuffer offset, Result<AnyBuffer> new_partial,
+                             Result<AnyBuffer> out) {
+  return RingHopCastAt("jaxring_ring_hop_cast_at", pool, recv, base, offset, *new_partial, &*out);
+}
+
+ffi::Error RingHopCastLastAtImpl(ffi::ThreadPool pool, AnyBuffer recv, AnyBuffer base,
+                                 AnyBuffer offset, Result<AnyBuffer> new_partial) {
+  return RingHopCastAt("jaxring_ring_hop_cast_last_at", pool, recv, base, offset, *new_partial,
+                       nullptr);
+}
+
 ffi::Error ChunkNormsImpl(ffi::ThreadPool pool, AnyBuffer x, Result<AnyBuffer> norms,
                           int64_t chunk_size) {
   ChunkPlan p;
@@ -276,3 +400,8 @@ JAXRING_CPU_HANDLER(RingHopCastLast, ffi::ThreadPool)
 JAXRING_CPU_HANDLER(ChunkNorms, ffi::ThreadPool)
 JAXRING_CPU_HANDLER(GatherChunks, ffi::ThreadPool)
 JAXRING_CPU_HANDLER(ScatterAddChunks, void)
+JAXRING_CPU_HANDLER(QuantizeInt8At, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopInt8At, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopInt8LastAt, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopCastAt, ffi::ThreadPool)
+JAXRING_CPU_HANDLER(RingHopCastLastAt, ffi::ThreadPool)

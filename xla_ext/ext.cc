@@ -44,6 +44,13 @@ NB_MODULE(_ext, m) {
 #undef JAXRING_ADD_CPU
     return targets;
   });
+  m.def("window_registrations", []() {
+    nb::dict targets;
+#define JAXRING_ADD_CPU(name, stem) targets["jaxring_" name] = EncapsulateFfiHandler(stem##Cpu);
+    JAXRING_FOR_EACH_WINDOW_TARGET(JAXRING_ADD_CPU)
+#undef JAXRING_ADD_CPU
+    return targets;
+  });
   m.def("host_registrations", []() {
     nb::dict targets;
 #define JAXRING_ADD_HOST(name, stem)                                        \

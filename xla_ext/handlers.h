@@ -23,12 +23,22 @@
   X("local_all_gather", JaxringLocalAllGather)         \
   X("local_all_gather_decode", JaxringLocalAllGatherDecode)
 
+// The ring's kernels with the local chunk read in place (cpu_handlers.cc): CPU only; on other
+// platforms the wrappers slice and call the kernels above.
+#define JAXRING_FOR_EACH_WINDOW_TARGET(X)               \
+  X("quantize_int8_at", JaxringQuantizeInt8At)         \
+  X("ring_hop_int8_at", JaxringRingHopInt8At)          \
+  X("ring_hop_int8_last_at", JaxringRingHopInt8LastAt) \
+  X("ring_hop_cast_at", JaxringRingHopCastAt)          \
+  X("ring_hop_cast_last_at", JaxringRingHopCastLastAt)
+
 // Host-only handlers (launches.cc): registered for CPU and CUDA alike, whatever was built.
 #define JAXRING_FOR_EACH_HOST_TARGET(X) X("launch_mark", JaxringLaunchMark)
 
 #define JAXRING_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);
 JAXRING_FOR_EACH_TARGET(JAXRING_DECLARE_CPU)
 JAXRING_FOR_EACH_INPROCESS_TARGET(JAXRING_DECLARE_CPU)
+JAXRING_FOR_EACH_WINDOW_TARGET(JAXRING_DECLARE_CPU)
 JAXRING_FOR_EACH_HOST_TARGET(JAXRING_DECLARE_CPU)
 #undef JAXRING_DECLARE_CPU
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxringLaunchMarkCuda);

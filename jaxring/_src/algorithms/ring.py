@@ -68,8 +68,21 @@ def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_e
     row = lax.dynamic_index_in_dim(rows, (r + k) % p, axis=0, keepdims=False)
     return row[j * cp:(j + 1) * cp]
 
+  def at(k, j):
+    """Where that piece starts in ``flat``: the codecs' kernels read it there (codecs/base.py,
+    ``hop_at``) instead of a copy XLA would make of the slice."""
+    return ((r + k) % p) * c + j * cp
+
+  in_place = flat.ndim == 1 and flat.shape[0] < 2**31   # what an int32 offset addresses
+  encode = ((lambda k, j: codec.encode_at(flat, at(k, j), cp, dtype)) if in_place else
+            (lambda k, j: codec.encode(local(k, j), dtype)))
+  hop = ((lambda recv, k, j: codec.hop_at(recv, flat, at(k, j), cp, dtype)) if in_place else
+         (lambda recv, k, j: codec.hop(recv, local(k, j), dtype)))
+  last_hop = ((lambda recv, j: codec.last_hop_at(recv, flat, at(0, j), cp, dtype)) if in_place
+              else (lambda recv, j: codec.last_hop(recv, local(0, j), dtype)))
+
   # Hop s sends local chunk p-1-s; the predecessor's chunk p-1-s is our chunk p-2-s.
-  payloads = [codec.encode(local(p - 1, j), dtype) for j in range(pieces)]
+  payloads = [encode(p - 1, j) for j in range(pieces)]
   errors = [[None] * p for _ in range(pieces)]
   if want_error:
     for j in range(pieces):
@@ -80,11 +93,11 @@ def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_e
     for j in range(pieces):
       recv = transport.shift(payloads[j], group)
       if k > 0:
-        partial, payloads[j] = codec.hop(recv, local(k, j), dtype)
+        partial, payloads[j] = hop(recv, k, j)
         if want_error:
           errors[j][k] = partial - codec.decode(payloads[j], dtype)
       else:
-        shards[j] = codec.last_hop(recv, local(0, j), dtype)
+        shards[j] = last_hop(recv, j)
   shard = _concat(shards)
   if not want_error:
     return shard, None

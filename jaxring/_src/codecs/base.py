@@ -13,6 +13,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxring._src.ext.reference import take
+
 # The largest block a blockwise codec takes: a block count of any buffer then fits every index
 # type the kernels use, and a block (the ring's chunk alignment) stays a sane size.
 MAX_BLOCK_SIZE = 2**31 - 1
@@ -75,6 +77,21 @@ class Codec:
   def last_hop(self, payload: tuple, local, dtype):
     """The last hop of a reduce-scatter: decode what arrived and add the local partial."""
     return self.decode(payload, dtype) + local
+
+  # The ring's local chunk is ``base[offset:offset + n]`` of its buffer (``offset`` an int, or a
+  # traced int32 where it depends on the device's rank). A codec whose kernels read it where it
+  # lies overrides these; sliced, XLA copies it before a custom call (ext/window.py).
+  def encode_at(self, base, offset, n: int, dtype) -> tuple:
+    """:meth:`encode` of the ring's local chunk ``base[offset:offset + n]``."""
+    return self.encode(take(base, offset, n), dtype)
+
+  def hop_at(self, payload: tuple, base, offset, n: int, dtype) -> tuple:
+    """:meth:`hop` with the local partial ``base[offset:offset + n]``."""
+    return self.hop(payload, take(base, offset, n), dtype)
+
+  def last_hop_at(self, payload: tuple, base, offset, n: int, dtype):
+    """:meth:`last_hop` with the local partial ``base[offset:offset + n]``."""
+    return self.last_hop(payload, take(base, offset, n), dtype)
 
   def in_process_decode(self, dtype) -> int | None:
     """How the in-process transport may decode this codec's payload for ``dtype`` while it

@@ -119,6 +119,19 @@ class CastCodec(Codec):
       return super().last_hop(payload, local, dtype)
     return kernels.ops().ring_hop_cast_last(payload[0], local)
 
+  def hop_at(self, payload: tuple, base, offset, n: int, dtype) -> tuple:
+    at = kernels.in_place("ring_hop_cast", base, n)
+    if at is None or payload[0].dtype == _F32:
+      return super().hop_at(payload, base, offset, n, dtype)
+    partial, out = at(payload[0], base, offset)
+    return partial, (out,)
+
+  def last_hop_at(self, payload: tuple, base, offset, n: int, dtype):
+    at = kernels.in_place("ring_hop_cast_last", base, n)
+    if at is None:
+      return super().last_hop_at(payload, base, offset, n, dtype)
+    return at(payload[0], base, offset)
+
 
 @dataclasses.dataclass(frozen=True)
 class Bf16(CastCodec):
@@ -189,6 +202,12 @@ class Fp16(CastCodec):
 
   def last_hop(self, payload: tuple, local, dtype):
     return Codec.last_hop(self, payload, local, dtype)
+
+  def hop_at(self, payload: tuple, base, offset, n: int, dtype) -> tuple:
+    return Codec.hop_at(self, payload, base, offset, n, dtype)
+
+  def last_hop_at(self, payload: tuple, base, offset, n: int, dtype):
+    return Codec.last_hop_at(self, payload, base, offset, n, dtype)
 
 
 def bf16() -> Bf16:

@@ -126,6 +126,27 @@ class Int8(Codec):
     q, scales = payload
     return kernels.ops().ring_hop_int8_last(q, scales, local, self.block_size)
 
+  # the local chunk read in place (codecs/base.py); the stochastic variants seed from the chunk's
+  # values, which the sliced path reads
+  def encode_at(self, base, offset, n: int, dtype) -> tuple:
+    at = None if self.stochastic else kernels.in_place("quantize_int8", base, n)
+    if at is None:
+      return super().encode_at(base, offset, n, dtype)
+    return at(base, offset, n, self.block_size)
+
+  def hop_at(self, payload: tuple, base, offset, n: int, dtype) -> tuple:
+    at = None if self.stochastic else kernels.in_place("ring_hop_int8", base, n)
+    if at is None:
+      return super().hop_at(payload, base, offset, n, dtype)
+    partial, q_out, s_out = at(*payload, base, offset, self.block_size)
+    return partial, (q_out, s_out)
+
+  def last_hop_at(self, payload: tuple, base, offset, n: int, dtype):
+    at = kernels.in_place("ring_hop_int8_last", base, n)
+    if at is None:
+      return super().last_hop_at(payload, base, offset, n, dtype)
+    return at(*payload, base, offset, self.block_size)
+
 
 def int8(block_size: int = 256, stochastic: bool = False) -> Int8:
   """Blockwise int8 on the wire (~0.25 of f32 with 256-value blocks), f32 partial sums.

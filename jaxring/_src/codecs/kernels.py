@@ -112,6 +112,23 @@ def ops() -> types.SimpleNamespace:
   return _resolve(_platform())[0]
 
 
+def in_place(name: str, base, n: int):
+  """The wrapper of kernel ``name`` that reads ``n`` elements of the flat f32 ``base`` in place,
+  ``f(..., base, offset, ...)`` (jaxring._src.ext.window), where the codecs run ``name``'s FFI
+  target on the CPU; else None, and the caller slices and calls :func:`ops`'s kernel."""
+  flat_f32 = base.ndim == 1 and base.dtype == "float32" and 0 < n <= base.shape[0] < 2**31
+  if not flat_f32 or _platform() != "cpu":
+    return None
+  from jaxring._src import ext
+  chosen = getattr(ops(), name)
+  if ext.LOAD_ERROR is not None or chosen is not getattr(ext, name, None):
+    return None
+  if not hasattr(ext.loader._ext, "window_registrations"):   # built before the targets existed
+    return None
+  from jaxring._src.ext import window
+  return getattr(window, name)
+
+
 def backend() -> str:
   """``"ffi"`` when the codecs run the extension's kernels, else why they run the references.
 

@@ -39,6 +39,8 @@ def _register(ext) -> None:
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   for name, capsule in getattr(ext, "inprocess_registrations", dict)().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  for name, capsule in getattr(ext, "window_registrations", dict)().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   for name, capsule in ext.cuda_registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
   for name, (cpu, cuda) in ext.host_registrations().items():   # host-only: every platform built

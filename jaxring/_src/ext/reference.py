@@ -33,6 +33,15 @@ from jaxring._src.ext.table import FFI_KERNELS
 
 __all__ = list(FFI_KERNELS)
 
+
+def take(base, offset, n: int):
+  """``base[offset:offset + n]``, what the windowed targets (:mod:`.window`) read in place: a static
+  slice for an int ``offset``, else a dynamic one (a traced int32)."""
+  if isinstance(offset, (int, np.integer)):
+    return base[int(offset):int(offset) + n]
+  return lax.dynamic_slice_in_dim(base, offset, n)
+
+
 QMAX = 127.0
 NONFINITE_BITS = 0x7F800000
 MIN_AMAX_BITS = 0x1F800000  # 2^-64
