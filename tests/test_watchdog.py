@@ -141,6 +141,29 @@ def test_a_peer_that_never_launched_the_collective_we_wait_in_is_named():
   launches.reset()
 
 
+def test_a_peer_waiting_in_an_earlier_collective_of_the_launch_is_not_named_with_the_stuck_one():
+  # our markers of #7 and #8 ran in our first launch (#8's before #7 completed); peer 2 launched
+  # the program too and waits in #7, peer 1 never launched it: only peer 1 is named
+  launches, dog = _launch_dog(0.2, {1: {}, 2: {"7": 1}})
+  launches._started(("7",))
+  launches._started(("8",))
+  time.sleep(0.25)
+  dog.last_seen.update({1: time.monotonic(), 2: time.monotonic()})
+  problem = dog.stuck()
+  assert problem is not None and problem.startswith("collective #8 (launch 1)"), problem
+  assert "process 1 of 3 (pid 101 on h1) launched it 0 time(s)" in problem
+  assert "process 2" not in problem
+  # where every late peer is inside the launch, they are all named (nobody is left out)
+  launches, dog = _launch_dog(0.2, {1: {"7": 1}, 2: {"7": 1}})
+  launches._started(("7",))
+  launches._started(("8",))
+  time.sleep(0.25)
+  dog.last_seen.update({1: time.monotonic(), 2: time.monotonic()})
+  problem = dog.stuck()
+  assert "process 1 of 3" in problem and "process 2 of 3" in problem, problem
+  launches.reset()
+
+
 def test_peers_as_far_as_us_are_never_reported_however_long_we_idle():
   launches, dog = _launch_dog(0.2, {1: {"7": 1, "8": 1}, 2: {"7": 3, "8": 1}})
   launches._started(("7", "8"))

@@ -186,6 +186,12 @@ class Watchdog:
     if latest is not None and now - latest[2] > self.timeout:
       key, k, since = latest
       late = launches.behind(key, k, peers)
+      # a peer level with this process on another collective it launched k times is inside the
+      # launch, waiting in an earlier collective whose marker ran before this one's: not the
+      # one stuck before launching (unless every late peer is)
+      mine = [c for c, n in launches.table().items() if n == k and c != key]
+      inside = {p for p in late if any(peers[p].get(c, 0) >= k for c in mine)}
+      late = {p: c for p, c in late.items() if p not in inside} or late
       # a peer behind that has also gone quiet is frozen or dead, not stuck: the silence check
       # names it (within the timeout of its last heartbeat), with the right words
       quiet = {p for p in late if now - self.last_seen.get(p, now) > 3 * self.interval}
