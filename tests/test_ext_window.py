@@ -82,12 +82,15 @@ def _psum(mesh, algorithm, codec):
     ("int8", ("quantize_int8_at", "ring_hop_int8_at", "ring_hop_int8_last_at")),
     ("bf16", ("ring_hop_cast_at", "ring_hop_cast_last_at")),
     ("int8:256:stochastic", ("ring_hop_int8_last_at",)),   # seeded from the chunk: sliced
+    ("none", ("ring_hop_cast_last_at",)),   # f32 as it is: the add in place, no fusion per hop
 ])
 def test_the_ring_reads_its_chunks_in_place_with_the_same_result(monkeypatch, algorithm, codec,
                                                                  targets):
   shape, names = ((8,), ("i",)) if algorithm == "ring" else ((4, 2), ("node", "local"))
   mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
   x = jax.device_put(data(8 * 64 * BS, seed=4), jax.NamedSharding(mesh, P(names)))
+  if codec == "none" and algorithm == "hierarchical":
+    targets = ()   # one process: the in-process levels and the native all-reduce, no ring hop
   f = _psum(mesh, algorithm, codec)
   hlo = f.lower(x).as_text()
   assert all(f"jaxring_{t}" in hlo for t in targets), targets
@@ -101,3 +104,13 @@ def test_the_ring_reads_its_chunks_in_place_with_the_same_result(monkeypatch, al
   want = np.asarray(x, np.float64).reshape(8, -1).sum(0)
   for row in got.reshape(8, -1):
     np.testing.assert_allclose(row, want, rtol=0, atol=0.05 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_window_under_vmap_is_the_kernel_on_each_row(name):
+  in_place, sliced = CASES[name]
+  bases = jnp.stack([BASE, BASE[::-1], 2 * BASE])
+  offsets = jnp.array([0, N, 7], jnp.int32)
+  got = jax.vmap(in_place)(bases, offsets)
+  for i, (b, o) in enumerate(zip(bases, [0, N, 7])):
+    same(jax.tree.map(lambda a, i=i: a[i], got), sliced(b[o:o + N]))

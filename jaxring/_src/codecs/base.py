@@ -13,6 +13,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jaxring._src.codecs import kernels
 from jaxring._src.ext.reference import take
 
 # The largest block a blockwise codec takes: a block count of any buffer then fits every index
@@ -87,11 +88,26 @@ class Codec:
 
   def hop_at(self, payload: tuple, base, offset, n: int, dtype) -> tuple:
     """:meth:`hop` with the local partial ``base[offset:offset + n]``."""
+    add = self._f32_add(payload, base, n)
+    if add is not None:   # f32 travels as it is: the new partial is what goes on
+      partial = add(payload[0], base, offset)
+      return partial, (partial,)
     return self.hop(payload, take(base, offset, n), dtype)
 
   def last_hop_at(self, payload: tuple, base, offset, n: int, dtype):
     """:meth:`last_hop` with the local partial ``base[offset:offset + n]``."""
+    add = self._f32_add(payload, base, n)
+    if add is not None:
+      return add(payload[0], base, offset)
     return self.last_hop(payload, take(base, offset, n), dtype)
+
+  def _f32_add(self, payload: tuple, base, n: int):
+    """``recv + base[offset:offset + n]`` read in place, for a codec that sends f32 as it is
+    (this class's encode and decode); else None. One rounding, as the jnp add."""
+    plain = type(self).encode is Codec.encode and type(self).decode is Codec.decode
+    if not plain or len(payload) != 1 or payload[0].dtype != jnp.float32:
+      return None
+    return kernels.in_place("ring_hop_cast_last", base, n)
 
   def in_process_decode(self, dtype) -> int | None:
     """How the in-process transport may decode this codec's payload for ``dtype`` while it

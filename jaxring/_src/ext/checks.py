@@ -57,8 +57,9 @@ def same_length(name: str, x: jax.Array, ref_name: str, ref: jax.Array) -> None:
     )
 
 
-def call(target: str, results, *args, aliases=None, **attrs):
-  """Calls target ``jaxring_<target>``; batching runs the handler over leading rows.
+def call(target: str, results, *args, aliases=None, vmap_method="broadcast_all", **attrs):
+  """Calls target ``jaxring_<target>``; batching runs the handler over leading rows (or, with
+  ``vmap_method="sequential"``, calls it once per row: handlers of flat operands only).
 
   Inside ``shard_map(check_vma=True)`` the results are typed varying over every manual axis an
   argument varies over: ``jax.ffi.ffi_call`` (jax 0.10) types them from ``results``, which carry
@@ -69,6 +70,6 @@ def call(target: str, results, *args, aliases=None, **attrs):
   axes = tuple(sorted(frozenset().union(*map(vma.varying_axes, args)), key=str))
   args = tuple(vma.pvary(a, axes) for a in args)
   out = jax.ffi.ffi_call(
-      f"jaxring_{target}", results, vmap_method="broadcast_all", input_output_aliases=aliases
+      f"jaxring_{target}", results, vmap_method=vmap_method, input_output_aliases=aliases
   )(*args, **attrs)
   return jax.tree_util.tree_map(lambda o: vma.pvary(o, axes), out)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxring._src.ext import kernels
-from jaxring._src.ext.checks import call as _call
+from jaxring._src.ext.checks import call
 from jaxring._src.ext.reference import take
 
 _F32 = jnp.dtype(jnp.float32)
@@ -28,6 +28,11 @@ _F32 = jnp.dtype(jnp.float32)
 TARGETS = {"quantize_int8": "quantize_int8_at", "ring_hop_int8": "ring_hop_int8_at",
            "ring_hop_int8_last": "ring_hop_int8_last_at", "ring_hop_cast": "ring_hop_cast_at",
            "ring_hop_cast_last": "ring_hop_cast_last_at"}
+
+
+def _call(target, results, *args, **attrs):
+  # the targets take flat operands: under vmap, one call per row
+  return call(target, results, *args, vmap_method="sequential", **attrs)
 
 
 def _offset(offset) -> jax.Array:
