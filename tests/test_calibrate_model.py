@@ -83,15 +83,15 @@ def test_topk_plans_differ_by_their_dense_plans_at_the_packed_size():
   assert planner.choose(32 * MiB, 2, [NONE, TOPK], True, _profile(topk_hier)) == "hierarchical"
 
 
-def test_candidates_time_topk_with_one_plan_and_its_dense_codec_with_all():
+def test_candidates_time_topk_with_every_plan_and_its_dense_codec_too():
   groups, _, _ = planner.levels_for(("local", "node"), (2, 4))
   cands = [(a, calibrate._label(c)) for a, c in calibrate._candidates(groups, ["topk"])]
-  assert cands == [("hierarchical", "topk_chunks"), ("xla", "none"), ("ring", "none"),
-                   ("hierarchical", "none")]
+  assert cands == [("ring", "topk_chunks"), ("hierarchical", "topk_chunks"), ("xla", "none"),
+                   ("ring", "none"), ("hierarchical", "none")]
   cands = [(a, calibrate._label(c)) for a, c in calibrate._candidates(groups, ["none", "int8",
                                                                                "topk+int8"])]
   assert cands.count(("hierarchical", "topk_chunks")) == 1 and ("ring", "int8") in cands
-  assert len(cands) == 6        # none x3, int8 x2 (also topk's dense codec), topk x1
+  assert len(cands) == 7        # none x3, int8 x2 (also topk's dense codec), topk x2
 
 
 def test_choices_report_auto_per_spelling_and_profile_json_is_readable(tmp_path):
@@ -109,7 +109,7 @@ def test_choices_report_auto_per_spelling_and_profile_json_is_readable(tmp_path)
 
 
 @pytest.mark.slow
-def test_calibrate_times_topk_once_and_its_dense_plans(tmp_path, monkeypatch):
+def test_calibrate_times_topk_with_every_plan_and_its_dense_plans(tmp_path, monkeypatch):
   import jax
   monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
   mesh = jax.make_mesh((2, 4), ("node", "local"))
@@ -119,7 +119,8 @@ def test_calibrate_times_topk_once_and_its_dense_plans(tmp_path, monkeypatch):
                              codecs=("topk",), reps=1, save=False)
     picks = calibrate.choices(prof, [64 << 10])
   assert sorted((f.algorithm, f.codecs[-1][:4]) for f in prof.fits) == [
-      ("hierarchical", "Code"), ("hierarchical", "TopK"), ("ring", "Code"), ("xla", "Code")]
+      ("hierarchical", "Code"), ("hierarchical", "TopK"), ("ring", "Code"), ("ring", "TopK"),
+      ("xla", "Code")]
   assert all(f.sizes == (16 << 10, 64 << 10) and min(f.seconds) > 0 for f in prof.fits)
   assert prof.meta["codecs"] == ["topk"] and prof.meta["levels"] == ["local", "node"]
   assert set(picks[64 << 10]) == {"topk"} and picks[64 << 10]["topk"] in ("ring", "hierarchical")
@@ -317,10 +318,10 @@ def test_the_lossless_plans_timed_for_the_chunk_norms_are_the_first_timing_at_th
   # top-k timed from 1 MiB, its chunk norms under 1 KiB
   plans, first, raw, norms, waits = _timed_counting_barriers(
       ("none", "topk"), (1 << 10, 64 << 10, 1 << 20, 2 << 20))
-  assert len(plans) == 4 and norms is not None
-  # 3 calls a point (below 4 MiB): the norms' 3 plans x 2 sizes, then 4 plans x 2 sizes (some
+  assert len(plans) == 5 and norms is not None
+  # 3 calls a point (below 4 MiB): the norms' 3 plans x 2 sizes, then 5 plans x 2 sizes (some
   # calls may be left out of raw for paging in fresh memory: timing.unpaged)
-  assert len(waits) == 3 * (3 * 2 + 4 * 2) >= sum(len(t) for row in raw for t in row)
+  assert len(waits) == 3 * (3 * 2 + 5 * 2) >= sum(len(t) for row in raw for t in row)
   by_norms = {f.algorithm: f.seconds for f in norms.fits}
   for (algorithm, comp), row in zip(plans, first):
     if comp is None:     # the norms profile's points are the first timing's, at both sizes

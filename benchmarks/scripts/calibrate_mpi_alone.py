@@ -1,6 +1,7 @@
 """``jaxring.calibrate`` alone in the emulated cluster's MPI shape (one process per device, the
 axis bound as ``bench cluster``'s MPI job binds it), rank 0's log with seconds since the start,
-and the points it kept. ``WARMUP`` sets calibrate's ``warmup`` (default 1).
+and the points it kept. ``WARMUP`` sets calibrate's ``warmup`` (default 1); ``SLICED=1`` slices the
+ring's chunks before each kernel, as before the codecs read them in place.
 
   jaxring cluster up --name jrq --nodes 4
   jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi -- \
@@ -15,6 +16,9 @@ import jaxring
 import jaxring.distributed
 
 comm = MPI.COMM_WORLD
+if os.environ.get("SLICED"):   # the ring's chunks sliced, as before they were read in place
+  from jaxring._src.codecs import kernels as codec_kernels
+  codec_kernels.in_place = lambda *a, **k: None
 local = 2
 nodes = comm.Get_size() // local
 node_level = jaxring.Level("node", nodes, 1e9 / 8, 1e-4)

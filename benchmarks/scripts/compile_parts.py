@@ -4,8 +4,12 @@ lowered and compiled apart, on every rank at once as calibration does; rank 0's 
 
   jaxring cluster up --name jrq --nodes 4
   [XLA_FLAGS=...] jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi \\
-      -- [env XLA_FLAGS=...] python benchmarks/scripts/compile_parts.py
+      -- [env XLA_FLAGS=...] [SLICED=1] python benchmarks/scripts/compile_parts.py
+
+``SLICED=1``: the ring's chunks sliced before each kernel (XLA copies them), as before the
+codecs read them in place (docs/design.md, "The ring's chunks are read in place").
 """
+import os
 import time
 
 import numpy as np
@@ -16,6 +20,9 @@ import jaxring.distributed
 from jaxring._src import calibrate
 
 comm = MPI.COMM_WORLD
+if os.environ.get("SLICED"):   # the ring's chunks sliced, as before they were read in place
+  from jaxring._src.codecs import kernels as codec_kernels
+  codec_kernels.in_place = lambda *a, **k: None
 jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
     jaxring.Level("local", 2), jaxring.Level("node", comm.Get_size() // 2, 1e9 / 8, 1e-4))))
 target = calibrate.targets.target(None, ("mpi",))

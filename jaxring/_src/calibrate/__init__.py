@@ -4,8 +4,7 @@
 candidate is ``jaxring.psum`` of f32 over the axes with one algorithm (``xla``, ``ring``,
 ``hierarchical``) and one codec, the codec on the slowest level only over several levels (the
 BlueConnect way: ``compression={"node": codec}``), timed at a few sizes (the median of a few
-calls); ``auto`` interpolates between them. Top-k is timed with one plan: the others follow from
-its dense codec's timings (planner.predict); its chunk norms are summed by the lossless plan
+calls); ``auto`` interpolates between them. Top-k's chunk norms are summed by the lossless plan
 ``auto`` picks from this calibration's first timings of the lossless plans, not from whatever
 profile was cached before (:func:`_norms_profile`). Every process of a multi-process job must
 call :func:`calibrate` together: the timings are process 0's, broadcast, so that every process
@@ -41,16 +40,15 @@ DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
 COMPRESSED_FROM = 1 << 20
 
 
-def _default_algorithm(groups) -> str:
-  return "hierarchical" if len(groups) > 1 else "ring"
-
-
 def _candidates(groups, codecs: Sequence[str]):
-  """(algorithm, compression argument) pairs worth timing over these levels.
+  """(algorithm, compression argument) pairs worth timing over these levels: every plan with
+  every codec, and the dense codec a sparsifying one (top-k) sends its chunks with.
 
-  A sparsifying codec (top-k) is timed with the default plan only, and its dense codec with every
-  plan: the plans differ only in the all-reduce of the packed chunks, which the dense codec's
-  timings predict (planner.predict) with less noise than two timings of the whole top-k.
+  Top-k was timed with the default plan only, the others predicted from the dense codec's
+  timings at the packed size (planner.predict, still used for a profile without them): on the
+  emulated cluster's JAX shape that predicted the flat ring's top-k 10-23% low in most runs, its
+  14 latency-bound hops running beside the other processes' chunk work on the shared cores
+  (docs/simulations.md, "The flat ring's top-k in the JAX shape on the AMD VM").
   """
   algorithms = ("ring", "hierarchical") if len(groups) > 1 else ("ring",)
   parsed = [parse_codec(spec) for spec in codecs]
@@ -62,10 +60,7 @@ def _candidates(groups, codecs: Sequence[str]):
   out = []
   for codec in parsed:
     comp = None if codec is None else ({groups[-1].name: codec} if len(groups) > 1 else codec)
-    if codec is not None and not codec.per_hop:
-      out.append((_default_algorithm(groups), comp))
-    else:
-      out += [(a, comp) for a in (("xla",) if codec is None else ()) + algorithms]
+    out += [(a, comp) for a in (("xla",) if codec is None else ()) + algorithms]
   return out
 
 
