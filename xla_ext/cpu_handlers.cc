@@ -257,7 +257,8 @@ ffi::Error RingHopInt8At(std::string_view op, ffi::ThreadPool& pool, const AnyBu
   JR_RETURN_IF_ERROR(
       CheckOperand(op, "new_partial (result)", new_partial, DataType::F32, "q", q, n));
   if (seed) JR_RETURN_IF_ERROR(CheckOperand(op, "seed", *seed, DataType::U32, "q", q, -1));
-  if (q_out) JR_RETURN_IF_ERROR(CheckOperand(op, "q_out (result)", *q_out, DataType::S8, "q", q, n));
+  if (q_out)
+    JR_RETURN_IF_ERROR(CheckOperand(op, "q_out (result)", *q_out, DataType::S8, "q", q, n));
   if (scales_out)
     JR_RETURN_IF_ERROR(
         CheckOperand(op, "scales_out (result)", *scales_out, DataType::F32, "q", q, nb));
@@ -298,7 +299,8 @@ ffi::Error RingHopCastAt(std::string_view op, ffi::ThreadPool& pool, const AnyBu
   JR_RETURN_IF_ERROR(
       CheckOperand(op, "new_partial (result)", new_partial, DataType::F32, "recv", recv, n));
   if (out)
-    JR_RETURN_IF_ERROR(CheckOperand(op, "out (result)", *out, recv.element_type(), "recv", recv, n));
+    JR_RETURN_IF_ERROR(
+        CheckOperand(op, "out (result)", *out, recv.element_type(), "recv", recv, n));
   const float* partial;
   JR_RETURN_IF_ERROR(Window(op, base, offset, n, &partial));
   ParallelFor(pool, n, n * (8 + (out ? 2 : 1) * width), [&](int64_t i0, int64_t i1) {

@@ -2,16 +2,16 @@
 
 The ring's hop adds what arrived to a chunk of its own buffer. Handed a slice, XLA copies the
 chunk into a buffer of its own before the custom call (a custom call takes whole buffers): on
-the emulated cluster, the JAX shape's hierarchical int8 all-reduce of 32 MiB spent 10 ms of CPU a
-process on those copies (docs/benchmarks.md, "The ring's chunks read in place"). These wrappers
+the emulated cluster, the JAX shape's hierarchical int8 all-reduce of 32 MiB spent 10-19 ms of CPU
+a process a call on them (docs/benchmarks.md, "The ring's chunks read in place"). These wrappers
 take the whole flat f32 buffer and the chunk's first element instead (an int32 scalar, traced
 where it depends on the device's rank), and the CPU targets ``jaxring_<name>_at`` read the chunk
 where it lies.
 
 They exist on the CPU only. Elsewhere, and wherever the codecs run a kernel's jnp reference
 instead of its FFI target (``codecs/kernels.py``), the caller slices and calls the kernel
-(``reference.take``), which is the same arithmetic. Each wrapper is differentiated as the sliced call
-is.
+(``reference.take``), which is the same arithmetic. Each wrapper is differentiated as the sliced
+call is.
 """
 from __future__ import annotations
 
@@ -24,15 +24,12 @@ from jaxring._src.ext.checks import call
 from jaxring._src.ext.reference import take
 
 _F32 = jnp.dtype(jnp.float32)
-#: The windowed target of each kernel.
-TARGETS = {"quantize_int8": "quantize_int8_at", "ring_hop_int8": "ring_hop_int8_at",
-           "ring_hop_int8_last": "ring_hop_int8_last_at", "ring_hop_cast": "ring_hop_cast_at",
-           "ring_hop_cast_last": "ring_hop_cast_last_at"}
 
 
-def _call(target, results, *args, **attrs):
-  # the targets take flat operands: under vmap, one call per row
-  return call(target, results, *args, vmap_method="sequential", **attrs)
+def _call(kernel, results, *args, **attrs):
+  """Calls kernel's windowed target ``jaxring_<kernel>_at``; it takes flat operands, so under
+  vmap it is called once per row."""
+  return call(f"{kernel}_at", results, *args, vmap_method="sequential", **attrs)
 
 
 def _offset(offset) -> jax.Array:
@@ -52,7 +49,7 @@ def quantize_int8(base, offset, n: int, block_size: int):
   results = (jax.ShapeDtypeStruct((n,), jnp.int8), jax.ShapeDtypeStruct((blocks,), _F32))
 
   def in_place(b, o):
-    return tuple(_call(TARGETS["quantize_int8"], results, b, o, jnp.uint32(0),
+    return tuple(_call("quantize_int8", results, b, o, jnp.uint32(0),
                        block_size=np.int64(block_size), stochastic=np.bool_(False)))
 
   def sliced(b, o):
@@ -67,7 +64,7 @@ def ring_hop_int8(q, scales, base, offset, block_size: int):
              jax.ShapeDtypeStruct(scales.shape, _F32))
 
   def in_place(q, s, b, o):
-    return tuple(_call(TARGETS["ring_hop_int8"], results, q, s, b, o, jnp.uint32(0),
+    return tuple(_call("ring_hop_int8", results, q, s, b, o, jnp.uint32(0),
                        block_size=np.int64(block_size), stochastic=np.bool_(False)))
 
   def sliced(q, s, b, o):
@@ -80,7 +77,7 @@ def ring_hop_int8_last(q, scales, base, offset, block_size: int):
   n = q.shape[0]
 
   def in_place(q, s, b, o):
-    return _call(TARGETS["ring_hop_int8_last"], jax.ShapeDtypeStruct((n,), _F32), q, s, b, o,
+    return _call("ring_hop_int8_last", jax.ShapeDtypeStruct((n,), _F32), q, s, b, o,
                  block_size=np.int64(block_size))
 
   def sliced(q, s, b, o):
@@ -94,7 +91,7 @@ def ring_hop_cast(recv, base, offset):
   results = (jax.ShapeDtypeStruct((n,), _F32), jax.ShapeDtypeStruct((n,), recv.dtype))
 
   def in_place(r, b, o):
-    return tuple(_call(TARGETS["ring_hop_cast"], results, r, b, o))
+    return tuple(_call("ring_hop_cast", results, r, b, o))
 
   def sliced(r, b, o):
     return tuple(kernels.ring_hop_cast(r, take(b, o, n)))
@@ -106,7 +103,7 @@ def ring_hop_cast_last(recv, base, offset):
   n = recv.shape[0]
 
   def in_place(r, b, o):
-    return _call(TARGETS["ring_hop_cast_last"], jax.ShapeDtypeStruct((n,), _F32), r, b, o)
+    return _call("ring_hop_cast_last", jax.ShapeDtypeStruct((n,), _F32), r, b, o)
 
   def sliced(r, b, o):
     return kernels.ring_hop_cast_last(r, take(b, o, n))
