@@ -77,21 +77,28 @@ T* Data(const AnyBuffer& b) {
   return reinterpret_cast<T*>(b.untyped_data());
 }
 
+// `x`: the rows' values of type `type`, contiguous (a buffer's, or a windowed call's chunk).
+void QuantizeRows(ffi::ThreadPool& pool, const BlockPlan& p, DataType type, const void* x,
+                  const AnyBuffer& seed, const AnyBuffer& q, const AnyBuffer& scales,
+                  bool stochastic) {
+  const cpu::Wire wire = WireOf(type);
+  const int64_t n = p.layout.cols, width = ffi::ByteWidth(type);
+  for (int64_t r = 0; r < p.layout.rows; ++r) {
+    const uint32_t key = RowKey(seed, r);
+    ParallelFor(pool, p.blocks, n * (width + 1), [&](int64_t b0, int64_t b1) {
+      cpu::QuantizeBlocks(wire, static_cast<const char*>(x) + r * n * width, n, p.block, b0, b1,
+                          stochastic, key, Data<int8_t>(q) + r * n,
+                          Data<float>(scales) + r * p.blocks);
+    });
+  }
+}
+
 ffi::Error QuantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer x, AnyBuffer seed,
                             Result<AnyBuffer> q, Result<AnyBuffer> scales, int64_t block_size,
                             bool stochastic) {
   BlockPlan p;
   JR_RETURN_IF_ERROR(PlanQuantize("jaxring_quantize_int8", x, seed, *q, *scales, block_size, &p));
-  const cpu::Wire wire = WireOf(x.element_type());
-  const int64_t n = p.layout.cols, width = ffi::ByteWidth(x.element_type());
-  const char* xd = Data<const char>(x);
-  for (int64_t r = 0; r < p.layout.rows; ++r) {
-    const uint32_t key = RowKey(seed, r);
-    ParallelFor(pool, p.blocks, n * (width + 1), [&](int64_t b0, int64_t b1) {
-      cpu::QuantizeBlocks(wire, xd + r * n * width, n, p.block, b0, b1, stochastic, key,
-                          Data<int8_t>(*q) + r * n, Data<float>(*scales) + r * p.blocks);
-    });
-  }
+  QuantizeRows(pool, p, x.element_type(), x.untyped_data(), seed, *q, *scales, stochastic);
   return ffi::Error::Success();
 }
 
@@ -132,8 +139,9 @@ ffi::Error DequantizeInt8Impl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scale
   return ffi::Error::Success();
 }
 
+// `partial`: the rows' f32 partials, contiguous (a buffer's, or a windowed call's chunk).
 void RingHopInt8Rows(ffi::ThreadPool& pool, const BlockPlan& p, const AnyBuffer& q,
-                     const AnyBuffer& scales, const AnyBuffer& partial, const AnyBuffer* seed,
+                     const AnyBuffer& scales, const float* partial, const AnyBuffer* seed,
                      const AnyBuffer& new_partial, const AnyBuffer* q_out,
                      const AnyBuffer* scales_out, bool stochastic) {
   const int64_t n = p.layout.cols, nb = p.blocks;
@@ -141,7 +149,7 @@ void RingHopInt8Rows(ffi::ThreadPool& pool, const BlockPlan& p, const AnyBuffer&
     const uint32_t key = seed ? RowKey(*seed, r) : 0;
     ParallelFor(pool, nb, n * (q_out ? 10 : 9), [&](int64_t b0, int64_t b1) {
       cpu::RingHopInt8Blocks(Data<const int8_t>(q) + r * n, Data<const float>(scales) + r * nb,
-                             Data<const float>(partial) + r * n, n, p.block, b0, b1, stochastic,
+                             partial + r * n, n, p.block, b0, b1, stochastic,
                              key, Data<float>(new_partial) + r * n,
                              q_out ? Data<int8_t>(*q_out) + r * n : nullptr,
                              scales_out ? Data<float>(*scales_out) + r * nb : nullptr);
@@ -154,10 +162,10 @@ ffi::Error RingHopInt8Impl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scales, 
                            Result<AnyBuffer> q_out, Result<AnyBuffer> scales_out,
                            int64_t block_size, bool stochastic) {
   BlockPlan p;
-  JR_RETURN_IF_ERROR(PlanRingHopInt8("jaxring_ring_hop_int8", q, scales, partial, &seed,
+  JR_RETURN_IF_ERROR(PlanRingHopInt8("jaxring_ring_hop_int8", q, scales, &partial, &seed,
                                      *new_partial, &*q_out, &*scales_out, block_size, &p));
-  RingHopInt8Rows(pool, p, q, scales, partial, &seed, *new_partial, &*q_out, &*scales_out,
-                  stochastic);
+  RingHopInt8Rows(pool, p, q, scales, Data<const float>(partial), &seed, *new_partial, &*q_out,
+                  &*scales_out, stochastic);
   return ffi::Error::Success();
 }
 
@@ -165,24 +173,29 @@ ffi::Error RingHopInt8LastImpl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer scal
                                AnyBuffer partial, Result<AnyBuffer> new_partial,
                                int64_t block_size) {
   BlockPlan p;
-  JR_RETURN_IF_ERROR(PlanRingHopInt8("jaxring_ring_hop_int8_last", q, scales, partial, nullptr,
+  JR_RETURN_IF_ERROR(PlanRingHopInt8("jaxring_ring_hop_int8_last", q, scales, &partial, nullptr,
                                      *new_partial, nullptr, nullptr, block_size, &p));
-  RingHopInt8Rows(pool, p, q, scales, partial, nullptr, *new_partial, nullptr, nullptr, false);
+  RingHopInt8Rows(pool, p, q, scales, Data<const float>(partial), nullptr, *new_partial, nullptr,
+                  nullptr, false);
   return ffi::Error::Success();
+}
+
+// Rows are contiguous and the op is elementwise: all rows are one range of `total` elements.
+void RingHopCastRows(ffi::ThreadPool& pool, const AnyBuffer& recv, const float* partial,
+                     int64_t total, const AnyBuffer& new_partial, const AnyBuffer* out) {
+  const int64_t width = ffi::ByteWidth(recv.element_type());
+  ParallelFor(pool, total, total * (8 + (out ? 2 : 1) * width), [&](int64_t i0, int64_t i1) {
+    cpu::RingHopCastRange(WireOf(recv.element_type()), recv.untyped_data(), partial, i0, i1,
+                          Data<float>(new_partial), out ? out->untyped_data() : nullptr);
+  });
 }
 
 ffi::Error RingHopCast(std::string_view op, ffi::ThreadPool& pool, const AnyBuffer& recv,
                        const AnyBuffer& partial, const AnyBuffer& new_partial,
                        const AnyBuffer* out) {
   RowLayout l;
-  JR_RETURN_IF_ERROR(PlanRingHopCast(op, recv, partial, new_partial, out, &l));
-  // Rows are contiguous and the op is elementwise: all rows are one range.
-  const int64_t total = l.rows * l.cols, width = ffi::ByteWidth(recv.element_type());
-  ParallelFor(pool, total, total * (8 + (out ? 2 : 1) * width), [&](int64_t i0, int64_t i1) {
-    cpu::RingHopCastRange(WireOf(recv.element_type()), recv.untyped_data(),
-                          Data<const float>(partial), i0, i1, Data<float>(new_partial),
-                          out ? out->untyped_data() : nullptr);
-  });
+  JR_RETURN_IF_ERROR(PlanRingHopCast(op, recv, &partial, new_partial, out, &l));
+  RingHopCastRows(pool, recv, Data<const float>(partial), l.rows * l.cols, new_partial, out);
   return ffi::Error::Success();
 }
 
@@ -217,32 +230,20 @@ ffi::Error Window(std::string_view op, const AnyBuffer& base, const AnyBuffer& o
   return ffi::Error::Success();
 }
 
-// The codes' plan for a windowed call: q flat (no batch rows), scales of its blocks.
-ffi::Error PlanWindowCodes(std::string_view op, const char* q_arg, const AnyBuffer& q,
-                           const char* scales_arg, const AnyBuffer& scales, int64_t block_size,
-                           BlockPlan* p) {
-  JR_RETURN_IF_ERROR(PlanBlocks(op, q_arg, q, {DataType::S8}, block_size, p));
-  if (p->layout.rows != 1)
-    return InvalidArgument(op, q_arg, " must be flat, got shape ", DimsString(q.dimensions()));
-  return CheckOperand(op, scales_arg, scales, DataType::F32, q_arg, q, p->blocks);
-}
-
 ffi::Error QuantizeInt8AtImpl(ffi::ThreadPool pool, AnyBuffer base, AnyBuffer offset,
                               AnyBuffer seed, Result<AnyBuffer> q, Result<AnyBuffer> scales,
                               int64_t block_size, bool stochastic) {
   constexpr std::string_view op = "jaxring_quantize_int8_at";
   BlockPlan p;
-  JR_RETURN_IF_ERROR(PlanWindowCodes(op, "q (result)", *q, "scales (result)", *scales,
-                                     block_size, &p));
+  JR_RETURN_IF_ERROR(PlanBlocks(op, "q (result)", *q, {DataType::S8}, block_size, &p));
+  if (p.layout.rows != 1)
+    return InvalidArgument(op, "q (result) must be flat, got shape ", DimsString(q->dimensions()));
+  JR_RETURN_IF_ERROR(
+      CheckOperand(op, "scales (result)", *scales, DataType::F32, "q (result)", *q, p.blocks));
   JR_RETURN_IF_ERROR(CheckOperand(op, "seed", seed, DataType::U32, "q (result)", *q, -1));
-  const int64_t n = p.layout.cols;
   const float* x;
-  JR_RETURN_IF_ERROR(Window(op, base, offset, n, &x));
-  const uint32_t key = RowKey(seed, 0);
-  ParallelFor(pool, p.blocks, n * 5, [&](int64_t b0, int64_t b1) {
-    cpu::QuantizeBlocks(cpu::Wire::kF32, x, n, p.block, b0, b1, stochastic, key,
-                        Data<int8_t>(*q), Data<float>(*scales));
-  });
+  JR_RETURN_IF_ERROR(Window(op, base, offset, p.layout.cols, &x));
+  QuantizeRows(pool, p, DataType::F32, x, seed, *q, *scales, stochastic);
   return ffi::Error::Success();
 }
 
@@ -252,25 +253,13 @@ ffi::Error RingHopInt8At(std::string_view op, ffi::ThreadPool& pool, const AnyBu
                          const AnyBuffer* q_out, const AnyBuffer* scales_out,
                          int64_t block_size, bool stochastic) {
   BlockPlan p;
-  JR_RETURN_IF_ERROR(PlanWindowCodes(op, "q", q, "scales", scales, block_size, &p));
-  const int64_t n = p.layout.cols, nb = p.blocks;
-  JR_RETURN_IF_ERROR(
-      CheckOperand(op, "new_partial (result)", new_partial, DataType::F32, "q", q, n));
-  if (seed) JR_RETURN_IF_ERROR(CheckOperand(op, "seed", *seed, DataType::U32, "q", q, -1));
-  if (q_out)
-    JR_RETURN_IF_ERROR(CheckOperand(op, "q_out (result)", *q_out, DataType::S8, "q", q, n));
-  if (scales_out)
-    JR_RETURN_IF_ERROR(
-        CheckOperand(op, "scales_out (result)", *scales_out, DataType::F32, "q", q, nb));
+  JR_RETURN_IF_ERROR(PlanRingHopInt8(op, q, scales, nullptr, seed, new_partial, q_out,
+                                     scales_out, block_size, &p));
+  if (p.layout.rows != 1)
+    return InvalidArgument(op, "q must be flat, got shape ", DimsString(q.dimensions()));
   const float* partial;
-  JR_RETURN_IF_ERROR(Window(op, base, offset, n, &partial));
-  const uint32_t key = seed ? RowKey(*seed, 0) : 0;
-  ParallelFor(pool, nb, n * (q_out ? 10 : 9), [&](int64_t b0, int64_t b1) {
-    cpu::RingHopInt8Blocks(Data<const int8_t>(q), Data<const float>(scales), partial, n, p.block,
-                           b0, b1, stochastic, key, Data<float>(new_partial),
-                           q_out ? Data<int8_t>(*q_out) : nullptr,
-                           scales_out ? Data<float>(*scales_out) : nullptr);
-  });
+  JR_RETURN_IF_ERROR(Window(op, base, offset, p.layout.cols, &partial));
+  RingHopInt8Rows(pool, p, q, scales, partial, seed, new_partial, q_out, scales_out, stochastic);
   return ffi::Error::Success();
 }
 
@@ -292,21 +281,13 @@ ffi::Error RingHopInt8LastAtImpl(ffi::ThreadPool pool, AnyBuffer q, AnyBuffer sc
 ffi::Error RingHopCastAt(std::string_view op, ffi::ThreadPool& pool, const AnyBuffer& recv,
                          const AnyBuffer& base, const AnyBuffer& offset,
                          const AnyBuffer& new_partial, const AnyBuffer* out) {
-  JR_RETURN_IF_ERROR(CheckDType(op, "recv", recv.element_type(), kFloatTypes));
-  if (recv.dimensions().size() != 1)
+  RowLayout l;
+  JR_RETURN_IF_ERROR(PlanRingHopCast(op, recv, nullptr, new_partial, out, &l));
+  if (l.rows != 1)
     return InvalidArgument(op, "recv must be flat, got shape ", DimsString(recv.dimensions()));
-  const int64_t n = recv.dimensions()[0], width = ffi::ByteWidth(recv.element_type());
-  JR_RETURN_IF_ERROR(
-      CheckOperand(op, "new_partial (result)", new_partial, DataType::F32, "recv", recv, n));
-  if (out)
-    JR_RETURN_IF_ERROR(
-        CheckOperand(op, "out (result)", *out, recv.element_type(), "recv", recv, n));
   const float* partial;
-  JR_RETURN_IF_ERROR(Window(op, base, offset, n, &partial));
-  ParallelFor(pool, n, n * (8 + (out ? 2 : 1) * width), [&](int64_t i0, int64_t i1) {
-    cpu::RingHopCastRange(WireOf(recv.element_type()), recv.untyped_data(), partial, i0, i1,
-                          Data<float>(new_partial), out ? out->untyped_data() : nullptr);
-  });
+  JR_RETURN_IF_ERROR(Window(op, base, offset, l.cols, &partial));
+  RingHopCastRows(pool, recv, partial, l.cols, new_partial, out);
   return ffi::Error::Success();
 }
 

@@ -181,7 +181,7 @@ ffi::Error RingHopInt8Cuda(cudaStream_t st, AnyBuffer q, AnyBuffer scales, AnyBu
                            Result<AnyBuffer> scales_out, int64_t block_size, bool stochastic) {
   constexpr std::string_view op = "jaxring_ring_hop_int8";
   BlockPlan p;
-  JR_RETURN_IF_ERROR(PlanRingHopInt8(op, q, scales, partial, &seed, *new_partial, &*q_out,
+  JR_RETURN_IF_ERROR(PlanRingHopInt8(op, q, scales, &partial, &seed, *new_partial, &*q_out,
                                      &*scales_out, block_size, &p));
   return LaunchRingHopInt8(op, st, p, q, scales, partial, &seed, *new_partial, &*q_out,
                            &*scales_out, stochastic);
@@ -191,7 +191,7 @@ ffi::Error RingHopInt8LastCuda(cudaStream_t st, AnyBuffer q, AnyBuffer scales, A
                                Result<AnyBuffer> new_partial, int64_t block_size) {
   constexpr std::string_view op = "jaxring_ring_hop_int8_last";
   BlockPlan p;
-  JR_RETURN_IF_ERROR(PlanRingHopInt8(op, q, scales, partial, nullptr, *new_partial, nullptr,
+  JR_RETURN_IF_ERROR(PlanRingHopInt8(op, q, scales, &partial, nullptr, *new_partial, nullptr,
                                      nullptr, block_size, &p));
   return LaunchRingHopInt8(op, st, p, q, scales, partial, nullptr, *new_partial, nullptr, nullptr,
                            false);
@@ -219,7 +219,7 @@ ffi::Error RingHopCast(std::string_view op, cudaStream_t st, const AnyBuffer& re
                        const AnyBuffer& partial, const AnyBuffer& new_partial,
                        const AnyBuffer* out) {
   RowLayout l;
-  JR_RETURN_IF_ERROR(PlanRingHopCast(op, recv, partial, new_partial, out, &l));
+  JR_RETURN_IF_ERROR(PlanRingHopCast(op, recv, &partial, new_partial, out, &l));
   const int64_t total = l.rows * l.cols;
   if (total == 0) return ffi::Error::Success();
   JR_CUDA_DISPATCH_WIRE(recv.element_type(), LaunchRingHopCast, st, total, recv, partial,

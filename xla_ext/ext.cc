@@ -30,27 +30,19 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 }  // namespace
 
 NB_MODULE(_ext, m) {
-  m.def("registrations", []() {
-    nb::dict targets;
 #define JAXRING_ADD_CPU(name, stem) targets["jaxring_" name] = EncapsulateFfiHandler(stem##Cpu);
-    JAXRING_FOR_EACH_TARGET(JAXRING_ADD_CPU)
+// A function returning {"jaxring_<name>": capsule} for the CPU handlers of one target list.
+#define JAXRING_CPU_TARGETS(FOR_EACH) \
+  []() {                             \
+    nb::dict targets;                \
+    FOR_EACH(JAXRING_ADD_CPU)        \
+    return targets;                  \
+  }
+  m.def("registrations", JAXRING_CPU_TARGETS(JAXRING_FOR_EACH_TARGET));
+  m.def("inprocess_registrations", JAXRING_CPU_TARGETS(JAXRING_FOR_EACH_INPROCESS_TARGET));
+  m.def("window_registrations", JAXRING_CPU_TARGETS(JAXRING_FOR_EACH_WINDOW_TARGET));
+#undef JAXRING_CPU_TARGETS
 #undef JAXRING_ADD_CPU
-    return targets;
-  });
-  m.def("inprocess_registrations", []() {
-    nb::dict targets;
-#define JAXRING_ADD_CPU(name, stem) targets["jaxring_" name] = EncapsulateFfiHandler(stem##Cpu);
-    JAXRING_FOR_EACH_INPROCESS_TARGET(JAXRING_ADD_CPU)
-#undef JAXRING_ADD_CPU
-    return targets;
-  });
-  m.def("window_registrations", []() {
-    nb::dict targets;
-#define JAXRING_ADD_CPU(name, stem) targets["jaxring_" name] = EncapsulateFfiHandler(stem##Cpu);
-    JAXRING_FOR_EACH_WINDOW_TARGET(JAXRING_ADD_CPU)
-#undef JAXRING_ADD_CPU
-    return targets;
-  });
   m.def("host_registrations", []() {
     nb::dict targets;
 #define JAXRING_ADD_HOST(name, stem)                                        \

@@ -27,16 +27,18 @@ inline ffi::Error PlanDequantize(std::string_view op, const ffi::AnyBuffer& q,
   return CheckShapeLike(op, "the result", out.dimensions(), "q", q.dimensions(), p->layout.cols);
 }
 
-// Encoded outputs (q_out, scales_out) are null for the last hop, which only accumulates.
+// Encoded outputs (q_out, scales_out) are null for the last hop, which only accumulates;
+// partial is null for a windowed call (cpu_handlers.cc), which checks its window instead.
 inline ffi::Error PlanRingHopInt8(std::string_view op, const ffi::AnyBuffer& q,
-                                  const ffi::AnyBuffer& scales, const ffi::AnyBuffer& partial,
+                                  const ffi::AnyBuffer& scales, const ffi::AnyBuffer* partial,
                                   const ffi::AnyBuffer* seed, const ffi::AnyBuffer& new_partial,
                                   const ffi::AnyBuffer* q_out, const ffi::AnyBuffer* scales_out,
                                   int64_t block_size, BlockPlan* p) {
   JR_RETURN_IF_ERROR(PlanBlocks(op, "q", q, {ffi::DataType::S8}, block_size, p));
   const int64_t n = p->layout.cols;
   JR_RETURN_IF_ERROR(CheckOperand(op, "scales", scales, ffi::DataType::F32, "q", q, p->blocks));
-  JR_RETURN_IF_ERROR(CheckOperand(op, "partial", partial, ffi::DataType::F32, "q", q, n));
+  if (partial)
+    JR_RETURN_IF_ERROR(CheckOperand(op, "partial", *partial, ffi::DataType::F32, "q", q, n));
   JR_RETURN_IF_ERROR(
       CheckOperand(op, "new_partial (result)", new_partial, ffi::DataType::F32, "q", q, n));
   if (seed) JR_RETURN_IF_ERROR(CheckOperand(op, "seed", *seed, ffi::DataType::U32, "q", q, -1));
@@ -49,12 +51,14 @@ inline ffi::Error PlanRingHopInt8(std::string_view op, const ffi::AnyBuffer& q,
 }
 
 inline ffi::Error PlanRingHopCast(std::string_view op, const ffi::AnyBuffer& recv,
-                                  const ffi::AnyBuffer& partial, const ffi::AnyBuffer& new_partial,
+                                  const ffi::AnyBuffer* partial, const ffi::AnyBuffer& new_partial,
                                   const ffi::AnyBuffer* out, RowLayout* layout) {
   JR_RETURN_IF_ERROR(CheckDType(op, "recv", recv.element_type(), kFloatTypes));
   JR_RETURN_IF_ERROR(CheckRows(op, "recv", recv.dimensions(), layout));
   const int64_t n = layout->cols;
-  JR_RETURN_IF_ERROR(CheckOperand(op, "partial", partial, ffi::DataType::F32, "recv", recv, n));
+  if (partial)
+    JR_RETURN_IF_ERROR(
+        CheckOperand(op, "partial", *partial, ffi::DataType::F32, "recv", recv, n));
   JR_RETURN_IF_ERROR(
       CheckOperand(op, "new_partial (result)", new_partial, ffi::DataType::F32, "recv", recv, n));
   if (out)

@@ -73,7 +73,7 @@ def reduce_scatter(flat, group: Group, codec: Codec, dtype, transport, *, want_e
     ``hop_at``) instead of a copy XLA would make of the slice."""
     return ((r + k) % p) * c + j * cp
 
-  in_place = flat.ndim == 1 and flat.shape[0] < 2**31   # what an int32 offset addresses
+  in_place = flat.shape[0] < 2**31   # what a traced int32 offset addresses
   encode = ((lambda k, j: codec.encode_at(flat, at(k, j), cp, dtype)) if in_place else
             (lambda k, j: codec.encode(local(k, j), dtype)))
   hop = ((lambda recv, k, j: codec.hop_at(recv, flat, at(k, j), cp, dtype)) if in_place else
