@@ -308,7 +308,10 @@ def test_calibration_waits_at_a_barrier_before_every_timed_call():
   32 MiB, top-k took 23.0 ms a call on rank 0 without a barrier, 19.7 with one
   (benchmarks/scripts/calibration_barrier.py)."""
   plans, _, raw, _, waits = _timed_counting_barriers(("none",), (1 << 10, 64 << 10))
-  assert len(plans) == 3 and len(waits) == sum(len(t) for row in raw for t in row) == 3 * 2 * 3
+  assert len(plans) == 3 and len(waits) == 3 * 2 * 3   # 3 plans x 2 sizes x 3 calls, each waited
+  # calls that paged in fresh memory are timed but may be left out of raw (timing.unpaged keeps
+  # at least a third of each plan's calls at a size): a fresh-clone CI run left out one
+  assert len(waits) // 3 <= sum(len(t) for row in raw for t in row) <= len(waits)
 
 
 def test_the_lossless_plans_timed_for_the_chunk_norms_are_the_first_timing_at_those_sizes():
