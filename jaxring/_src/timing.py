@@ -2,9 +2,10 @@
 the benchmark workers import it before jax is set up)."""
 from __future__ import annotations
 
+import random
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from fractions import Fraction
 
 import numpy as np
@@ -13,8 +14,8 @@ import numpy as np
 def spread(counts: Sequence[int], order: Sequence[int] | None = None) -> list[int]:
   """The order of ``sum(counts)`` calls, ``counts[i]`` of them to contender ``i``: each
   contender's calls evenly spread over the whole span (its k-th of c calls at (k + 1/2)/c of it),
-  ties in ``order`` (default: by index). Pure arithmetic: the same on every process, as
-  collective calls must be.
+  ties in ``order``; without one, each group of ties in an order of its own, drawn from the
+  group's position alone (the same on every process, as collective calls must be).
 
   A quick plan timed beside slow ones (top-k: 30 ms a call against 500 ms at 32 MiB on the
   emulated cluster) gets many calls; made in a row, after the slow plans' (passes: every plan
@@ -23,14 +24,30 @@ def spread(counts: Sequence[int], order: Sequence[int] | None = None) -> list[in
   run's rows, spread over minutes, took 40 (docs/simulations.md). Spread, they sample the same
   phases as the slow plans' calls.
 
+  Plans with as many calls tie at every slot. Ties in the plans' order made the MPI shape's
+  uncompressed ring always follow MPICH's all-reduce and the hierarchical plan always follow the
+  ring: calibration timed the hierarchical plan 3-8% above its ``bench cluster`` row in five of
+  six jobs and the ring at or below its row in all six, and one job chose the ring, 1.14x the
+  hierarchical row (docs/simulations.md). ``bench cluster`` draws each round's order for the
+  same reason (``cluster_worker.round_order``).
+
   Example:
-    >>> spread([1, 3]), spread([2, 2], order=[1, 0])
+    >>> spread([1, 3], order=[0, 1]), spread([2, 2], order=[1, 0])
     ([1, 0, 1, 1], [1, 0, 1, 0])
+    >>> sorted(spread([3, 3, 3])) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    True
   """
-  rank = {i: n for n, i in enumerate(range(len(counts)) if order is None else order)}
-  slots = sorted((Fraction(2 * k + 1, 2 * c), rank[i], i)
-                 for i, c in enumerate(counts) for k in range(c))
-  return [i for _, _, i in slots]
+  slots = sorted({Fraction(2 * k + 1, 2 * c) for c in counts for k in range(c)})
+  if order is None:
+    n = len(counts)
+    tie = {f: {i: r for r, i in enumerate(random.Random(g).sample(range(n), n))}
+           for g, f in enumerate(slots)}
+  else:
+    rank = {i: r for r, i in enumerate(order)}
+    tie = dict.fromkeys(slots, rank)
+  keyed = sorted((f, tie[f][i], i) for i, c in enumerate(counts)
+                 for f in (Fraction(2 * k + 1, 2 * c) for k in range(c)))
+  return [i for _, _, i in keyed]
 
 
 def side_by_side(calls: Sequence[Callable], counts: Sequence[int],
@@ -125,10 +142,11 @@ def warm_up(calls: Sequence[Callable], n: int) -> list[float]:
   return warm
 
 
-def confirm(first: np.ndarray, groups: Sequence[str], retime) -> np.ndarray:
+def confirm(first: np.ndarray, groups: Sequence[str], retime,
+            pooled: Collection[str] = ()) -> np.ndarray:
   """Times every contender again, in each column (a size), side by side; one with rivals in its
   group (calibration: the plans of one codec) keeps the lower of its two medians, one alone in
-  its group the median of all its calls.
+  its group, or in a group of ``pooled``, the median of all its calls.
 
   One slow phase of a shared machine (or a first use of links) can fall on one plan's calls and
   decide a choice: on the emulated cluster one MPI-shape calibration timed the hierarchical plan
@@ -142,7 +160,10 @@ def confirm(first: np.ndarray, groups: Sequence[str], retime) -> np.ndarray:
   timed top-k at 77.6 ms for 32 MiB, 26.7 ms in the rounds. Two medians of 16 calls drawn from
   a benchmark row's calls have a lower one 3.4% below the row's median on average over the
   top-k rows of ten runs; the median of all 32, 0.5% above (``benchmarks/scripts/
-  confirm_bias.py``).
+  confirm_bias.py``). Drawn in time order the two scatter more: in three MPI-shape jobs the
+  top-k plans' first medians at 32 MiB were 26-41 ms, their second 25-32, rows of the same
+  programs 27-35 (``benchmarks/scripts/topk_points_mpi.py``); where a group's plans differ by
+  less than that, the lower of two only lowers the group's level, and ``pooled`` names it.
 
   ``first[contender, column]``: the first timings' medians, NaN where a contender is not timed
   (it is left out there). ``retime(contenders, column) ->``
@@ -157,7 +178,7 @@ def confirm(first: np.ndarray, groups: Sequence[str], retime) -> np.ndarray:
     array([1. , 0.9, 1. , 0.6])
   """
   table = first.copy()
-  alone = [list(groups).count(g) == 1 for g in groups]
+  alone = [list(groups).count(g) == 1 or g in pooled for g in groups]
   for j in range(table.shape[1]):
     rows = [i for i in range(len(groups)) if np.isfinite(table[i, j])]
     for i, (t, both) in zip(rows, retime(rows, j)):

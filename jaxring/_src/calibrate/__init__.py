@@ -32,8 +32,15 @@ DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 32 << 20)
 #: Seconds of timed calls a large point gets at most: a quick plan (top-k) is called more than
 #: ``reps`` times, up to :data:`QUICK_REPS_FACTOR` times as many (docs/simulations.md).
 POINT_BUDGET_S = 0.5
+#: A plan whose calls take under QUICK_S gets QUICK_BUDGET_S: the shared cores' jitter is
+#: milliseconds a call, tens of percent of a quick one (top-k at 32 MiB, MPI shape: 18-45 ms
+#: within one row). With 16 calls a timing its points were 25-32 ms in three jobs (the lower of
+#: two medians), with 36 pooled over both timings 25-29 (``benchmarks/scripts/
+#: topk_points_mpi.py``), where ``bench cluster``'s rows of the same programs take ~27.
+QUICK_S = 0.1
+QUICK_BUDGET_S = 1.0
 #: Top-k's 32 MiB point (~30 ms a call on the emulated cluster) took 24.5-34.5 ms on 9 calls.
-QUICK_REPS_FACTOR = 6
+QUICK_REPS_FACTOR = 12
 DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
 #: Compressed plans are timed from this size up: below, a call is latency, which the lossless
 #: plans' small points pin (docs/design.md, "What calibration compiles").
@@ -73,14 +80,15 @@ def _same(codec, other) -> bool:
 
 def _large_reps(reps: int, slowest: float) -> int:
   """Calls at a large size for a plan whose warm-up call took ``slowest`` seconds on the slowest
-  process: as many as fit in :data:`POINT_BUDGET_S`, between ``reps`` and
-  :data:`QUICK_REPS_FACTOR` times that.
+  process: as many as fit in :data:`POINT_BUDGET_S` (:data:`QUICK_BUDGET_S` under
+  :data:`QUICK_S`), between ``reps`` and :data:`QUICK_REPS_FACTOR` times that.
 
   Example:
-    >>> _large_reps(3, 0.5), _large_reps(3, 0.03), _large_reps(3, 0.001)
-    (3, 16, 18)
+    >>> _large_reps(3, 0.5), _large_reps(3, 0.15), _large_reps(3, 0.03), _large_reps(3, 0.001)
+    (3, 3, 33, 36)
   """
-  return min(QUICK_REPS_FACTOR * reps, max(reps, int(POINT_BUDGET_S / max(slowest, 1e-9))))
+  budget = QUICK_BUDGET_S if slowest < QUICK_S else POINT_BUDGET_S
+  return min(QUICK_REPS_FACTOR * reps, max(reps, int(budget / max(slowest, 1e-9))))
 
 
 _LARGE = 4 << 20
@@ -112,7 +120,7 @@ def _counts(target, nbytes: int, reps: int, calls, warmup: int) -> list[int]:
 def _again(nbytes: int, reps: int, kept: int, median: float) -> int:
   """Calls a plan gets in the second timing (:func:`timing.confirm`): as many as its first
   timing kept, at least :func:`_reps`, and at a large size as many as its first median says fit
-  :data:`POINT_BUDGET_S` (:func:`_large_reps`; ``median`` is process 0's, the same on every
+  its budget (:func:`_large_reps`; ``median`` is process 0's, the same on every
   process). A plan whose first calls paged in fresh memory gets its count there: in the MPI
   shape top-k's first call at 32 MiB took 0.97 s and its second 0.54, where the later ones took
   36-46 ms, and its count from them was 3 (that point has been 20-47% off its rows in the MPI
@@ -120,7 +128,7 @@ def _again(nbytes: int, reps: int, kept: int, median: float) -> int:
 
   Example:
     >>> _again(32 << 20, 3, 3, 0.046), _again(32 << 20, 3, 3, 0.5), _again(1 << 20, 3, 7, 0.01)
-    (10, 3, 9)
+    (21, 3, 9)
   """
   count = max(kept, _reps(nbytes, reps))
   return count if nbytes < _LARGE or not np.isfinite(median) else max(
@@ -268,11 +276,11 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
       below 4 MiB, above it up to :data:`QUICK_REPS_FACTOR` times where they fit in
-      :data:`POINT_BUDGET_S`: :func:`_counts`). Each program is compiled, then warmed up. At each
+      :data:`POINT_BUDGET_S`, or :data:`QUICK_BUDGET_S` for a quick plan: :func:`_counts`). Each program is compiled, then warmed up. At each
       size the plans are timed side by side, each call after a barrier, leaving out calls that
       paged in fresh memory (:func:`timing.unpaged`), as ``bench cluster`` times its rows; then
-      every plan again (:func:`_again` calls), keeping the lower median (alone in its codec: the
-      median of all its calls; :func:`timing.confirm`).
+      every plan again (:func:`_again` calls), keeping the lower median (alone in its codec, or
+      with a sparsifying codec: the median of all its calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
@@ -316,7 +324,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
         target.most)
     return target.broadcast(np.asarray([(np.median(t), np.median(t + raw[i][j]))
                                         for i, t in zip(rows, again)], np.float64))
-  table = timing.confirm(first, [_label(comp) for _, comp in plans], retime)
+  table = timing.confirm(first, [_label(comp) for _, comp in plans], retime,
+                         pooled={_label(comp) for _, comp in plans if _sparsifying(comp)})
   if log is not None:
     changed = "  ".join(
         f"{a}/{_label(c)}@{sizes[j] >> 10}KiB {first[i, j] * 1e3:.1f}->{table[i, j] * 1e3:.1f}"
@@ -331,12 +340,14 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
         (n, float(t)) for n, t in zip(sizes, seconds) if np.isfinite(t)))))
   del inputs, compiled
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
-                       f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s by the quicker of "
+                       f"4 MiB; above, as many as fit in {POINT_BUDGET_S} s, {QUICK_BUDGET_S} s "
+                       f"under {QUICK_S} s a call, by the quicker of "
                        f"{warmup + 1} warm-up calls; compressed plans from {COMPRESSED_FROM >> 20}"
                        f" MiB up) after {warmup} warm-up, process 0's, side by side, each call "
                        f"after a barrier, calls that paged left out; every plan timed again (above "
                        f"4 MiB as many calls as its first median fits in the budget), the "
-                       f"lower median kept (alone in its codec: the median of all its calls)",
+                       f"lower median kept (alone in its codec, or sparsifying: the median of "
+                       f"all its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
   profile = cost_model.Profile(key, tuple(fits),
