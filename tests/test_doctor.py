@@ -37,8 +37,20 @@ def test_report_on_this_install():
   for key in ("jax ", "jaxlib", "flax", "optax", "orbax-checkpoint", "mpi4py", "mpi4jax",
               "MPI library", "FFI targets (cpu)", "CUDA kernels", "topology"):
     assert key in out, f"{key!r} missing from\n{out}"
-  n = len(ext.FFI_KERNELS)  # every FFI target of the kernel table has a self-test case
-  assert n == 9 and f"self-test (cpu)            {n}/{n} kernels match their references" in out, out
+  # every FFI target of the kernel table has a self-test case, and every windowed CPU target
+  n = len(ext.FFI_KERNELS) + len(ext.WINDOW_KERNELS)
+  assert n == 14 and f"self-test (cpu)            {n}/{n} kernels match their references" in out, out
+
+
+def test_a_windowed_target_that_reads_the_wrong_chunk_is_reported(monkeypatch):
+  from jaxring._src.ext import window
+  from jaxring._src.tools import doctor as doctor_tool
+  right = window.ring_hop_cast_last
+  monkeypatch.setattr(window, "ring_hop_cast_last",
+                      lambda recv, base, offset: right(recv, base, offset + 1))
+  results = doctor_tool._self_test("cpu")
+  assert results["ring_hop_cast_last_at"] == "DIFFERS from its reference"
+  assert results["ring_hop_cast_at"] == "ok" and results["ring_hop_cast_last"] == "ok"
 
 
 def test_missing_extension_is_an_error(tmp_path):

@@ -17,6 +17,8 @@ from jaxring._src.ext.table import FFI_KERNELS as FFI_KERNELS
 from jaxring._src.ext.table import FFI_TARGETS as FFI_TARGETS
 from jaxring._src.ext.table import KERNEL_TABLE as KERNEL_TABLE
 from jaxring._src.ext.table import KERNELS as KERNELS
+from jaxring._src.ext.table import WINDOW_KERNELS as WINDOW_KERNELS
+from jaxring._src.ext.table import WINDOW_TARGETS as WINDOW_TARGETS
 
 
 def __getattr__(name: str):

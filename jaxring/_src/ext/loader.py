@@ -81,7 +81,8 @@ def registered_targets() -> dict[str, list[str]]:
     True
   """
   require_extension()
-  return {"cpu": sorted(_ext.registrations()), "cuda": sorted(_ext.cuda_registrations())}
+  cpu = {**_ext.registrations(), **getattr(_ext, "window_registrations", dict)()}
+  return {"cpu": sorted(cpu), "cuda": sorted(_ext.cuda_registrations())}
 
 
 def require_extension() -> None:

@@ -26,3 +26,7 @@ KERNELS = tuple(KERNEL_TABLE)
 #: The kernels that are FFI targets (each with a reference), and the targets' registered names.
 FFI_KERNELS = tuple(name for name, is_target in KERNEL_TABLE.items() if is_target)
 FFI_TARGETS = tuple(f"jaxring_{name}" for name in FFI_KERNELS)
+#: The kernels with a CPU target reading the chunk in place, ``jaxring_<name>_at`` (:mod:`.window`).
+WINDOW_KERNELS = ("quantize_int8", "ring_hop_int8", "ring_hop_int8_last", "ring_hop_cast",
+                  "ring_hop_cast_last")
+WINDOW_TARGETS = tuple(f"jaxring_{name}_at" for name in WINDOW_KERNELS)

@@ -106,22 +106,49 @@ def _self_test(platform_name: str) -> dict[str, str]:
   }
   results = {}
   for name in ext.FFI_KERNELS:  # the table, so that a kernel added without a case is reported
-    call = cases.get(name)
-    if call is None:
-      results[name] = "FAILED: no self-test case in jaxring/_src/tools/doctor.py"
-      continue
-    try:
-      with jax.default_device(device):
-        got = jax.tree.leaves(jax.jit(lambda: call(ext))())
-      want = jax.tree.leaves(call(ref))
-      # chunk_norms sums in another order than its reference (a few ulps); the rest are exact.
-      rtol = 1e-5 if name == "chunk_norms" else 0.0
-      ok = all(np.allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=0,
-                           equal_nan=True) for g, w in zip(got, want, strict=True))
-      results[name] = "ok" if ok else "DIFFERS from its reference"
-    except Exception as e:  # noqa: BLE001 -- a report lists every failure, it does not stop
-      results[name] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    results[name] = _compare(name, cases.get(name), device,
+                             lambda call: jax.jit(lambda: call(ext))(), lambda call: call(ref))
+  if platform_name == "cpu":   # the targets reading the ring's chunk in place (ext/window.py)
+    from jaxring._src.ext import window
+    lo, n = 200, 300        # the chunk partial[lo:lo + n], the offset traced
+    chunk, (q3, s3), bf = partial[lo:lo + n], ref.quantize_int8(x[:n], 64), x[:n].astype(
+        jnp.bfloat16)
+    windowed = {   # name -> (the windowed call of (base, offset), the reference on the slice)
+        "quantize_int8": (lambda b, o: window.quantize_int8(b, o, n, 64),
+                          lambda: ref.quantize_int8(chunk, 64)),
+        "ring_hop_int8": (lambda b, o: window.ring_hop_int8(q3, s3, b, o, 64),
+                          lambda: ref.ring_hop_int8(q3, s3, chunk, 64)),
+        "ring_hop_int8_last": (lambda b, o: window.ring_hop_int8_last(q3, s3, b, o, 64),
+                               lambda: ref.ring_hop_int8_last(q3, s3, chunk, 64)),
+        "ring_hop_cast": (lambda b, o: window.ring_hop_cast(bf, b, o),
+                          lambda: ref.ring_hop_cast(bf, chunk)),
+        "ring_hop_cast_last": (lambda b, o: window.ring_hop_cast_last(bf, b, o),
+                               lambda: ref.ring_hop_cast_last(bf, chunk)),
+    }
+    for name in ext.WINDOW_KERNELS:
+      results[f"{name}_at"] = _compare(
+          name, windowed.get(name), device,
+          lambda case: jax.jit(case[0])(partial, jnp.int32(lo)), lambda case: case[1]())
   return results
+
+
+def _compare(name: str, call, device, run, reference) -> str:
+  """``'ok'`` if ``run(call)`` (on ``device``) equals ``reference(call)``, else the problem."""
+  import jax
+  import numpy as np
+  if call is None:
+    return "FAILED: no self-test case in jaxring/_src/tools/doctor.py"
+  try:
+    with jax.default_device(device):
+      got = jax.tree.leaves(run(call))
+    want = jax.tree.leaves(reference(call))
+    # chunk_norms sums in another order than its reference (a few ulps); the rest are exact.
+    rtol = 1e-5 if name == "chunk_norms" else 0.0
+    ok = all(np.allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=rtol, atol=0,
+                         equal_nan=True) for g, w in zip(got, want, strict=True))
+    return "ok" if ok else "DIFFERS from its reference"
+  except Exception as e:  # noqa: BLE001 -- a report lists every failure, it does not stop
+    return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
 def _extension(r: Report, require: set[str], self_test: bool) -> None:
@@ -137,9 +164,9 @@ def _extension(r: Report, require: set[str], self_test: bool) -> None:
   r.add("extension", "CUDA kernels", "built" if ext.CUDA_BUILT else
         "not built (JAXRING_CUDA=auto found no toolkit, or JAXRING_CUDA=off)")
   targets = ext.registered_targets()
-  expected = set(ext.FFI_TARGETS)
   for plat, names in targets.items():
     r.add("extension", f"FFI targets ({plat})", f"{len(names)} registered" if names else "none")
+    expected = set(ext.FFI_TARGETS) | (set(ext.WINDOW_TARGETS) if plat == "cpu" else set())
     missing = sorted(expected - set(names))
     if missing and (plat == "cpu" or ext.CUDA_BUILT):
       r.errors.append(f"FFI targets missing for {plat}: {', '.join(missing)}; {ext.REBUILD_HINT}")
