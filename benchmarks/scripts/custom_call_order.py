@@ -60,7 +60,8 @@ def program(kind):
 
 def main():
   xs = [jnp.full(N, float(i)) for i in range(K)]
-  print(f"{K} side-effecting callbacks of 50 ms a program, {ROUNDS} runs each, jax {jax.__version__}")
+  print(f"{K} side-effecting callbacks of 50 ms a program, {ROUNDS} runs each, "
+        f"jax {jax.__version__}")
   print(f"{'what orders them':<44} {'runs with overlap':>18} {'threads':>8}  start orders")
   for kind, label in (("none", "nothing (pure_callback)"),
                       ("barrier", "optimization_barrier chain (pure_callback)"),
@@ -75,7 +76,8 @@ def main():
       orders.add("".join(r[0] for r in runs))
       threads |= {r[3] for r in runs}
       overlapped += any(b[1] < a[2] for a, b in zip(runs, runs[1:]))
-    print(f"{label:<44} {overlapped:>10} of {ROUNDS:<5} {len(threads):>8}  {' '.join(sorted(orders))}")
+    print(f"{label:<44} {overlapped:>10} of {ROUNDS:<5} {len(threads):>8}  "
+          f"{' '.join(sorted(orders))}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ t0 = time.perf_counter()
 _confirm = timing.confirm
 
 
-def confirm(first, groups, retime, **kwargs):   # calibration's second timing, shown beside its first
+def confirm(first, groups, retime, **kwargs):   # the second timing, beside the first
   def shown(rows, j):
     out = retime(rows, j)
     if rank == 0:
