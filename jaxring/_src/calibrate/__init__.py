@@ -279,8 +279,9 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
       :data:`POINT_BUDGET_S`, or :data:`QUICK_BUDGET_S` for a quick plan: :func:`_counts`).
       Each program is compiled, then warmed up. At each size the plans are timed side by
       side, each call after a barrier, leaving out calls that paged in fresh memory
-      (:func:`timing.unpaged`), as ``bench cluster`` times its rows; then every plan again (:func:`_again` calls), keeping the lower median (alone in its codec, or
-      with a sparsifying codec: the median of all its calls; :func:`timing.confirm`).
+      (:func:`timing.unpaged`), as ``bench cluster`` times its rows; then every plan again
+      (:func:`_again` calls), keeping the lower median (alone in its codec, or with a
+      sparsifying codec: the median of all its calls; :func:`timing.confirm`).
       With a sparsifying codec the lossless plans are first timed at the sizes its chunk norms
       take (``meta["chunk_norms"]`` records the plan they chose).
     reuse: return the cached profile of these axes if every process has the same one.
