@@ -13,17 +13,13 @@ import time
 from mpi4py import MPI
 
 import jaxring
-import jaxring.distributed
+from emulated_mpi import bind_mpi_shape
 
 comm = MPI.COMM_WORLD
 if os.environ.get("SLICED"):   # the ring's chunks sliced, as before they were read in place
   from jaxring._src.codecs import kernels as codec_kernels
   codec_kernels.in_place = lambda *a, **k: None
-local = 2
-nodes = comm.Get_size() // local
-node_level = jaxring.Level("node", nodes, 1e9 / 8, 1e-4)
-topology = jaxring.Topology((jaxring.Level("local", local), node_level))
-jaxring.distributed.bind_mpi_axis("mpi", comm, topology)
+bind_mpi_shape(comm)
 warmup = int(os.environ.get("WARMUP", "1"))
 t0 = time.perf_counter()
 

@@ -22,9 +22,8 @@ import jax
 import numpy as np
 from mpi4py import MPI
 
-import jaxring
-import jaxring.distributed
 from jaxring._src import calibrate, timing
+from emulated_mpi import bind_mpi_shape
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--mib", type=int, default=32)
@@ -34,8 +33,7 @@ ap.add_argument("--out-dir", default="benchmarks/results")
 args = ap.parse_args()
 comm = MPI.COMM_WORLD
 local = args.procs_per_node
-jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
-    jaxring.Level("local", local), jaxring.Level("node", comm.Get_size() // local, 1e9 / 8, 1e-4))))
+bind_mpi_shape(comm, local)
 target = calibrate.targets.target(None, ("mpi",))
 plans = list(calibrate._candidates(target.groups, calibrate.DEFAULT_CODECS))
 names = [f"{a} {calibrate._label(c)}" for a, c in plans]

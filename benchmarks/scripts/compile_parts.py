@@ -15,16 +15,14 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-import jaxring
-import jaxring.distributed
 from jaxring._src import calibrate
+from emulated_mpi import bind_mpi_shape
 
 comm = MPI.COMM_WORLD
 if os.environ.get("SLICED"):   # the ring's chunks sliced, as before they were read in place
   from jaxring._src.codecs import kernels as codec_kernels
   codec_kernels.in_place = lambda *a, **k: None
-jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
-    jaxring.Level("local", 2), jaxring.Level("node", comm.Get_size() // 2, 1e9 / 8, 1e-4))))
+bind_mpi_shape(comm)
 target = calibrate.targets.target(None, ("mpi",))
 rows = []
 start = time.perf_counter()

@@ -22,9 +22,8 @@ import jax
 import numpy as np
 from mpi4py import MPI
 
-import jaxring
-import jaxring.distributed
 from jaxring._src import calibrate
+from emulated_mpi import bind_mpi_shape
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
@@ -43,8 +42,7 @@ def touch_rates(nbytes=256 << 20):
 
 
 first_touch = touch_rates() if rank == 0 else None
-jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
-    jaxring.Level("local", 2), jaxring.Level("node", comm.Get_size() // 2, 1e9 / 8, 1e-4))))
+bind_mpi_shape(comm)
 target = calibrate.targets.target(None, ("mpi",))
 plans = list(calibrate._candidates(target.groups, calibrate.DEFAULT_CODECS))
 x = target.input(mib << 18)

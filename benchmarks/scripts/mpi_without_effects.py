@@ -30,18 +30,15 @@ import numpy as np
 from mpi4py import MPI
 
 import jaxring
-import jaxring.distributed
 from jaxring._src.transport import launches
+from emulated_mpi import bind_mpi_shape
 
 ROUNDS = 150
 NBYTES = 1 << 20
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-local = 2
-node_level = jaxring.Level("node", comm.Get_size() // local, 1e9 / 8, 1e-4)
-jaxring.distributed.bind_mpi_axis(
-    "mpi", comm, jaxring.Topology((jaxring.Level("local", local), node_level)))
+bind_mpi_shape(comm)
 send = np.random.default_rng(rank).standard_normal(NBYTES // 4, dtype=np.float32)
 recv = np.empty_like(send)
 comm.Allreduce(send, recv, op=MPI.SUM)

@@ -18,12 +18,11 @@ import numpy as np
 from mpi4py import MPI
 
 import jaxring
-import jaxring.distributed
+from emulated_mpi import bind_mpi_shape
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-jaxring.distributed.bind_mpi_axis("mpi", comm, jaxring.Topology((
-    jaxring.Level("local", 2), jaxring.Level("node", comm.Get_size() // 2, 1e9 / 8, 1e-4))))
+bind_mpi_shape(comm)
 send = np.random.default_rng(rank).standard_normal((32 << 20) // 4, dtype=np.float32)
 recv = np.empty_like(send)
 x = jax.device_put(send)

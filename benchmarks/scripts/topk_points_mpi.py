@@ -24,17 +24,14 @@ import numpy as np
 from mpi4py import MPI
 
 import jaxring
-import jaxring.distributed
 from jaxring._src import timing
 from jaxring._src.tools.bench import cluster_worker
+from emulated_mpi import bind_mpi_shape
 
 ROUNDS = int(os.environ.get("ROUNDS", "4"))
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-local = 2
-node_level = jaxring.Level("node", comm.Get_size() // local, 1e9 / 8, 1e-4)
-jaxring.distributed.bind_mpi_axis(
-    "mpi", comm, jaxring.Topology((jaxring.Level("local", local), node_level)))
+bind_mpi_shape(comm)
 t0 = time.perf_counter()
 _confirm = timing.confirm
 

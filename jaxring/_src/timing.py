@@ -37,17 +37,15 @@ def spread(counts: Sequence[int], order: Sequence[int] | None = None) -> list[in
     >>> sorted(spread([3, 3, 3])) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     True
   """
-  slots = sorted({Fraction(2 * k + 1, 2 * c) for c in counts for k in range(c)})
-  if order is None:
-    n = len(counts)
-    tie = {f: {i: r for r, i in enumerate(random.Random(g).sample(range(n), n))}
-           for g, f in enumerate(slots)}
+  calls = [(Fraction(2 * k + 1, 2 * c), i) for i, c in enumerate(counts) for k in range(c)]
+  n = len(counts)
+  if order is None:   # the g-th distinct slot's ties in an order drawn from g
+    tie = {f: random.Random(g).sample(range(n), n)
+           for g, f in enumerate(sorted({f for f, _ in calls}))}
   else:
-    rank = {i: r for r, i in enumerate(order)}
-    tie = dict.fromkeys(slots, rank)
-  keyed = sorted((f, tie[f][i], i) for i, c in enumerate(counts)
-                 for f in (Fraction(2 * k + 1, 2 * c) for k in range(c)))
-  return [i for _, _, i in keyed]
+    tie = dict.fromkeys((f for f, _ in calls), list(order))
+  rank = {f: {i: r for r, i in enumerate(perm)} for f, perm in tie.items()}
+  return [i for _, _, i in sorted((f, rank[f][i], i) for f, i in calls)]
 
 
 def side_by_side(calls: Sequence[Callable], counts: Sequence[int],

@@ -111,8 +111,9 @@ def _self_test(platform_name: str) -> dict[str, str]:
   if platform_name == "cpu":   # the targets reading the ring's chunk in place (ext/window.py)
     from jaxring._src.ext import window
     lo, n = 200, 300        # the chunk partial[lo:lo + n], the offset traced
-    chunk, (q3, s3), bf = partial[lo:lo + n], ref.quantize_int8(x[:n], 64), x[:n].astype(
-        jnp.bfloat16)
+    chunk = partial[lo:lo + n]
+    q3, s3 = ref.quantize_int8(x[:n], 64)
+    bf = x[:n].astype(jnp.bfloat16)
     windowed = {   # name -> (the windowed call of (base, offset), the reference on the slice)
         "quantize_int8": (lambda b, o: window.quantize_int8(b, o, n, 64),
                           lambda: ref.quantize_int8(chunk, 64)),
