@@ -33,10 +33,11 @@ DEFAULT_SIZES = (1 << 10, 64 << 10, 1 << 20, 32 << 20)
 #: ``reps`` times, up to :data:`QUICK_REPS_FACTOR` times as many (docs/simulations.md).
 POINT_BUDGET_S = 0.5
 #: A plan whose calls take under QUICK_S gets QUICK_BUDGET_S: the shared cores' jitter is
-#: milliseconds a call, tens of percent of a quick one (top-k at 32 MiB, MPI shape: 18-45 ms
-#: within one row). With 16 calls a timing its points were 25-32 ms in three jobs (the lower of
-#: two medians), with 36 pooled over both timings 25-29 (``benchmarks/scripts/
-#: topk_points_mpi.py``), where ``bench cluster``'s rows of the same programs take ~27.
+#: milliseconds a call, tens of percent of a quick one (top-k at 32 MiB, MPI shape: 19-53 ms in
+#: one row of ``cluster-20261129-054641.json``, 21-35 between its deciles). With 16 calls a
+#: timing its points were 25-32 ms in three jobs (the lower of two medians), with 36 pooled over
+#: both timings 25-29 (``benchmarks/scripts/topk_points_mpi.py``), where ``bench cluster``'s rows
+#: of the same programs take ~27.
 QUICK_S = 0.1
 QUICK_BUDGET_S = 1.0
 #: Top-k's 32 MiB point (~30 ms a call on the emulated cluster) took 24.5-34.5 ms on 9 calls.
