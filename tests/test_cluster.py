@@ -73,11 +73,15 @@ def test_up_creates_namespaces_links_and_qdiscs(cluster):
     qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "jreth0"],
                            capture_output=True, text=True).stdout
     assert re.search(r"tbf .*rate 100Mbit", qdisc), qdisc
+    route = subprocess.run(["ip", "-n", ns, "route", "show", "dev", "jreth0"],
+                           capture_output=True, text=True).stdout
+    assert re.search(r"quickack 1", route), route   # no delayed ACKs between the nodes
   bridge_side = subprocess.run(["tc", "-n", f"{NAME}-br", "qdisc", "show"], capture_output=True,
                                text=True).stdout
   assert len(re.findall(r"tbf .*rate 100Mbit", bridge_side)) == 2, bridge_side
   status = cli("status", "--name", NAME)
   assert status.returncode == 0 and "MISSING" not in status.stdout, status.stdout
+  assert "ACKs at once" in status.stdout, status.stdout
 
 
 @pytest.mark.timeout(60)

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
       rcs["jax"], logs["jax"] = rc, log
       recs += [dict(x, job="jax") for x in r]
     bandwidth = state.bandwidth
-    link_rate = state.rate
+    link_rate, quickack = state.rate, state.quickack
   finally:
     if own:
       deleted = netns.down(name)
@@ -244,9 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         same = _row_of_choice(rows, r)
         r["choice_vs_best"] = same["ms"] / best["ms"] if same and best else None
 
+  acks = "ACKs at once" if quickack else "delayed ACKs"
   print(f"\nall-reduce of {args.mib} MiB f32 per device, {nodes} nodes x {args.devices_per_node} "
-        f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s), median over {args.reps} "
-        f"rounds after {args.warmup} warm-up, allocator {common.allocator()}")
+        f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s, {acks}), median over "
+        f"{args.reps} rounds after {args.warmup} warm-up, allocator {common.allocator()}")
   common.print_table([r for r in rows if "ms" in r], [
       ("contender", "contender", ""), ("ms", "median ms", ".1f"), ("algbw", "algbw GB/s", ".3f"),
       ("tx_mib", "MiB/node link/call", ".2f"), ("wire_ratio", "wire", ".3f"),
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{r['contender']}: ERROR {r['error']}")
   import jax
   payload = {"bench": "cluster", "args": vars(args), "nodes": nodes, "link": link_rate,
+             "quickack": quickack,
              "bandwidth_bytes_per_s": bandwidth, "bytes_per_device": nbytes,
              "allocator": common.allocator(), "jax": jax.__version__, "cpu_count": os.cpu_count(),
              "calibration": calibration, "link_probe": link_probe,

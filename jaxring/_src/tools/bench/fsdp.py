@@ -127,7 +127,8 @@ def _cluster(args) -> tuple[list[dict], dict]:
       netns.down(name)
     try:
       state = netns.up(name, args.nodes, rate=link)
-      info[part] = {"link": link, "bandwidth_bytes_per_s": state.bandwidth}
+      info[part] = {"link": link, "bandwidth_bytes_per_s": state.bandwidth,
+                    "quickack": state.quickack}
       worker_args = ["--part", part, "--reps", str(args.reps), "--warmup", str(args.warmup),
                      "--mib", str(args.mib if part == "collectives" else args.train_mib),
                      "--codecs", args.codecs]

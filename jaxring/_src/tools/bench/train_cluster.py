@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{statistics.median(base) * 1e3:.0f} ms")
   import jax
   path = common.write_json("train-cluster", {
-      "bench": "train-cluster", "args": vars(args), "link": state.rate,
+      "bench": "train-cluster", "args": vars(args), "link": state.rate, "quickack": state.quickack,
       "allocator": common.allocator(), "jax": jax.__version__, "machine": common.machine(),
       "compute_s": compute, "skew_s": skew, "leaf_bytes": first["leaf_bytes"],
       "auto_profile": auto_profile,

@@ -403,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
       ("s_per_step", "s/step", ".3f"), ("tx_mib_per_step", "MiB/node link/step", ".3f")])
   import jax
   path = common.write_json("tta", {
-      "bench": "tta", "args": vars(args), "link": state.rate, "compute_s": compute,
+      "bench": "tta", "args": vars(args), "link": state.rate, "quickack": state.quickack,
+      "compute_s": compute,
       "skew_s": skew, "auto_profile": any(r.get("auto_profile") for r in recs),
       "load_before": load, "load_after": os.getloadavg(), "allocator": common.allocator(),
       "job_exit": rc, "progress": [ln for ln in log.splitlines() if ": step " in ln],

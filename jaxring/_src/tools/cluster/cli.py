@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
   up.add_argument("--link", default="1gbit", help="tc rate of every node link (default 1gbit)")
   up.add_argument("--burst", default="256kb", help="tc tbf burst (default 256kb)")
   up.add_argument("--latency", default="50ms", help="tc tbf latency (queue limit, default 50ms)")
+  up.add_argument("--delayed-acks", action="store_true",
+                  help="keep Linux's delayed TCP ACKs inside the nodes (default: every segment "
+                  "acknowledged at once, route option quickack; see docs/benchmarks.md)")
   up.add_argument("--subnet", default=netns.DEFAULT_SUBNET,
                   help="private subnet used only inside the namespaces "
                   f"(default {netns.DEFAULT_SUBNET})")
@@ -83,7 +86,8 @@ def _terminate(signum, frame):
 def _dispatch(args) -> int:
   if args.command == "up":
     state = netns.up(args.name, args.nodes, rate=args.link, burst=args.burst,
-                     latency=args.latency, subnet=args.subnet)
+                     latency=args.latency, subnet=args.subnet,
+                     quickack=not args.delayed_acks)
     print(netns.describe(state.name))
     return 0
   if args.command == "down":

@@ -1,0 +1,54 @@
+"""Whether a plan's time depends on what it reduces: calibration times every plan on an input of
+ones, ``bench cluster`` its rows on standard normal draws (different on every rank). Each plan at
+32 MiB is compiled once and called on both inputs, the calls interleaved in rounds as ``bench
+cluster`` times its rows (``cluster_worker.time_rounds``); rank 0 prints each pair's medians and
+their ratio.
+
+  jaxring cluster up --name jrq --nodes 4
+  jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi -- \\
+      python benchmarks/scripts/input_dependence_mpi.py
+"""
+import os
+import statistics
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mpi4py import MPI
+
+import jaxring
+from jaxring._src.tools.bench import cluster_worker
+from emulated_mpi import bind_mpi_shape
+
+ROUNDS = int(os.environ.get("ROUNDS", "4"))
+PLANS = os.environ.get("PLANS", "hierarchical:topk,ring:topk,hierarchical:int8,ring:int8")
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+bind_mpi_shape(comm)
+n = (32 << 20) // 4
+inputs = {"ones": jnp.ones((n,), jnp.float32),
+          "normal": jax.device_put(np.random.default_rng(rank).standard_normal(n, np.float32))}
+ready = []
+for plan in PLANS.split(","):
+  algorithm, codec_name = plan.split(":")
+  codec = jaxring.codecs.parse(codec_name)
+  comp = None if codec is None else {"node": codec}
+  f = jax.jit(lambda v, a=algorithm, c=comp: jaxring.psum(v, "mpi", algorithm=a, compression=c))
+  for name, x in inputs.items():
+    for _ in range(3):
+      jax.block_until_ready(f(x))
+    ready.append((f"{algorithm} {codec_name} {name}",
+                  lambda f=f, x=x: jax.block_until_ready(f(x)), {}))
+
+agree = lambda values: np.max(comm.allgather(np.asarray(values)), axis=0)   # noqa: E731
+rows = {label: times for label, times, _, _ in cluster_worker.time_rounds(
+    ready, SimpleNamespace(reps=ROUNDS), lambda name: comm.Barrier(), "lo", agree)}
+if rank == 0:
+  print(f"{'plan':<20} {'calls':>5} {'ones ms':>8} {'normal ms':>10} {'normal/ones':>12}")
+  for plan in PLANS.split(","):
+    label = plan.replace(":", " ")
+    a, b = rows[f"{label} ones"], rows[f"{label} normal"]
+    print(f"{label:<20} {len(a):>5} {statistics.median(a) * 1e3:>8.1f} "
+          f"{statistics.median(b) * 1e3:>10.1f} {statistics.median(b) / statistics.median(a):>12.3f}",
+          flush=True)
