@@ -5,6 +5,7 @@ down at the end, even when a test fails.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -154,7 +155,8 @@ def test_run_mpi_allreduce_in_namespaces(cluster):
     pytest.skip("MPICH's mpirun is not installed next to this Python")
   code = ("from mpi4py import MPI; import numpy as np; c = MPI.COMM_WORLD; "
           "x = np.full(1 << 18, c.rank + 1.0); y = np.empty_like(x); c.Allreduce(x, y); "
-          "import sys; sys.stdout.write(f'SUM {c.rank} {c.size} {y.min()} {y.max()}\\n')")
+          "import os, sys; cpus = sorted(os.sched_getaffinity(0)); "
+          "sys.stdout.write(f'SUM {c.rank} {c.size} {y.min()} {y.max()} CPUS {cpus}\\n')")
   from jaxring._src.tools.cluster import netns
   before = [c["tx_bytes"] for c in netns.link_counters(NAME)]
   run = cli("run", "--name", NAME, "--transport", "mpi", "--procs-per-node", "2", "--timeout",
@@ -162,6 +164,13 @@ def test_run_mpi_allreduce_in_namespaces(cluster):
   out = run.stdout + run.stderr
   assert run.returncode == 0, out
   assert len(re.findall(r"SUM \d 4 10.0 10.0", out)) == 4, out
+  # bound to cores (hydra's -bind-to core): one CPU each, the two ranks of a node on different
+  # ones where the machine has two
+  found = re.findall(r"SUM (\d) 4 \S+ \S+ CPUS (\[[\d, ]*\])", out)
+  cpus = {int(rank): json.loads(c) for rank, c in found}
+  assert all(len(c) == 1 for c in cpus.values()), cpus
+  if len(os.sched_getaffinity(0)) > 1:
+    assert cpus[0] != cpus[1] and cpus[2] != cpus[3], cpus
   sent = [c["tx_bytes"] - b for c, b in zip(netns.link_counters(NAME), before)]
   # 2 MiB per rank crossed between the nodes: the ranks used the links, not shared memory.
   assert all(s > 1 << 20 for s in sent), sent

@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
   run.add_argument("--failure-timeout", type=float, default=None,
                    help="seconds without a heartbeat before jaxring.distributed declares a "
                    "process dead (JAXRING_FAILURE_TIMEOUT)")
+  run.add_argument("--bind-to", choices=("core", "none"), default="core",
+                   help="--transport mpi: bind each rank of a node to its own core (hydra's "
+                   "-bind-to core, the default), or leave placement to the scheduler")
   run.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rN]")
   run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
 
@@ -115,4 +118,4 @@ def _dispatch(args) -> int:
   return launch.run(state, cmd, nodes=args.nodes, procs_per_node=args.procs_per_node,
                     devices_per_proc=args.devices_per_proc, transport=args.transport,
                     timeout=args.timeout, grace=args.grace, failure_timeout=args.failure_timeout,
-                    prefix=not args.no_prefix)
+                    prefix=not args.no_prefix, bind=args.bind_to)

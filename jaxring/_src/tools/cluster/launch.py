@@ -125,8 +125,12 @@ exec ip netns exec "$ns" sh -c "$*"
 def mpi_rank(state: ClusterState, command: Sequence[str], *, nodes: int, procs_per_node: int,
              devices_per_proc: int | None, port: int, script_path: str,
              failure_timeout: float | None = None, mpirun: str | None = None,
-             prepend_rank: bool = True) -> Rank:
-  """The single ``mpirun`` process of an MPI job (rank -1: it stands for all ranks)."""
+             prepend_rank: bool = True, bind: str = "core") -> Rank:
+  """The single ``mpirun`` process of an MPI job (rank -1: it stands for all ranks).
+
+  ``bind``: hydra's ``-bind-to`` (``core``: each rank of a node on its own core, wrapping round
+  where a node has more ranks than the machine cores, as MPI users launch; ``none``: the
+  scheduler places them)."""
   env = _job_env(state, nodes, procs_per_node, devices_per_proc, port, failure_timeout)
   env["UCX_TLS"] = "tcp"
   if "PYTHONUNBUFFERED" not in os.environ:
@@ -137,7 +141,7 @@ def mpi_rank(state: ClusterState, command: Sequence[str], *, nodes: int, procs_p
   argv = ["ip", "netns", "exec", state.node_namespace(0), mpirun, "-n",
           str(nodes * procs_per_node), "-hosts", hosts, "-localhost", state.address(0),
           "-launcher", "ssh", "-launcher-exec", script_path, "-genvall", "-genv", "UCX_TLS",
-          "tcp", *(["-prepend-rank"] if prepend_rank else []), *command]
+          "tcp", "-bind-to", bind, *(["-prepend-rank"] if prepend_rank else []), *command]
   return Rank(-1, 0, argv, env)
 
 
@@ -264,7 +268,7 @@ def exit_code(status: dict[int, int | None], timed_out: bool) -> int:
 def run(state: ClusterState, command: Sequence[str], *, nodes: int | None = None,
         procs_per_node: int = 1, devices_per_proc: int | None = None, transport: str = "jax",
         timeout: float | None = None, grace: float = 30.0, failure_timeout: float | None = None,
-        prefix: bool = True) -> int:
+        prefix: bool = True, bind: str = "core") -> int:
   """Runs ``command`` as a job on the cluster; returns its exit status (see :func:`exit_code`).
 
   Example:
@@ -296,7 +300,8 @@ def run(state: ClusterState, command: Sequence[str], *, nodes: int | None = None
       with open(script, "w") as f:
         f.write(launcher_script(state, nodes))
       os.chmod(script, stat.S_IRWXU)
-      ranks = [mpi_rank(state, command, script_path=script, prepend_rank=prefix, **kwargs)]
+      ranks = [mpi_rank(state, command, script_path=script, prepend_rank=prefix, bind=bind,
+                        **kwargs)]
     else:
       raise ClusterError(f"--transport must be jax or mpi, got {transport!r}")
     for r in ranks:
