@@ -1,7 +1,7 @@
 """``jaxring cluster``: namespaces, shaped links, jobs run inside them, clean tear-down (root).
 
-One 2-node cluster with 100 Mbit/s links is shared by the tests of this module and always torn
-down at the end, even when a test fails.
+One 2-node cluster with 100 Mbit/s links (brought up with ``--quickack``) is shared by the tests
+of this module and always torn down at the end, even when a test fails.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def cluster():
     pytest.skip(reason)
   from jaxring._src.tools.cluster import netns
   try:
-    up = cli("up", "--name", NAME, "--nodes", "2", "--link", RATE)
+    up = cli("up", "--name", NAME, "--nodes", "2", "--link", RATE, "--quickack")
     assert up.returncode == 0, up.stdout + up.stderr
     yield netns.load_state(NAME)
   finally:
@@ -76,7 +76,7 @@ def test_up_creates_namespaces_links_and_qdiscs(cluster):
     assert re.search(r"tbf .*rate 100Mbit", qdisc), qdisc
     route = subprocess.run(["ip", "-n", ns, "route", "show", "dev", "jreth0"],
                            capture_output=True, text=True).stdout
-    assert re.search(r"quickack 1", route), route   # no delayed ACKs between the nodes
+    assert re.search(r"quickack 1", route), route   # --quickack: no delayed ACKs
   bridge_side = subprocess.run(["tc", "-n", f"{NAME}-br", "qdisc", "show"], capture_output=True,
                                text=True).stdout
   assert len(re.findall(r"tbf .*rate 100Mbit", bridge_side)) == 2, bridge_side
@@ -160,12 +160,12 @@ def test_run_mpi_allreduce_in_namespaces(cluster):
   from jaxring._src.tools.cluster import netns
   before = [c["tx_bytes"] for c in netns.link_counters(NAME)]
   run = cli("run", "--name", NAME, "--transport", "mpi", "--procs-per-node", "2", "--timeout",
-            "60", "--", sys.executable, "-c", code, timeout=80)
+            "60", "--bind-to", "core", "--", sys.executable, "-c", code, timeout=80)
   out = run.stdout + run.stderr
   assert run.returncode == 0, out
   assert len(re.findall(r"SUM \d 4 10.0 10.0", out)) == 4, out
-  # bound to cores (hydra's -bind-to core): one CPU each, the two ranks of a node on different
-  # ones where the machine has two
+  # --bind-to core (hydra's): one CPU each, the two ranks of a node on different ones where the
+  # machine has two
   found = re.findall(r"SUM (\d) 4 \S+ \S+ CPUS (\[[\d, ]*\])", out)
   cpus = {int(rank): json.loads(c) for rank, c in found}
   assert all(len(c) == 1 for c in cpus.values()), cpus
@@ -193,7 +193,7 @@ def test_an_mpi_job_with_the_watchdog_ends_with_every_heartbeat_received(cluster
           "failure_timeout_s=30); time.sleep(2.5); c.Barrier(); "
           "time.sleep(1.5 if c.rank else 0); print(f'ENDED {c.rank}', flush=True)")
   run = cli("run", "--name", NAME, "--transport", "mpi", "--procs-per-node", "2", "--timeout",
-            "60", "--", sys.executable, "-c", code, timeout=80)
+            "60", "--bind-to", "core", "--", sys.executable, "-c", code, timeout=80)
   out = run.stdout + run.stderr
   assert run.returncode == 0, out
   assert len(re.findall(r"ENDED \d", out)) == 4, out

@@ -4,8 +4,10 @@ JAX shape (one process per node). Each round, every process sets its own node's 
 cluster's subnet with ``quickack 1`` (ACK every segment at once, what ``jaxring cluster up`` sets)
 or without it (Linux's delayed ACKs), the two in alternating order, then after a barrier calls
 gloo's ``lax.psum`` and jaxring's hierarchical all-reduce of ``NB`` bytes per device (default
-1 MiB), ``CALLS`` calls each with a barrier before every call, counting the node's delayed ACKs
-(``TcpExt:DelayedACKs``: ACKs the delayed-ACK timer sent) around each call. The route is put back
+1 MiB), and a program of ``CHAIN`` gloo all-reduces one after another (timed per all-reduce),
+``CALLS`` calls each with a barrier before every call (``BARRIERS=0``: before the first only),
+counting the node's delayed ACKs (``TcpExt:DelayedACKs``: ACKs the delayed-ACK timer sent)
+around each call. The route is put back
 as it was at the end. Process 0 prints, per setting and program, the median and quartiles, the
 share of calls taking at least twice the fastest call of that program, and the delayed ACKs per
 call in those slow calls and in the others; it writes ``benchmarks/results/delayed-acks-<time>.json``.
@@ -72,9 +74,22 @@ def program(body):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
 
 
+#: all-reduces chained in one program (each reduces the last one's result, as a step's
+#: reductions follow one another): its row is the program's time divided by CHAIN
+CHAIN = int(os.environ.get("CHAIN", "20"))
+
+
+def chained(v):
+  for _ in range(CHAIN):
+    v = jax.lax.psum(v, axes) * 0.125
+  return v
+
+
 progs = {"gloo lax.psum": program(lambda v: jax.lax.psum(v, axes)),
          "jaxring hierarchical": program(
-             lambda v: jaxring.psum(v, axes, algorithm="hierarchical"))}
+             lambda v: jaxring.psum(v, axes, algorithm="hierarchical")),
+         f"gloo lax.psum, {CHAIN} in one program (per call)": program(chained)}
+per_call = {k: CHAIN if k.startswith("gloo lax.psum, ") else 1 for k in progs}
 for f in progs.values():
   for _ in range(3):
     jax.block_until_ready(f(x))
@@ -92,7 +107,7 @@ try:
             jaxring.distributed.barrier(f"{r}-{s}-{k}-{c}", timeout_s=300)
           a0, t0 = delayed_acks(), time.perf_counter()
           jax.block_until_ready(progs[k](x))
-          times[s, k].append(time.perf_counter() - t0)
+          times[s, k].append((time.perf_counter() - t0) / per_call[k])
           acks[s, k].append(delayed_acks() - a0)
 finally:
   set_route(original, quickack="quickack 1" in original)
@@ -114,17 +129,17 @@ if me == 0:
   print(f"{jax.process_count()} processes x {mesh.shape['local']} devices, {NB} bytes per device, "
         f"{ROUNDS} rounds of {CALLS} calls per setting and program, "
         f"{'a barrier before each' if BARRIERS else 'back to back'}; process 0's calls")
-  print(f"{'setting':<13} {'program':<21} {'median ms':>9} {'quartiles':>13} {'calls >= 2x':>11} "
+  print(f"{'setting':<13} {'program':<40} {'median ms':>9} {'quartiles':>13} {'calls >= 2x':>11} "
         f"{'delayed ACKs/call slow, other':>30}")
   for r in rows:
     slow_acks = "-" if r["delayed_acks_slow"] is None else f"{r['delayed_acks_slow']:.2f}"
-    print(f"{r['setting']:<13} {r['program']:<21} {r['median_ms']:>9.2f} "
+    print(f"{r['setting']:<13} {r['program']:<40} {r['median_ms']:>9.2f} "
           f"{r['q1_ms']:>6.2f}-{r['q3_ms']:<6.2f} {r['slow_share']:>11.0%} "
           f"{slow_acks:>14}, {r['delayed_acks_other']:.2f}")
   print("medians over the processes:", {f"{r['setting']} / {r['program']}": [
       round(float(v), 2) for v in everyone[:, i, 0]] for i, r in enumerate(rows)})
   path = common.write_json("delayed-acks", dict(
-      bench="delayed_acks", nbytes=NB, rounds=ROUNDS, calls=CALLS, barriers=bool(BARRIERS),
+      bench="delayed_acks", nbytes=NB, chain=CHAIN, rounds=ROUNDS, calls=CALLS, barriers=bool(BARRIERS),
       processes=jax.process_count(), route=original, jax=jax.__version__,
       allocator=common.allocator(), rows=rows,
       medians_by_process=everyone.tolist()))

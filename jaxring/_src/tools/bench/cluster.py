@@ -62,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--name", default=None,
                   help="use this existing cluster (not brought up or down); default: bring up "
                   "'jrb' and delete it afterwards")
+  ap.add_argument("--quickack", action="store_true",
+                  help="bring the cluster up acknowledging every TCP segment at once "
+                  "(jaxring cluster up --quickack; default: Linux's delayed ACKs)")
+  ap.add_argument("--bind-to", choices=("none", "core"), default="none",
+                  help="the MPI job's rank placement (jaxring cluster run --bind-to)")
   ap.add_argument("--timeout", type=float, default=900, help="seconds per job (default 900)")
   ap.add_argument("--out-dir", default=None)
   return ap
@@ -69,10 +74,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_job(name: str, nodes: int, procs: int, devices: int | None, transport: str,
              worker_args: list[str], timeout: float,
-             worker: str = WORKER) -> tuple[int, list[dict], str]:
+             worker: str = WORKER, bind: str = "none") -> tuple[int, list[dict], str]:
   cmd = [sys.executable, "-m", "jaxring", "cluster", "run", "--name", name, "--nodes", str(nodes),
          "--procs-per-node", str(procs), "--transport", transport, "--timeout", str(timeout),
-         "--grace", "20"]
+         "--grace", "20", "--bind-to", bind]
   if devices is not None:
     cmd += ["--devices-per-proc", str(devices)]
   cmd += ["--", sys.executable, "-m", worker, *worker_args]
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if own:
       if netns.load_state(name) is not None:
         netns.down(name)
-      state = netns.up(name, args.nodes, rate=args.link)
+      state = netns.up(name, args.nodes, rate=args.link, quickack=args.quickack)
     else:
       state = netns.load_state(name)
       if state is None:
@@ -166,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if "mpi" not in skip:
       rc, r, log = _run_job(name, nodes, args.devices_per_node, None, "mpi",
                             ["--mode", "mpi", "--procs-per-node", str(args.devices_per_node),
-                             "--codecs", args.codecs, *worker_common], args.timeout)
+                             "--codecs", args.codecs, *worker_common], args.timeout,
+                            bind=args.bind_to)
       rcs["mpi"], logs["mpi"] = rc, log
       recs += [dict(x, job="mpi") for x in r]
     if "jax" not in skip:
@@ -245,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         r["choice_vs_best"] = same["ms"] / best["ms"] if same and best else None
 
   acks = "ACKs at once" if quickack else "delayed ACKs"
+  bound = "MPI ranks bound to cores" if args.bind_to == "core" else "MPI ranks unbound"
   print(f"\nall-reduce of {args.mib} MiB f32 per device, {nodes} nodes x {args.devices_per_node} "
-        f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s, {acks}), median over "
-        f"{args.reps} rounds after {args.warmup} warm-up, allocator {common.allocator()}")
+        f"devices, links {link_rate} ({bandwidth * 8 / 1e9:.2f} Gbit/s, {acks}), {bound}, median "
+        f"over {args.reps} rounds after {args.warmup} warm-up, allocator {common.allocator()}")
   common.print_table([r for r in rows if "ms" in r], [
       ("contender", "contender", ""), ("ms", "median ms", ".1f"), ("algbw", "algbw GB/s", ".3f"),
       ("tx_mib", "MiB/node link/call", ".2f"), ("wire_ratio", "wire", ".3f"),

@@ -33,9 +33,9 @@ def _parser() -> argparse.ArgumentParser:
   up.add_argument("--link", default="1gbit", help="tc rate of every node link (default 1gbit)")
   up.add_argument("--burst", default="256kb", help="tc tbf burst (default 256kb)")
   up.add_argument("--latency", default="50ms", help="tc tbf latency (queue limit, default 50ms)")
-  up.add_argument("--delayed-acks", action="store_true",
-                  help="keep Linux's delayed TCP ACKs inside the nodes (default: every segment "
-                  "acknowledged at once, route option quickack; see docs/benchmarks.md)")
+  up.add_argument("--quickack", action="store_true",
+                  help="acknowledge every TCP segment at once inside the nodes (route option "
+                  "quickack; default: Linux's delayed ACKs; see docs/benchmarks.md)")
   up.add_argument("--subnet", default=netns.DEFAULT_SUBNET,
                   help="private subnet used only inside the namespaces "
                   f"(default {netns.DEFAULT_SUBNET})")
@@ -53,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
   run.add_argument("--failure-timeout", type=float, default=None,
                    help="seconds without a heartbeat before jaxring.distributed declares a "
                    "process dead (JAXRING_FAILURE_TIMEOUT)")
-  run.add_argument("--bind-to", choices=("core", "none"), default="core",
-                   help="--transport mpi: bind each rank of a node to its own core (hydra's "
-                   "-bind-to core, the default), or leave placement to the scheduler")
+  run.add_argument("--bind-to", choices=("none", "core"), default="none",
+                   help="--transport mpi: leave the ranks' placement to the scheduler (default), "
+                   "or bind each rank of a node to a core of its own (hydra's -bind-to core)")
   run.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rN]")
   run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
 
@@ -90,7 +90,7 @@ def _dispatch(args) -> int:
   if args.command == "up":
     state = netns.up(args.name, args.nodes, rate=args.link, burst=args.burst,
                      latency=args.latency, subnet=args.subnet,
-                     quickack=not args.delayed_acks)
+                     quickack=args.quickack)
     print(netns.describe(state.name))
     return 0
   if args.command == "down":

@@ -125,12 +125,12 @@ exec ip netns exec "$ns" sh -c "$*"
 def mpi_rank(state: ClusterState, command: Sequence[str], *, nodes: int, procs_per_node: int,
              devices_per_proc: int | None, port: int, script_path: str,
              failure_timeout: float | None = None, mpirun: str | None = None,
-             prepend_rank: bool = True, bind: str = "core") -> Rank:
+             prepend_rank: bool = True, bind: str = "none") -> Rank:
   """The single ``mpirun`` process of an MPI job (rank -1: it stands for all ranks).
 
-  ``bind``: hydra's ``-bind-to`` (``core``: each rank of a node on its own core, wrapping round
-  where a node has more ranks than the machine cores, as MPI users launch; ``none``: the
-  scheduler places them)."""
+  ``bind``: hydra's ``-bind-to`` (``none``: the scheduler places the ranks; ``core``: each rank
+  of a node on a core of its own, wrapping round where a node has more ranks than the machine
+  has cores; docs/benchmarks.md, "Ranks bound to cores")."""
   env = _job_env(state, nodes, procs_per_node, devices_per_proc, port, failure_timeout)
   env["UCX_TLS"] = "tcp"
   if "PYTHONUNBUFFERED" not in os.environ:
@@ -268,7 +268,7 @@ def exit_code(status: dict[int, int | None], timed_out: bool) -> int:
 def run(state: ClusterState, command: Sequence[str], *, nodes: int | None = None,
         procs_per_node: int = 1, devices_per_proc: int | None = None, transport: str = "jax",
         timeout: float | None = None, grace: float = 30.0, failure_timeout: float | None = None,
-        prefix: bool = True, bind: str = "core") -> int:
+        prefix: bool = True, bind: str = "none") -> int:
   """Runs ``command`` as a job on the cluster; returns its exit status (see :func:`exit_code`).
 
   Example:

@@ -6,17 +6,12 @@ Layout for a cluster named ``jr0`` with K nodes::
     jr0-n1 [jreth0 10.213.0.2] --veth-- [jrp1]  jrbr0 in jr0-br       ends, rate R, burst B,
     ...                                                               latency 50 ms
 
-Inside each node the route to the others acknowledges at once (``quickack 1``: no delayed ACKs).
-Linux delays an ACK by 40 ms or more where it expects to piggyback it on data; between a few
-nodes exchanging ring messages that timer stalled a link for whole calls: in the JAX shape at
-1 MiB per device, 20 of 80 calls of jaxring's hierarchical all-reduce took 2-10x the others, each
-with a delayed ACK, against 4 of 80 with none once ACKs went out at once (docs/benchmarks.md,
-"Delayed ACKs on the emulated links"). ``up(..., quickack=False)`` keeps Linux's default.
-
-Only the namespace names are global; every interface lives inside a namespace created here, so
-nothing on the host changes and no traffic can leave the namespaces. The state file records
-exactly which namespaces were created, and :func:`down` deletes exactly those (which also deletes
-the veths, the bridge and the qdiscs inside them).
+With ``quickack`` (``jaxring cluster up --quickack``) each node's route to the others acknowledges
+every TCP segment at once, where Linux by default may hold an ACK back for 40 ms or more to send
+it with data. The default keeps Linux's behaviour. Measured (docs/benchmarks.md, "Delayed ACKs on
+the emulated links"): with delayed ACKs a third of the JAX shape's 1 MiB all-reduces stalled to
+2-12x the others, each stalled call with a delayed ACK; at once, 2-7% did, while all-reduces of
+64 KiB and less took 12-27% longer (an ACK packet for every segment, on the shared cores).
 """
 from __future__ import annotations
 
@@ -70,7 +65,7 @@ class ClusterState:
   rate: str
   burst: str
   latency: str
-  quickack: bool = False   # False in state files written before the field existed
+  quickack: bool = False
   namespaces: list[str] = dataclasses.field(default_factory=list)   # created, in order
   complete: bool = False
   created_at: float = dataclasses.field(default_factory=time.time)
@@ -187,11 +182,11 @@ def _acknowledge_at_once(ns: str, state: ClusterState, node: int) -> None:
 
 
 def up(name: str = DEFAULT_NAME, nodes: int = 2, *, rate: str = "1gbit", burst: str = "256kb",
-       latency: str = "50ms", subnet: str = DEFAULT_SUBNET, quickack: bool = True) -> ClusterState:
+       latency: str = "50ms", subnet: str = DEFAULT_SUBNET, quickack: bool = False) -> ClusterState:
   """Creates the namespaces, links and qdiscs of a K-node cluster; returns its state.
 
   ``quickack``: TCP inside the nodes acknowledges every segment at once (see the module's
-  docstring); False keeps Linux's delayed ACKs.
+  docstring); False (the default) keeps Linux's delayed ACKs.
 
   Example:
     >>> state = up("jr0", nodes=2, rate="1gbit")  # doctest: +SKIP
