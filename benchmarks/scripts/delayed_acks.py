@@ -10,7 +10,8 @@ counting the node's delayed ACKs (``TcpExt:DelayedACKs``: ACKs the delayed-ACK t
 around each call. The route is put back
 as it was at the end. Process 0 prints, per setting and program, the median and quartiles, the
 share of calls taking at least twice the fastest call of that program, and the delayed ACKs per
-call in those slow calls and in the others; it writes ``benchmarks/results/delayed-acks-<time>.json``.
+call in those slow calls and in the others; it writes
+``benchmarks/results/delayed-acks-<time>.json``.
 
   sudo jaxring cluster up --name jrq --nodes 4
   sudo jaxring cluster run --name jrq --nodes 4 --procs-per-node 1 --transport jax \\
@@ -40,6 +41,9 @@ CALLS = int(os.environ.get("CALLS", "20"))
 #: 0: one barrier before each setting's calls of a program, then the calls back to back (as a
 #: training step issues its reductions), each still timed by itself
 BARRIERS = int(os.environ.get("BARRIERS", "1"))
+#: all-reduces chained in one program (each reduces the last one's result, as a step's
+#: reductions follow one another): its row is the program's time divided by CHAIN
+CHAIN = int(os.environ.get("CHAIN", "20"))
 IFACE = os.environ.get("JAXRING_INTERFACE", "jreth0")
 me = jax.process_index()
 mesh = jaxring.distributed.process_mesh()
@@ -74,23 +78,18 @@ def program(body):
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
 
 
-#: all-reduces chained in one program (each reduces the last one's result, as a step's
-#: reductions follow one another): its row is the program's time divided by CHAIN
-CHAIN = int(os.environ.get("CHAIN", "20"))
-
-
 def chained(v):
   for _ in range(CHAIN):
     v = jax.lax.psum(v, axes) * 0.125
   return v
 
 
-progs = {"gloo lax.psum": program(lambda v: jax.lax.psum(v, axes)),
-         "jaxring hierarchical": program(
-             lambda v: jaxring.psum(v, axes, algorithm="hierarchical")),
-         f"gloo lax.psum, {CHAIN} in one program (per call)": program(chained)}
-per_call = {k: CHAIN if k.startswith("gloo lax.psum, ") else 1 for k in progs}
-for f in progs.values():
+# name -> (program, all-reduces it makes)
+progs = {"gloo lax.psum": (program(lambda v: jax.lax.psum(v, axes)), 1),
+         "jaxring hierarchical": (program(
+             lambda v: jaxring.psum(v, axes, algorithm="hierarchical")), 1),
+         f"gloo lax.psum, {CHAIN} in one program (per call)": (program(chained), CHAIN)}
+for f, _ in progs.values():
   for _ in range(3):
     jax.block_until_ready(f(x))
 original = route()
@@ -106,8 +105,9 @@ try:
           if BARRIERS or c == 0:
             jaxring.distributed.barrier(f"{r}-{s}-{k}-{c}", timeout_s=300)
           a0, t0 = delayed_acks(), time.perf_counter()
-          jax.block_until_ready(progs[k](x))
-          times[s, k].append((time.perf_counter() - t0) / per_call[k])
+          f, reductions = progs[k]
+          jax.block_until_ready(f(x))
+          times[s, k].append((time.perf_counter() - t0) / reductions)
           acks[s, k].append(delayed_acks() - a0)
 finally:
   set_route(original, quickack="quickack 1" in original)
@@ -139,7 +139,8 @@ if me == 0:
   print("medians over the processes:", {f"{r['setting']} / {r['program']}": [
       round(float(v), 2) for v in everyone[:, i, 0]] for i, r in enumerate(rows)})
   path = common.write_json("delayed-acks", dict(
-      bench="delayed_acks", nbytes=NB, chain=CHAIN, rounds=ROUNDS, calls=CALLS, barriers=bool(BARRIERS),
+      bench="delayed_acks", nbytes=NB, chain=CHAIN, rounds=ROUNDS, calls=CALLS,
+      barriers=bool(BARRIERS),
       processes=jax.process_count(), route=original, jax=jax.__version__,
       allocator=common.allocator(), rows=rows,
       medians_by_process=everyone.tolist()))

@@ -49,6 +49,6 @@ if rank == 0:
   for plan in PLANS.split(","):
     label = plan.replace(":", " ")
     a, b = rows[f"{label} ones"], rows[f"{label} normal"]
-    print(f"{label:<20} {len(a):>5} {statistics.median(a) * 1e3:>8.1f} "
-          f"{statistics.median(b) * 1e3:>10.1f} {statistics.median(b) / statistics.median(a):>12.3f}",
+    ma, mb = statistics.median(a), statistics.median(b)
+    print(f"{label:<20} {len(a):>5} {ma * 1e3:>8.1f} {mb * 1e3:>10.1f} {mb / ma:>12.3f}",
           flush=True)

@@ -6,6 +6,11 @@ Layout for a cluster named ``jr0`` with K nodes::
     jr0-n1 [jreth0 10.213.0.2] --veth-- [jrp1]  jrbr0 in jr0-br       ends, rate R, burst B,
     ...                                                               latency 50 ms
 
+Only the namespace names are global; every interface lives inside a namespace created here, so
+nothing on the host changes and no traffic can leave the namespaces. The state file records
+exactly which namespaces were created, and :func:`down` deletes exactly those (which also deletes
+the veths, the bridge and the qdiscs inside them).
+
 With ``quickack`` (``jaxring cluster up --quickack``) each node's route to the others acknowledges
 every TCP segment at once, where Linux by default may hold an ACK back for 40 ms or more to send
 it with data. The default keeps Linux's behaviour. Measured (docs/benchmarks.md, "Delayed ACKs on
