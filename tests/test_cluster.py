@@ -141,6 +141,12 @@ def test_run_timeout_kills_and_names_the_unfinished_rank(cluster):
 
 
 @pytest.mark.timeout(60)
+def test_binding_is_refused_for_the_jax_transport(cluster):
+  run = cli("run", "--name", NAME, "--bind-to", "core", "--", sys.executable, "-c", "pass")
+  assert run.returncode == 2 and "--bind-to core places MPI ranks" in run.stderr, run.stderr
+
+
+@pytest.mark.timeout(60)
 def test_run_propagates_exit_status(cluster):
   code = "import os, sys; sys.exit(7 if os.environ['JAXRING_PROCESS_ID'] == '1' else 0)"
   run = cli("run", "--name", NAME, "--timeout", "30", "--", sys.executable, "-c", code)

@@ -22,18 +22,13 @@ import os
 import subprocess
 import time
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
-import jaxring.distributed
-
-jaxring.distributed.initialize()
-import jax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jaxring  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jaxring._src.tools.bench import common  # noqa: E402
+import jaxring
+from emulated_jax import jax_shape
+from jaxring._src.tools.bench import common
 
 NB = int(os.environ.get("NB", str(1 << 20)))
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
@@ -45,11 +40,8 @@ BARRIERS = int(os.environ.get("BARRIERS", "1"))
 #: reductions follow one another): its row is the program's time divided by CHAIN
 CHAIN = int(os.environ.get("CHAIN", "20"))
 IFACE = os.environ.get("JAXRING_INTERFACE", "jreth0")
+mesh, axes, x, program = jax_shape(NB)
 me = jax.process_index()
-mesh = jaxring.distributed.process_mesh()
-axes = ("node", "local")
-local = np.random.default_rng(me).standard_normal((mesh.shape["local"], NB // 4))
-x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(axes)), local.astype(np.float32))
 
 
 def route() -> str:
@@ -72,10 +64,6 @@ def delayed_acks() -> int:
     if names.startswith("TcpExt:"):
       return int(dict(zip(names.split()[1:], values.split()[1:]))["DelayedACKs"])
   raise RuntimeError("no TcpExt:DelayedACKs in /proc/net/netstat")
-
-
-def program(body):
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
 
 
 def chained(v):

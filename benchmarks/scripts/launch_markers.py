@@ -16,30 +16,17 @@ import os
 import pathlib
 import time
 
+import jax
 import numpy as np
 
-import jaxring.distributed
-
-jaxring.distributed.initialize()
-import jax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jaxring  # noqa: E402
-from jaxring._src.transport import launches  # noqa: E402
+import jaxring
+from emulated_jax import jax_shape
+from jaxring._src.transport import launches
 
 NB = int(os.environ.get("NB", str(1 << 20)))
 ROUNDS = int(os.environ.get("ROUNDS", "40"))
+mesh, axes, x, program = jax_shape(NB)
 me = jax.process_index()
-mesh = jaxring.distributed.process_mesh()
-axes = ("node", "local")
-local = np.random.default_rng(me).standard_normal((mesh.shape["local"], NB // 4))
-x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(axes)), local.astype(np.float32))
-
-
-def program(body):
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
-
 
 marked = launches.enabled()
 progs = {"hierarchical, marked": program(

@@ -283,6 +283,9 @@ def run(state: ClusterState, command: Sequence[str], *, nodes: int | None = None
     raise ClusterError(f"--procs-per-node must be >= 1, got {procs_per_node}")
   if not command:
     raise ClusterError("nothing to run: put the command after `--`")
+  if bind != "none" and transport != "mpi":
+    raise ClusterError(f"--bind-to {bind} places MPI ranks (--transport mpi); a JAX-transport "
+                       "process drives several devices whose programs run at once")
   port = free_port(state)
   job_id = f"{state.name}-{os.getpid()}-{time.time_ns()}"
   kwargs = dict(nodes=nodes, procs_per_node=procs_per_node, devices_per_proc=devices_per_proc,
