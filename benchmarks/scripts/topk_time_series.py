@@ -4,8 +4,8 @@ time, the slowest rank's time, and each rank's involuntary context switches, vol
 (waits that slept) and minor page faults during it (``getrusage``), summed over the ranks. Rank
 0 prints the series in 10-s windows and writes every call to
 ``benchmarks/results/topk-time-series-<time>.json``. ``PLAN``: algorithm:codec (default
-hierarchical:topk); ``BARRIER=sleep``: wait at the barrier polling it every 0.2 ms instead of in
-MPICH's spinning ``MPI_Barrier``.
+hierarchical:topk); ``LOCAL``: ranks per node (default 2); ``BARRIER=sleep``: wait at the
+barrier polling it every 0.2 ms instead of in MPICH's spinning ``MPI_Barrier``.
 
   jaxring cluster up --name jrq --nodes 4
   jaxring cluster run --name jrq --nodes 4 --procs-per-node 2 --transport mpi -- \\
@@ -29,7 +29,7 @@ PLAN = os.environ.get("PLAN", "hierarchical:topk")
 SLEEPING = os.environ.get("BARRIER", "spin") == "sleep"   # sleep 0.2 ms between polls
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-bind_mpi_shape(comm)
+bind_mpi_shape(comm, local=int(os.environ.get("LOCAL", "2")))
 algorithm, codec_name = PLAN.split(":")
 codec = jaxring.codecs.parse(codec_name)
 f = jax.jit(lambda v: jaxring.psum(v, "mpi", algorithm=algorithm,
