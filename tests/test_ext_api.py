@@ -399,6 +399,26 @@ def test_the_codecs_run_the_reference_where_it_measured_faster(tmp_path, monkeyp
     codec_kernels._resolve.cache_clear()
 
 
+def test_the_kernel_choice_leaves_out_rows_of_settings_that_do_not_run_by_default(tmp_path,
+                                                                                  monkeypatch):
+  """``bench kernels`` times the GPU quantize kernel with several quantization blocks a warp
+  (JAXRING_CUDA_QUANTIZE_BLOCKS) beside its default; a codec runs the default, so a faster
+  variant row must not keep a kernel that lost to its reference as it runs."""
+  import json
+
+  from jaxring._src.tools.bench import kernels as bench_kernels
+
+  monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
+  rows = [{"kernel": "quantize_int8 bf16", "size_mib": 64, "gbps": 10.0,
+           "xla_reference_gbps": 20.0},
+          {"kernel": f"quantize_int8 bf16, 4 {bench_kernels.VARIANT}", "size_mib": 64,
+           "gbps": 30.0, "xla_reference_gbps": 20.0}]
+  bench_kernels.save_choice(rows, "cpu")
+  recorded = json.loads((tmp_path / "kernels-cpu.json").read_text())
+  assert recorded["use_reference"] == ["quantize_int8"]
+  assert bench_kernels._blocks_per_warp_cases(None, None, None, 256, 0) == []   # not on a CPU
+
+
 def test_a_kernel_slower_than_its_reference_at_some_sizes_runs_it_at_the_calls_nearest_those(
     tmp_path, monkeypatch):
   import json

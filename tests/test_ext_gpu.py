@@ -85,6 +85,28 @@ def test_ring_hops(n, stochastic):
       same(a, b)
 
 
+@pytest.mark.parametrize("blocks_per_warp", ["2", "4"])
+@pytest.mark.parametrize("n", [8, 256 * 5, 256 * 7 + 8, 10**6 + 4, 4096 * 3])
+@pytest.mark.parametrize("block", [64, 256])
+def test_quantize_blocks_per_warp(monkeypatch, blocks_per_warp, n, block):
+  """JAXRING_CUDA_QUANTIZE_BLOCKS: a warp loads several quantization blocks (one access per lane
+  each: bf16/f16 blocks of up to 256 elements) before reducing; the codes and scales are those of
+  the reference bit for bit, a group of blocks cut short by the end of the input included (5 and 7
+  blocks of 256; 10**6 + 4 elements: a partial last block), rows of several groups (vmap)."""
+  monkeypatch.setenv("JAXRING_CUDA_QUANTIZE_BLOCKS", blocks_per_warp)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    x = jnp.asarray(data(n)).astype(dtype)
+    for stochastic in (False, True):
+      f = lambda x: ext.quantize_int8(x, block, stochastic, 7)  # noqa: E731, B023
+      want = on_cpu(lambda x: ref.quantize_int8(x, block, stochastic, 7), x)  # noqa: B023
+      for a, b in zip(on_gpu(f, x), want):
+        same(a, b)
+    rows = jnp.stack([x, -x, 3 * x])
+    for a, b in zip(on_gpu(jax.vmap(lambda x: ext.quantize_int8(x, block)), rows),
+                    on_cpu(jax.vmap(lambda x: ref.quantize_int8(x, block)), rows)):
+      same(a, b)
+
+
 @pytest.mark.parametrize("block", [4, 100, 128, 1000, 1024, 2048])
 def test_int8_block_sizes(block):
   """Every register-cache size of the vector paths (4- and 8-wide) and the fallbacks past them."""

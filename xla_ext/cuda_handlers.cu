@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "bindings.h"
@@ -71,6 +72,16 @@ bool VectorBlocks(const BlockPlan& p, int v, bool cached) {
          (!cached || p.block <= int64_t{32} * v * kMaxIters);
 }
 
+// Quantization blocks a warp of the vector quantize kernel loads before reducing, where a block
+// is one access per lane: JAXRING_CUDA_QUANTIZE_BLOCKS = 1 (default), 2 or 4, read at each
+// launch so that `jaxring bench kernels` can time the settings side by side. More than one is
+// the candidate remedy for bf16/f16 quantize at 0.65 of the H200's copy bandwidth
+// (docs/benchmarks.md, "GPU (one H200)"); it becomes the default once measured faster.
+int QuantizeBlocksPerWarp() {
+  const char* v = std::getenv("JAXRING_CUDA_QUANTIZE_BLOCKS");
+  return v == nullptr ? 1 : std::atoi(v);
+}
+
 template <class C>
 void LaunchQuantize(cudaStream_t st, const BlockPlan& p, const AnyBuffer& x, const AnyBuffer& seed,
                     bool stochastic, const AnyBuffer& q, const AnyBuffer& scales) {
@@ -83,9 +94,19 @@ void LaunchQuantize(cudaStream_t st, const BlockPlan& p, const AnyBuffer& x, con
     constexpr int V = decltype(v)::value;
     if (!VectorBlocks(p, V, true) || !Aligned(xp, sizeof(T) * V) || !Aligned(qp, V)) return false;
     WithIters(p.block, V, [&](auto iters) {
-      QuantizeVecKernel<C, V, decltype(iters)::value><<<grid, kThreads, 0, st>>>(
-          xp, In<uint32_t>(seed), p.layout.rows, p.layout.cols, p.block, p.blocks, stochastic,
-          qp, Out<float>(scales));
+      constexpr int kIters = decltype(iters)::value;
+      const auto launch = [&](auto u) {
+        constexpr int U = decltype(u)::value;
+        QuantizeVecKernel<C, V, kIters, U>
+            <<<GridFor(p.layout.rows * p.blocks, int64_t{kWarpsPerBlock} * U), kThreads, 0, st>>>(
+                xp, In<uint32_t>(seed), p.layout.rows, p.layout.cols, p.block, p.blocks,
+                stochastic, qp, Out<float>(scales));
+      };
+      // blocks of one access per lane may take several a warp (QuantizeBlocksPerWarp)
+      const int u = kIters == 1 ? QuantizeBlocksPerWarp() : 1;
+      if (u >= 4) launch(std::integral_constant<int, 4>{});
+      else if (u == 2) launch(std::integral_constant<int, 2>{});
+      else launch(std::integral_constant<int, 1>{});
     });
     return true;
   };

@@ -157,27 +157,43 @@ __global__ void QuantizeKernel(const typename C::T* x, const uint32_t* seed, int
   }
 }
 
-template <class C, int V, int kIters>
+// U quantization blocks per warp and pass: the warp issues every load of its U consecutive
+// blocks before the first abs-max reduction, so a lane has U accesses in flight where a block of
+// one access per lane (bf16/f16 in 256-element blocks: 16 bytes a lane) left it one. Each block's
+// values are computed as with U = 1, bit for bit.
+template <class C, int V, int kIters, int U>
 __global__ void QuantizeVecKernel(const typename C::T* x, const uint32_t* seed, int64_t rows,
                                   int64_t n, int64_t bs, int64_t nb, bool stochastic, int8_t* q,
                                   float* scales) {
   const WarpSlot w = Warp();
-  for (int64_t g = w.index; g < rows * nb; g += w.count) {
-    const int64_t r = g / nb, start = (g - r * nb) * bs, len = min(bs, n - start);
-    const int64_t off = r * n + start;
-    float v[kIters][V];
-    uint32_t amax = 0;
+  const int64_t total = rows * nb;
+  for (int64_t g0 = w.index * U; g0 < total; g0 += w.count * U) {
+    float v[U][kIters][V];
+    uint32_t amax[U];
 #pragma unroll
-    for (int j = 0; j < kIters; ++j) {
-      const int64_t i = (int64_t{j} * 32 + w.lane) * V;
-      if (i >= len) break;
-      LoadV<C, V>(x + off + i, v[j]);
+    for (int u = 0; u < U; ++u) {
+      amax[u] = 0;
+      const int64_t g = g0 + u;
+      if (g >= total) break;
+      const int64_t r = g / nb, start = (g - r * nb) * bs, len = min(bs, n - start);
 #pragma unroll
-      for (int k = 0; k < V; ++k) amax = max(amax, AbsBits(v[j][k]));
+      for (int j = 0; j < kIters; ++j) {
+        const int64_t i = (int64_t{j} * 32 + w.lane) * V;
+        if (i >= len) break;
+        LoadV<C, V>(x + r * n + start + i, v[u][j]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) amax[u] = max(amax[u], AbsBits(v[u][j][k]));
+      }
     }
-    const float s = EncodeCached<V, kIters>(v, amax, len, q + off, stochastic, SeedKey(seed[r]),
-                                         start, w.lane);
-    if (w.lane == 0) scales[g] = s;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t g = g0 + u;
+      if (g >= total) break;
+      const int64_t r = g / nb, start = (g - r * nb) * bs, len = min(bs, n - start);
+      const float s = EncodeCached<V, kIters>(v[u], amax[u], len, q + r * n + start, stochastic,
+                                           SeedKey(seed[r]), start, w.lane);
+      if (w.lane == 0) scales[g] = s;
+    }
   }
 }
 

@@ -128,7 +128,7 @@ def _cases(n: int, rng: np.random.Generator, launches: int = 1) -> list[Case]:
     return run
 
   bs = INT8_BLOCK
-  return [
+  return _blocks_per_warp_cases(timed, xb, xh, bs, 2 * n + n + sb) + [
       Case("quantize_int8 f32", timed(lambda v: ext.quantize_int8(v, bs), x),
            timed(lambda v: ref.quantize_int8(v, bs), x), 4 * n + n + sb),
       Case("quantize_int8 bf16", timed(lambda v: ext.quantize_int8(v, bs), xb),
@@ -166,6 +166,39 @@ def _cases(n: int, rng: np.random.Generator, launches: int = 1) -> list[Case]:
   ]
 
 
+#: The CUDA quantize kernel's setting timed beside its default on a GPU (xla_ext/cuda_handlers.cu).
+BLOCKS_ENV = "JAXRING_CUDA_QUANTIZE_BLOCKS"
+VARIANT = "blocks a warp"   # in a variant row's name; save_choice leaves those rows out
+
+
+def _blocks_per_warp_cases(timed, xb, xh, bs: int, nbytes: int) -> list[Case]:
+  """On a GPU, bf16/f16 quantize with each warp loading 2 and 4 quantization blocks before it
+  reduces (``JAXRING_CUDA_QUANTIZE_BLOCKS``, read at each launch, set around each call)."""
+  import jax
+
+  from jaxring._src import ext
+  from jaxring._src.ext import reference as ref
+  if jax.default_backend() != "gpu":
+    return []
+
+  def setting(call, value: str):
+    def run():
+      before = os.environ.get(BLOCKS_ENV)
+      os.environ[BLOCKS_ENV] = value
+      try:
+        return call()
+      finally:
+        if before is None:
+          os.environ.pop(BLOCKS_ENV)
+        else:
+          os.environ[BLOCKS_ENV] = before
+    return run
+  return [Case(f"quantize_int8 {name}, {u} {VARIANT}",
+               setting(timed(lambda v: ext.quantize_int8(v, bs), x), u),
+               timed(lambda v: ref.quantize_int8(v, bs), x), nbytes)
+          for name, x in (("bf16", xb), ("f16", xh)) for u in ("2", "4")]
+
+
 def _copy_baseline(src: np.ndarray, launches: int = 1) -> Callable[[], object]:
   """The copy the kernels are measured against, on their own memory: ``np.copyto`` on a CPU; on an
   accelerator a device-to-device pass over the same bytes (``-x``: n read, n written, which XLA
@@ -192,7 +225,7 @@ def save_choice(rows: list[dict], platform: str) -> str:
   slower: dict[str, dict[int, list[bool]]] = {}
   for r in rows:
     name = r["kernel"].split()[0]
-    if name in FFI_KERNELS and r["xla_reference_gbps"]:
+    if name in FFI_KERNELS and r["xla_reference_gbps"] and VARIANT not in r["kernel"]:
       elements = int(r["size_mib"] * MiB) // 4   # the case's element count (f32 input size)
       slower.setdefault(name, {}).setdefault(elements, []).append(
           r["xla_reference_gbps"] > 1.05 * r["gbps"])
