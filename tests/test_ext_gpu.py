@@ -90,11 +90,12 @@ def test_ring_hops(n, stochastic):
 @pytest.mark.parametrize("block", [64, 256])
 def test_quantize_blocks_per_warp(monkeypatch, blocks_per_warp, n, block):
   """JAXRING_CUDA_QUANTIZE_BLOCKS: a warp loads several quantization blocks (one access per lane
-  each: bf16/f16 blocks of up to 256 elements) before reducing; the codes and scales are those of
-  the reference bit for bit, a group of blocks cut short by the end of the input included (5 and 7
-  blocks of 256; 10**6 + 4 elements: a partial last block), rows of several groups (vmap)."""
+  each: bf16/f16 blocks of up to 256 elements, f32 of up to 128) before reducing; the codes and
+  scales are those of the reference bit for bit, a group of blocks cut short by the end of the
+  input included (5 and 7 blocks of 256; 10**6 + 4 elements: a partial last block), rows of
+  several groups (vmap); f32 in blocks of 256 keeps one block a warp."""
   monkeypatch.setenv("JAXRING_CUDA_QUANTIZE_BLOCKS", blocks_per_warp)
-  for dtype in (jnp.bfloat16, jnp.float16):
+  for dtype in DTYPES:
     x = jnp.asarray(data(n)).astype(dtype)
     for stochastic in (False, True):
       f = lambda x: ext.quantize_int8(x, block, stochastic, 7)  # noqa: E731, B023
