@@ -13,13 +13,11 @@ import statistics
 from types import SimpleNamespace
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from mpi4py import MPI
 
 import jaxring
 from jaxring._src.tools.bench import cluster_worker
-from emulated_mpi import bind_mpi_shape
+from emulated_mpi import bind_mpi_shape, both_inputs, contenders_on, largest_over
 
 ROUNDS = int(os.environ.get("ROUNDS", "4"))
 PLANS = os.environ.get("PLANS", "hierarchical:topk,ring:topk,hierarchical:int8,ring:int8")
@@ -27,21 +25,16 @@ comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 bind_mpi_shape(comm)
 n = (32 << 20) // 4
-inputs = {"ones": jnp.ones((n,), jnp.float32),
-          "normal": jax.device_put(np.random.default_rng(rank).standard_normal(n, np.float32))}
+inputs = both_inputs(n, rank)
 ready = []
 for plan in PLANS.split(","):
   algorithm, codec_name = plan.split(":")
   codec = jaxring.codecs.parse(codec_name)
   comp = None if codec is None else {"node": codec}
   f = jax.jit(lambda v, a=algorithm, c=comp: jaxring.psum(v, "mpi", algorithm=a, compression=c))
-  for name, x in inputs.items():
-    for _ in range(3):
-      jax.block_until_ready(f(x))
-    ready.append((f"{algorithm} {codec_name} {name}",
-                  lambda f=f, x=x: jax.block_until_ready(f(x)), {}))
+  ready += contenders_on(f"{algorithm} {codec_name}", f, inputs)
 
-agree = lambda values: np.max(comm.allgather(np.asarray(values)), axis=0)   # noqa: E731
+agree = largest_over(comm)
 rows = {label: times for label, times, _, _ in cluster_worker.time_rounds(
     ready, SimpleNamespace(reps=ROUNDS), lambda name: comm.Barrier(), "lo", agree)}
 if rank == 0:

@@ -14,14 +14,13 @@ import statistics
 from types import SimpleNamespace
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from mpi4py import MPI
 
 import jaxring
 from jaxring._src import timing
 from jaxring._src.tools.bench import cluster_worker
-from emulated_mpi import bind_mpi_shape
+from emulated_mpi import bind_mpi_shape, both_inputs, contenders_on, largest_over
 
 LOCAL = int(os.environ.get("LOCAL", "1"))   # ranks per node
 MIB = float(os.environ.get("MIB", "1"))
@@ -29,19 +28,14 @@ comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 bind_mpi_shape(comm, local=LOCAL)
 n = int(MIB * (1 << 20)) // 4
-inputs = {"ones": jnp.ones((n,), jnp.float32),
-          "normal": jax.device_put(np.random.default_rng(rank).standard_normal(n, np.float32))}
+inputs = both_inputs(n, rank)
 send = np.random.default_rng(rank).standard_normal(n, np.float32)
 recv = np.empty_like(send)
 ready = [("MPICH", lambda: comm.Allreduce(send, recv, op=MPI.SUM), {})]
 for algorithm in ("xla", "ring"):
   f = jax.jit(lambda v, a=algorithm: jaxring.psum(v, "mpi", algorithm=a))
-  for name, x in inputs.items():
-    for _ in range(3):
-      jax.block_until_ready(f(x))
-    ready.append((f"{'native' if algorithm == 'xla' else algorithm} {name}",
-                  lambda f=f, x=x: jax.block_until_ready(f(x)), {}))
-agree = lambda values: np.max(comm.allgather(np.asarray(values)), axis=0)   # noqa: E731
+  ready += contenders_on("native" if algorithm == "xla" else algorithm, f, inputs)
+agree = largest_over(comm)
 for _ in range(2):
   rows = [times for _, times, _, _ in cluster_worker.time_rounds(
       ready, SimpleNamespace(reps=5), lambda name: comm.Barrier(), "lo", agree)]
