@@ -218,22 +218,12 @@ def test_check_vma_all_reduce_returns_invariant_from_shared_memory(codec):
     assert 0 < np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
 
 
-def _meet(target, x, site):
-  """One in-process call of ``target`` at an explicit call site (a member of LOCAL per device)."""
-  out = jax.ShapeDtypeStruct((x.shape[0] * 4,) if target == "all_gather" else (x.shape[0] // 4,),
-                             jnp.float32)
-  member = inprocess._member(LOCAL)
-  return jax.ffi.ffi_call(f"jaxring_local_{target}", out, vmap_method="sequential")(
-      x, member, site=site, size=4, timeout_ms=10_000, order=np.arange(4, dtype=np.int64))
-
-
 def test_members_that_reach_independent_calls_in_opposite_orders_all_complete():
   # Devices of one process may reach two independent collectives in different orders (XLA:CPU
-  # runs each device's operations as they become ready). Here half the members can start the
-  # gather at once and reach the reduce-scatter after a chain of matrix products, the other half
-  # the other way round. A member that held its thread while it waited for its peers kept its
-  # device from ever reaching the other call, in which those peers waited: a deadlock.
-  site_a, site_b = next(inprocess._sites), next(inprocess._sites)
+  # runs each device's operations as they become ready). Here half the members have the gather's
+  # input at once and the reduce-scatter's after a chain of matrix products, the other half the
+  # other way round. A member that held its thread while it waited for its peers kept its device
+  # from ever reaching the other call, in which those peers waited: a deadlock.
   x = jnp.arange(8 * 4096, dtype=jnp.float32) % 13
   m = jnp.eye(64, dtype=jnp.float32) * 0.5 + 0.01
 
@@ -243,19 +233,39 @@ def test_members_that_reach_independent_calls_in_opposite_orders_all_complete():
       y = jnp.tanh(y @ m)
     return y.reshape(-1)
 
-  def got(v):
-    def gather_first(u):
-      return _meet("all_gather", u, site_a), _meet("reduce_scatter", chain(u), site_b)
+  def inputs(v):
+    even = jax.lax.axis_index("local") % 2 == 0
+    return (jax.lax.cond(even, lambda u: u, chain, v), jax.lax.cond(even, chain, lambda u: u, v))
 
-    def scatter_first(u):
-      return _meet("all_gather", chain(u), site_a), _meet("reduce_scatter", u, site_b)
-    g, s = jax.lax.cond(jax.lax.axis_index("local") % 2 == 0, gather_first, scatter_first, v)
+  def got(v):
+    a, b = inputs(v)
+    g, s = inprocess.all_gather((a,), LOCAL)[0], inprocess.reduce_scatter(b, LOCAL)
     return g[: v.shape[0]] + jnp.tile(s, 4)
 
-  def ref(v):   # XLA's own collectives in such a cond deadlock the same way: select instead
-    even = jax.lax.axis_index("local") % 2 == 0
-    g = jax.lax.all_gather(jnp.where(even, v, chain(v)), "local", tiled=True)
-    s = jax.lax.psum_scatter(jnp.where(even, chain(v), v), "local", tiled=True)
+  def ref(v):
+    a, b = inputs(v)
+    g, s = jax.lax.all_gather(a, "local", tiled=True), jax.lax.psum_scatter(b, "local", tiled=True)
     return g[: v.shape[0]] + jnp.tile(s, 4)
   for _ in range(3):
     np.testing.assert_allclose(_run(got, x), _run(ref, x), rtol=1e-6)
+
+
+def test_a_jitted_function_called_twice_meets_once_per_call():
+  # JAX traces and lowers a jitted function once, so its two calls in one program hold the same
+  # custom call twice; XLA may run them at once, each device in its own order. Each call meets
+  # its own members (the call site is the instruction, not the trace), with its own operands.
+  x = jnp.asarray(np.random.default_rng(3).standard_normal(8 * 2048), jnp.float32)
+  inner = jax.jit(lambda u: jaxring.psum(u, AXES, algorithm={"local": "shm", "node": "ring"}))
+  hlo = jax.jit(jax.shard_map(lambda v: inner(v), mesh=_mesh(), in_specs=P(AXES),
+                              out_specs=P())).lower(
+      jax.device_put(x, jax.NamedSharding(_mesh(), P(AXES)))).as_text()
+  assert "jaxring_local_reduce_scatter" in hlo
+
+  def both(v):
+    return inner(v) + 1000 * inner(v[::-1] * 3)
+
+  def ref(v):
+    return jax.lax.psum(v, AXES) + 1000 * jax.lax.psum(v[::-1] * 3, AXES)
+  for _ in range(5):
+    np.testing.assert_allclose(_run(both, x, out=P()), _run(ref, x, out=P()), rtol=1e-5,
+                               atol=1e-2)

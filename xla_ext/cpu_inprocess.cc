@@ -5,12 +5,17 @@
 // of one process).
 //
 // Each device's instance of the call rendezvouses with the others of its group under the key
-// (run id, call site, group): it publishes its input pointer, waits until every member has,
+// (run id, call site, group), the call site being the custom-call instruction itself: XLA
+// instantiates a state for each of its thunks (CallSite), and every device of the process runs the
+// same thunks. A program that calls one jitted function twice holds two instructions, and two
+// sites, where a site numbered at trace time was one (JAX traces and lowers that function once).
+// The instance publishes its input pointer, waits until every member has,
 // computes its part from all inputs, then waits until every member has finished reading before it
 // returns (after which XLA may reuse the inputs). Every wait has a timeout that names the members
 // that did not come; a group that timed out is marked abandoned, so a late member fails instead of
 // reading buffers its peers no longer hold.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -48,6 +53,20 @@ struct Group {
 };
 
 using Key = std::tuple<int64_t, int64_t, int64_t>;  // run id, call site, group index
+
+// A call site: one custom-call instruction of a compiled program, numbered when XLA creates its
+// thunk (the handlers' instantiate stage).
+struct CallSite {
+  static ffi::TypeId id;
+  int64_t serial;
+};
+ffi::TypeId CallSite::id = {};
+constexpr XLA_FFI_TypeInfo kCallSiteInfo = ffi::MakeTypeInfo<CallSite>();
+
+ffi::ErrorOr<std::unique_ptr<CallSite>> NewCallSite() {
+  static auto* next = new std::atomic<int64_t>(1);
+  return std::make_unique<CallSite>(CallSite{next->fetch_add(1)});
+}
 
 // Never destroyed: a parked member's thread may still be waiting while the process exits.
 std::mutex& RegistryMutex() {
@@ -243,8 +262,9 @@ void SumRows(float* out, const std::vector<const float*>& in, int64_t n) {
   }
 }
 
-ffi::Future LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
-                                   Result<AnyBuffer> out, int64_t site, int64_t size,
+ffi::Future LocalReduceScatterImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
+                                   AnyBuffer member,
+                                   Result<AnyBuffer> out, int64_t size,
                                    int64_t timeout_ms, ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_reduce_scatter";
   if (x.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
@@ -263,7 +283,8 @@ ffi::Future LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member
   float* o = reinterpret_cast<float*>(out->untyped_data());
   // this member's rows, in the order it reads them
   std::vector<int64_t> mine(order.begin() + rank * per, order.begin() + (rank + 1) * per);
-  return Rendezvous(op, run.run_id, site, group, rank, size, x.untyped_data(), n * 4, timeout_ms,
+  return Rendezvous(op, run.run_id, site->serial, group, rank, size,
+                    x.untyped_data(), n * 4, timeout_ms,
                     [o, len, mine = std::move(mine)](const std::vector<const void*>& inputs) {
                       std::vector<const float*> rows(inputs.size());
                       for (size_t k = 0; k < mine.size(); ++k) {
@@ -276,8 +297,9 @@ ffi::Future LocalReduceScatterImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member
 
 // ``order``: the result is order.size() rows, member j's input being rows j * R .. j * R + R - 1
 // of the members' concatenation; result row i is row order[i] of it (identity: 0, 1, ...).
-ffi::Future LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
-                               Result<AnyBuffer> out, int64_t site, int64_t size,
+ffi::Future LocalAllGatherImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
+                               AnyBuffer member,
+                               Result<AnyBuffer> out, int64_t size,
                                int64_t timeout_ms, ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_all_gather";
   const int64_t width = ffi::ByteWidth(x.element_type());
@@ -295,7 +317,8 @@ ffi::Future LocalAllGatherImpl(ffi::RunId run, AnyBuffer x, AnyBuffer member,
   const int64_t rank = ids[0], group = ids[1];
   char* o = reinterpret_cast<char*>(out->untyped_data());
   const bool stream = size * bytes >= cpu::kStreamMinBytes;
-  return Rendezvous(op, run.run_id, site, group, rank, size, x.untyped_data(), bytes, timeout_ms,
+  return Rendezvous(op, run.run_id, site->serial, group, rank, size,
+                    x.untyped_data(), bytes, timeout_ms,
                     [o, per, row, stream, order = std::vector<int64_t>(order.begin(), order.end())](
                         const std::vector<const void*>& inputs) {
                       for (size_t i = 0; i < order.size(); ++i) {
@@ -322,8 +345,8 @@ struct Encoded {
   const float* scales;
 };
 
-ffi::Future LocalAllGatherDecodeImpl(ffi::RunId run, AnyBuffer x, AnyBuffer scales,
-                                     AnyBuffer member, Result<AnyBuffer> out, int64_t site,
+ffi::Future LocalAllGatherDecodeImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
+                                     AnyBuffer scales, AnyBuffer member, Result<AnyBuffer> out,
                                      int64_t size, int64_t timeout_ms,
                                      ffi::Span<const int64_t> order, int64_t block_size) {
   constexpr std::string_view op = "jaxring_local_all_gather_decode";
@@ -356,7 +379,8 @@ ffi::Future LocalAllGatherDecodeImpl(ffi::RunId run, AnyBuffer x, AnyBuffer scal
       Encoded{x.untyped_data(), reinterpret_cast<const float*>(scales.untyped_data())});
   float* o = reinterpret_cast<float*>(out->untyped_data());
   const bool stream = size * n * 4 >= cpu::kStreamMinBytes;
-  return Rendezvous(op, run.run_id, site, group, rank, size, mine.get(), n * width, timeout_ms,
+  return Rendezvous(op, run.run_id, site->serial, group, rank, size,
+                    mine.get(), n * width, timeout_ms,
                     [mine, o, len, per, int8, wire, width, block_size, stream,
                      order = std::vector<int64_t>(order.begin(), order.end())](
                         const std::vector<const void*>& inputs) {
@@ -391,17 +415,23 @@ ffi::Future LocalAllGatherDecodeImpl(ffi::RunId run, AnyBuffer x, AnyBuffer scal
 }
 
 }  // namespace
+
+const void* CallSiteTypeId() { return &CallSite::id; }
+const void* CallSiteTypeInfo() { return &kCallSiteInfo; }
 }  // namespace jaxring
 
 namespace ffi = xla::ffi;
+
+// Every in-process target's instantiate stage: its call site (see CallSite).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalCallSiteCpu, jaxring::NewCallSite,
+                              ffi::Ffi::BindInstantiate());
 
 namespace {
 // What every in-process collective takes after its buffers; ``order`` places the rows
 // (identity: 0 .. size - 1).
 template <class Binding>
 auto GroupAttrs(Binding binding) {
-  return std::move(binding).template Attr<int64_t>("site")
-      .template Attr<int64_t>("size")
+  return std::move(binding).template Attr<int64_t>("size")
       .template Attr<int64_t>("timeout_ms")
       .template Attr<ffi::Span<const int64_t>>("order");
 }
@@ -410,6 +440,7 @@ auto GroupAttrs(Binding binding) {
 auto LocalCollectiveBinding() {
   return GroupAttrs(ffi::Ffi::Bind()
                         .Ctx<ffi::RunId>()
+                        .Ctx<ffi::State<jaxring::CallSite>>()
                         .Arg<ffi::AnyBuffer>()
                         .Arg<ffi::AnyBuffer>()
                         .Ret<ffi::AnyBuffer>());
@@ -424,6 +455,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherCpu, jaxring::LocalAllGatherI
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxringLocalAllGatherDecodeCpu, jaxring::LocalAllGatherDecodeImpl,
                               GroupAttrs(ffi::Ffi::Bind()
                                              .Ctx<ffi::RunId>()
+                                             .Ctx<ffi::State<jaxring::CallSite>>()
                                              .Arg<ffi::AnyBuffer>()
                                              .Arg<ffi::AnyBuffer>()
                                              .Arg<ffi::AnyBuffer>()

@@ -39,7 +39,28 @@ NB_MODULE(_ext, m) {
     return targets;                  \
   }
   m.def("registrations", JAXRING_CPU_TARGETS(JAXRING_FOR_EACH_TARGET));
-  m.def("inprocess_registrations", JAXRING_CPU_TARGETS(JAXRING_FOR_EACH_INPROCESS_TARGET));
+  // Stages by name: every in-process target makes its call site when XLA instantiates it.
+  m.def("inprocess_registrations", []() {
+    nb::dict targets;
+#define JAXRING_ADD_STAGES(name, stem)                                     \
+  {                                                                       \
+    nb::dict stages;                                                      \
+    stages["instantiate"] = EncapsulateFfiHandler(JaxringLocalCallSiteCpu); \
+    stages["execute"] = EncapsulateFfiHandler(stem##Cpu);                 \
+    targets["jaxring_" name] = stages;                                    \
+  }
+    JAXRING_FOR_EACH_INPROCESS_TARGET(JAXRING_ADD_STAGES)
+#undef JAXRING_ADD_STAGES
+    return targets;
+  });
+  m.def("inprocess_types", []() {
+    nb::dict types;
+    nb::dict site;
+    site["type_id"] = nb::capsule(const_cast<void*>(jaxring::CallSiteTypeId()));
+    site["type_info"] = nb::capsule(const_cast<void*>(jaxring::CallSiteTypeInfo()));
+    types["jaxring_call_site"] = site;
+    return types;
+  });
   m.def("window_registrations", JAXRING_CPU_TARGETS(JAXRING_FOR_EACH_WINDOW_TARGET));
 #undef JAXRING_CPU_TARGETS
 #undef JAXRING_ADD_CPU

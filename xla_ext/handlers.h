@@ -35,6 +35,14 @@
 // Host-only handlers (launches.cc): registered for CPU and CUDA alike, whatever was built.
 #define JAXRING_FOR_EACH_HOST_TARGET(X) X("launch_mark", JaxringLaunchMark)
 
+// Their instantiate stage, and the type of the state it makes (a call site), which Python
+// registers with XLA before the targets.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxringLocalCallSiteCpu);
+namespace jaxring {
+const void* CallSiteTypeId();    // XLA_FFI_TypeId*
+const void* CallSiteTypeInfo();  // const XLA_FFI_TypeInfo*
+}  // namespace jaxring
+
 #define JAXRING_DECLARE_CPU(name, stem) XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);
 JAXRING_FOR_EACH_TARGET(JAXRING_DECLARE_CPU)
 JAXRING_FOR_EACH_INPROCESS_TARGET(JAXRING_DECLARE_CPU)

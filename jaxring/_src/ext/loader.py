@@ -34,12 +34,32 @@ def _load_extension():
   return _ext
 
 
+def _register_types(types: dict) -> None:
+  """Registers the types of the handlers' states with XLA, before any target that uses them.
+
+  Not through ``jax.ffi.register_ffi_type``: it queues a type until the CPU client is made, and
+  jaxlib 0.10 then registers the queued targets first and the types after, which fails the
+  client ("Types used by FFI handlers must be registered before the handler registration") and
+  with it every CPU computation. XLA's type registry is global: the type goes there at once.
+  Raises AttributeError where jaxlib does not offer that."""
+  from jax._src.lib import xla_client
+  register = xla_client._xla.register_custom_type   # noqa: SLF001
+  for name, registration in types.items():
+    register(name, registration)
+
+
 def _register(ext) -> None:
   for name, capsule in ext.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  for name, capsule in getattr(ext, "inprocess_registrations", dict)().items():
-    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-  for name, capsule in getattr(ext, "window_registrations", dict)().items():
+  global INPROCESS_ERROR
+  try:
+    _register_types(ext.inprocess_types())
+  except AttributeError as e:   # the in-process level stays off: XLA's collectives do its work
+    INPROCESS_ERROR = e
+  else:
+    for name, stages in ext.inprocess_registrations().items():
+      jax.ffi.register_ffi_target(name, stages, platform="cpu")
+  for name, capsule in ext.window_registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   for name, capsule in ext.cuda_registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
@@ -48,6 +68,8 @@ def _register(ext) -> None:
     jax.ffi.register_ffi_target(name, cuda, platform="CUDA")
 
 
+#: Why the in-process collectives (cpu_inprocess.cc) were not registered, if they were not.
+INPROCESS_ERROR: Exception | None = None
 try:
   _ext = _load_extension()
 except ImportError as e:

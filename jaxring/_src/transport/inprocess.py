@@ -3,8 +3,9 @@
 The devices of one process share its memory. A level whose members all live in this process
 (``local`` in the one-process-per-node shape, every level of a single-process job) reduce-scatters
 and all-gathers with the ``jaxring_local_*`` custom calls (xla_ext/cpu_inprocess.cc): each device's
-instance rendezvouses with its group under (execution, call site, group), reads the others' buffers
-directly and completes once every member has finished reading. XLA:CPU would otherwise run these
+instance rendezvouses with its group under (execution, call site, group), the call site being the
+custom-call instruction (a jitted function called twice in one program meets twice), reads the
+others' buffers directly and completes once every member has finished reading. XLA:CPU would otherwise run these
 steps of a multi-process program over gloo's loopback TCP. A member that arrives before the others
 completes asynchronously (its call returns a pending ``ffi::Future``): XLA's executor goes on with
 the device's other ready operations, so devices that reach independent collectives in different
@@ -13,7 +14,6 @@ orders do not wait for each other in the wrong one. A member that does not arriv
 """
 from __future__ import annotations
 
-import itertools
 import os
 
 import jax
@@ -25,7 +25,6 @@ from jaxring._src import vma
 from jaxring._src.transport.groups import Group, axis_arg
 
 ENV_TIMEOUT = "JAXRING_INPROCESS_TIMEOUT"
-_sites = itertools.count(1)
 
 
 def available() -> bool:
@@ -42,7 +41,7 @@ def available() -> bool:
   if not set(names) <= set(_bound_axes()):
     return False
   from jaxring._src.ext import loader
-  return loader.LOAD_ERROR is None
+  return loader.LOAD_ERROR is None and loader.INPROCESS_ERROR is None
 
 
 def _bound_axes() -> tuple:
@@ -87,9 +86,10 @@ def _call(target: str, result, x, group: Group, invariant: tuple = (), order=Non
   # No side effect declared: jax.checkpoint refuses effects (FSDP rematerializes its loss), and
   # none is needed. Every device of the process runs the same program, so XLA keeps or drops a
   # call alike on all of them (its executor may order independent calls differently per device:
-  # the calls complete asynchronously for that); each call site has its own ``site``.
+  # the calls complete asynchronously for that). Each instruction is a call site of its own: XLA
+  # numbers it when it instantiates the call (xla_ext/cpu_inprocess.cc, CallSite).
   out = jax.ffi.ffi_call(f"jaxring_{target}", result, vmap_method="sequential")(
-      *operands, member, site=next(_sites), size=group.size, timeout_ms=timeout_ms,
+      *operands, member, size=group.size, timeout_ms=timeout_ms,
       order=_order(order, group.size), **attrs)
   # The custom call's result is typed invariant (its ShapeDtypeStruct names no axes), so it is
   # marked varying over every axis except those the caller knows it is the same across.
