@@ -3,6 +3,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -548,4 +549,16 @@ def test_bench_cluster_rounds_call_quick_contenders_as_often_as_their_budget_all
   long = list(cw.time_rounds(ready[:1], types.SimpleNamespace(reps=3), barriers.append, "lo",
                              lambda values: [0.8]))
   assert [len(times) for _, times, _, _ in long] == [1 + 2 * 2]
+  # a slow first timed call (paging) does not cost the row its calls: the quickest of that call
+  # and the warm-up calls sets the count, then the largest over the processes
+  def rows(warm, others):
+    first = []
+    paging = [("slow", lambda: first or (first.append(1), time.sleep(0.26)), {})]
+    return [len(t) for _, t, _, _ in cw.time_rounds(
+        paging, types.SimpleNamespace(reps=2), barriers.append, "lo",
+        lambda values: [max(v, others) for v in values], warm)]
+  assert rows(None, 0.0) == [1 + 3]               # 0.26 s: 3 a round
+  assert rows({"slow": [0.04, 0.05]}, 0.0) == [1 + 25]
+  assert rows({"slow": [0.04, 0.05]}, 0.08) == [1 + 12]   # another process was slower
+  assert cw.warm_up(lambda: made.append("w"), 3) and made[-3:] == ["w"] * 3
 

@@ -101,7 +101,7 @@ def run_jax(args) -> int:
     contenders += [(f"jaxring auto {c}", "auto", c) for c in codecs]
     contenders += [(f"jaxring auto {c} (check_vma=False)", "auto/check_vma=False", c)
                    for c in codecs]
-  ref, ready = None, []
+  ref, ready, warm = None, [], {}
   for label, kind, codec_name in contenders:
     try:
       f = reducer(kind, codec_name)
@@ -115,11 +115,10 @@ def run_jax(args) -> int:
         ref = got
       rel_err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
       del y, got
-      for _ in range(max(0, args.warmup - 1)):
-        jax.block_until_ready(f(x))
-      ready.append((label, lambda f=f: jax.block_until_ready(f(x)),
-                    dict(first_call_s=compile_s, head=first, rel_err=rel_err,
-                         plan=plans.get(label))))
+      call = lambda f=f: jax.block_until_ready(f(x))   # noqa: E731
+      warm[label] = warm_up(call, args.warmup - 1)
+      ready.append((label, call, dict(first_call_s=compile_s, head=first, rel_err=rel_err,
+                                      plan=plans.get(label))))
     except Exception as exc:  # noqa: BLE001 - report, then stop: the others would wait for us
       emit(contender=label, node=me, rank=me, error=f"{type(exc).__name__}: {str(exc)[:500]}")
       raise
@@ -129,7 +128,7 @@ def run_jax(args) -> int:
     from jax.experimental import multihost_utils
     return np.max(np.asarray(multihost_utils.process_allgather(np.asarray(values))), axis=0)
 
-  for label, times, tx, extra in time_rounds(ready, args, barrier, iface, agree):
+  for label, times, tx, extra in time_rounds(ready, args, barrier, iface, agree, warm):
     emit(contender=label, node=me, rank=me, times=times, median=statistics.median(times),
          tx_per_call=tx, **extra)
   sizes = [common.parse_size(s) for s in args.probe_sizes.split(",") if s]
@@ -201,7 +200,17 @@ def round_order(n: int, r: int) -> list[int]:
   return random.Random(r).sample(range(n), n)
 
 
-def time_rounds(ready, args, barrier, iface, agree=None):
+def warm_up(call, n: int) -> list[float]:
+  """Makes ``n`` untimed calls of ``call`` (not in any row) and returns their seconds."""
+  seconds = []
+  for _ in range(max(0, n)):
+    t = time.perf_counter()
+    call()
+    seconds.append(time.perf_counter() - t)
+  return seconds
+
+
+def time_rounds(ready, args, barrier, iface, agree=None, warm=None):
   """Times every contender once per round, ``--reps`` rounds, so that all of them see the same
   machine: load that comes and goes (the 2 cores are shared) spreads over every contender instead
   of falling on whichever ran then, and ``auto`` is compared with its rivals under equal terms.
@@ -210,7 +219,10 @@ def time_rounds(ready, args, barrier, iface, agree=None):
   ``agree(times) -> the largest of each over every process``: after the first round a contender
   is called as often as fits in :data:`ROUND_BUDGET_S` per round (at least
   :data:`MIN_CALLS_PER_ROUND`, at most :data:`MAX_CALLS_PER_ROUND`; the same count on every
-  process, the calls being collective).
+  process, the calls being collective), its time per call the quickest of its first round's call
+  and its warm-up calls (``warm[label]``, seconds): one slow call must not cost a row most of its
+  calls (in the MPI shape `auto`'s top-k row once got 9 calls against the other rows' 101, after
+  a first timed call of 352 ms where the others took 22-48).
   Yields (label, times, tx bytes per call, extra) per contender, in the order given."""
   times = {label: [] for label, _, _ in ready}
   tx = dict.fromkeys(times, 0)
@@ -230,7 +242,7 @@ def time_rounds(ready, args, barrier, iface, agree=None):
       times[label].append(time.perf_counter() - t)
       tx[label] += tx_bytes(iface) - b0
     if r == 0 and agree is not None:
-      slowest = agree([times[label][0] for label in times])
+      slowest = agree([min([times[label][0], *(warm or {}).get(label, ())]) for label in times])
       calls = {label: min(MAX_CALLS_PER_ROUND, max(MIN_CALLS_PER_ROUND,
                                                   int(ROUND_BUDGET_S / max(t, 1e-6) + 1e-9)))
                for label, t in zip(times, slowest)}
@@ -261,13 +273,11 @@ def run_mpi(args) -> int:
 def _time_mpi(ready, args, comm, iface, node) -> None:
   """Times the contenders ``(label, call, extra)`` in rounds (:func:`time_rounds`); one rank per
   node reports its node's link bytes."""
-  for _, call, _ in ready:
-    for _ in range(args.warmup):
-      call()
+  warm = {label: warm_up(call, args.warmup) for label, call, _ in ready}
   # the Barriers between calls add a few hundred bytes; negligible next to 32 MiB
   agree = lambda values: np.max(comm.allgather(np.asarray(values)), axis=0)   # noqa: E731
   for label, times, tx, extra in time_rounds(ready, args, lambda name: comm.Barrier(), iface,
-                                             agree):
+                                             agree, warm):
     if comm.Get_rank() % args.procs_per_node == 0:
       emit(contender=label, node=node, rank=comm.Get_rank(), times=times,
            median=statistics.median(times), tx_per_call=tx, size=comm.Get_size(),
