@@ -256,10 +256,10 @@ def test_a_jitted_function_called_twice_meets_once_per_call():
   # its own members (the call site is the instruction, not the trace), with its own operands.
   x = jnp.asarray(np.random.default_rng(3).standard_normal(8 * 2048), jnp.float32)
   inner = jax.jit(lambda u: jaxring.psum(u, AXES, algorithm={"local": "shm", "node": "ring"}))
-  hlo = jax.jit(jax.shard_map(lambda v: inner(v), mesh=_mesh(), in_specs=P(AXES),
-                              out_specs=P())).lower(
-      jax.device_put(x, jax.NamedSharding(_mesh(), P(AXES)))).as_text()
-  assert "jaxring_local_reduce_scatter" in hlo
+  mesh = _mesh()
+  hlo = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=P(AXES), out_specs=P())).lower(
+      jax.device_put(x, jax.NamedSharding(mesh, P(AXES)))).as_text()
+  assert "jaxring_local_reduce_scatter" in hlo   # the shared-memory level, not XLA's collectives
 
   def both(v):
     return inner(v) + 1000 * inner(v[::-1] * 3)

@@ -9,9 +9,9 @@
 // instantiates a state for each of its thunks (CallSite), and every device of the process runs the
 // same thunks. A program that calls one jitted function twice holds two instructions, and two
 // sites, where a site numbered at trace time was one (JAX traces and lowers that function once).
-// The instance publishes its input pointer, waits until every member has,
-// computes its part from all inputs, then waits until every member has finished reading before it
-// returns (after which XLA may reuse the inputs). Every wait has a timeout that names the members
+// The instance publishes its input pointer, waits until every member has, computes its part from
+// all inputs, then waits until every member has finished reading before it returns (after which
+// XLA may reuse the inputs). Every wait has a timeout that names the members
 // that did not come; a group that timed out is marked abandoned, so a late member fails instead of
 // reading buffers its peers no longer hold.
 #include <algorithm>
@@ -262,10 +262,9 @@ void SumRows(float* out, const std::vector<const float*>& in, int64_t n) {
   }
 }
 
-ffi::Future LocalReduceScatterImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
-                                   AnyBuffer member,
-                                   Result<AnyBuffer> out, int64_t size,
-                                   int64_t timeout_ms, ffi::Span<const int64_t> order) {
+ffi::Future LocalReduceScatterImpl(ffi::RunId run, CallSite* site, AnyBuffer x, AnyBuffer member,
+                                   Result<AnyBuffer> out, int64_t size, int64_t timeout_ms,
+                                   ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_reduce_scatter";
   if (x.element_type() != ffi::DataType::F32 || out->element_type() != ffi::DataType::F32)
     return Done(ffi::Error::InvalidArgument(std::string(op) +
@@ -283,8 +282,8 @@ ffi::Future LocalReduceScatterImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
   float* o = reinterpret_cast<float*>(out->untyped_data());
   // this member's rows, in the order it reads them
   std::vector<int64_t> mine(order.begin() + rank * per, order.begin() + (rank + 1) * per);
-  return Rendezvous(op, run.run_id, site->serial, group, rank, size,
-                    x.untyped_data(), n * 4, timeout_ms,
+  return Rendezvous(op, run.run_id, site->serial, group, rank, size, x.untyped_data(), n * 4,
+                    timeout_ms,
                     [o, len, mine = std::move(mine)](const std::vector<const void*>& inputs) {
                       std::vector<const float*> rows(inputs.size());
                       for (size_t k = 0; k < mine.size(); ++k) {
@@ -297,10 +296,9 @@ ffi::Future LocalReduceScatterImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
 
 // ``order``: the result is order.size() rows, member j's input being rows j * R .. j * R + R - 1
 // of the members' concatenation; result row i is row order[i] of it (identity: 0, 1, ...).
-ffi::Future LocalAllGatherImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
-                               AnyBuffer member,
-                               Result<AnyBuffer> out, int64_t size,
-                               int64_t timeout_ms, ffi::Span<const int64_t> order) {
+ffi::Future LocalAllGatherImpl(ffi::RunId run, CallSite* site, AnyBuffer x, AnyBuffer member,
+                               Result<AnyBuffer> out, int64_t size, int64_t timeout_ms,
+                               ffi::Span<const int64_t> order) {
   constexpr std::string_view op = "jaxring_local_all_gather";
   const int64_t width = ffi::ByteWidth(x.element_type());
   const int64_t bytes = static_cast<int64_t>(x.element_count()) * width;
@@ -317,8 +315,8 @@ ffi::Future LocalAllGatherImpl(ffi::RunId run, CallSite* site, AnyBuffer x,
   const int64_t rank = ids[0], group = ids[1];
   char* o = reinterpret_cast<char*>(out->untyped_data());
   const bool stream = size * bytes >= cpu::kStreamMinBytes;
-  return Rendezvous(op, run.run_id, site->serial, group, rank, size,
-                    x.untyped_data(), bytes, timeout_ms,
+  return Rendezvous(op, run.run_id, site->serial, group, rank, size, x.untyped_data(), bytes,
+                    timeout_ms,
                     [o, per, row, stream, order = std::vector<int64_t>(order.begin(), order.end())](
                         const std::vector<const void*>& inputs) {
                       for (size_t i = 0; i < order.size(); ++i) {
@@ -379,8 +377,8 @@ ffi::Future LocalAllGatherDecodeImpl(ffi::RunId run, CallSite* site, AnyBuffer x
       Encoded{x.untyped_data(), reinterpret_cast<const float*>(scales.untyped_data())});
   float* o = reinterpret_cast<float*>(out->untyped_data());
   const bool stream = size * n * 4 >= cpu::kStreamMinBytes;
-  return Rendezvous(op, run.run_id, site->serial, group, rank, size,
-                    mine.get(), n * width, timeout_ms,
+  return Rendezvous(op, run.run_id, site->serial, group, rank, size, mine.get(), n * width,
+                    timeout_ms,
                     [mine, o, len, per, int8, wire, width, block_size, stream,
                      order = std::vector<int64_t>(order.begin(), order.end())](
                         const std::vector<const void*>& inputs) {

@@ -129,15 +129,19 @@ def unpaged(calls: Sequence[Callable], counts: Sequence[int], before: Callable[[
   return kept
 
 
+def call_seconds(call: Callable, n: int) -> list[float]:
+  """Makes ``n`` calls of ``call`` in a row; returns the seconds of each."""
+  seconds = []
+  for _ in range(max(0, n)):
+    t = time.perf_counter()
+    call()
+    seconds.append(time.perf_counter() - t)
+  return seconds
+
+
 def warm_up(calls: Sequence[Callable], n: int) -> list[float]:
   """Makes ``n`` calls of each of ``calls``, one after another; returns each one's mean seconds."""
-  warm = []
-  for call in calls:
-    t = time.perf_counter()
-    for _ in range(n):
-      call()
-    warm.append((time.perf_counter() - t) / max(n, 1))
-  return warm
+  return [sum(call_seconds(call, n)) / max(n, 1) for call in calls]
 
 
 def confirm(first: np.ndarray, groups: Sequence[str], retime,

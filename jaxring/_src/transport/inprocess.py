@@ -5,12 +5,13 @@ The devices of one process share its memory. A level whose members all live in t
 and all-gathers with the ``jaxring_local_*`` custom calls (xla_ext/cpu_inprocess.cc): each device's
 instance rendezvouses with its group under (execution, call site, group), the call site being the
 custom-call instruction (a jitted function called twice in one program meets twice), reads the
-others' buffers directly and completes once every member has finished reading. XLA:CPU would otherwise run these
-steps of a multi-process program over gloo's loopback TCP. A member that arrives before the others
-completes asynchronously (its call returns a pending ``ffi::Future``): XLA's executor goes on with
-the device's other ready operations, so devices that reach independent collectives in different
-orders do not wait for each other in the wrong one. A member that does not arrive within
-``JAXRING_INPROCESS_TIMEOUT`` seconds (default 60) is named in the error.
+others' buffers directly and completes once every member has finished reading. XLA:CPU would
+otherwise run these steps of a multi-process program over gloo's loopback TCP. A member that
+arrives before the others completes asynchronously (its call returns a pending ``ffi::Future``):
+XLA's executor goes on with the device's other ready operations, so devices that reach
+independent collectives in different orders do not wait for each other in the wrong one. A
+member that does not arrive within ``JAXRING_INPROCESS_TIMEOUT`` seconds (default 60) is named
+in the error.
 """
 from __future__ import annotations
 

@@ -6,10 +6,10 @@
 level, and ``auto`` (also with ``check_vma=False``) after ``jaxring.calibrate`` has measured the
 plans in this job (its time and the plan ``auto`` chose are reported).
 ``--mode mpi``: one MPI rank per device (``--transport mpi``); times ``MPI_Allreduce`` (mpi4py,
-numpy buffers), then jaxring's hierarchical and ring all-reduces over the MPI transport (mpi4jax) with each
-codec of ``--codecs`` on the node level (its error against MPICH's result), then each codec's
-inter-node step alone (the node-level ring on the shard left by the local reduce-scatter), and
-``auto`` after calibrating over the MPI transport.
+numpy buffers), then jaxring's hierarchical and ring all-reduces over the MPI transport
+(mpi4jax) with each codec of ``--codecs`` on the node level (its error against MPICH's result),
+then each codec's inter-node step alone (the node-level ring on the shard left by the local
+reduce-scatter), and ``auto`` after calibrating over the MPI transport.
 
 Each contender: ``--warmup`` calls; then ``--reps`` rounds, each timing every contender in turn,
 a quick one several times, its calls spread among the others' (:func:`time_rounds`: load from
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from jaxring._src.timing import spread
+from jaxring._src.timing import call_seconds, spread
 from jaxring._src.tools.bench import common
 
 MARK = "JRB "
@@ -116,7 +116,7 @@ def run_jax(args) -> int:
       rel_err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
       del y, got
       call = lambda f=f: jax.block_until_ready(f(x))   # noqa: E731
-      warm[label] = warm_up(call, args.warmup - 1)
+      warm[label] = call_seconds(call, args.warmup - 1)   # in no row
       ready.append((label, call, dict(first_call_s=compile_s, head=first, rel_err=rel_err,
                                       plan=plans.get(label))))
     except Exception as exc:  # noqa: BLE001 - report, then stop: the others would wait for us
@@ -200,16 +200,6 @@ def round_order(n: int, r: int) -> list[int]:
   return random.Random(r).sample(range(n), n)
 
 
-def warm_up(call, n: int) -> list[float]:
-  """Makes ``n`` untimed calls of ``call`` (not in any row) and returns their seconds."""
-  seconds = []
-  for _ in range(max(0, n)):
-    t = time.perf_counter()
-    call()
-    seconds.append(time.perf_counter() - t)
-  return seconds
-
-
 def time_rounds(ready, args, barrier, iface, agree=None, warm=None):
   """Times every contender once per round, ``--reps`` rounds, so that all of them see the same
   machine: load that comes and goes (the 2 cores are shared) spreads over every contender instead
@@ -273,7 +263,7 @@ def run_mpi(args) -> int:
 def _time_mpi(ready, args, comm, iface, node) -> None:
   """Times the contenders ``(label, call, extra)`` in rounds (:func:`time_rounds`); one rank per
   node reports its node's link bytes."""
-  warm = {label: warm_up(call, args.warmup) for label, call, _ in ready}
+  warm = {label: call_seconds(call, args.warmup) for label, call, _ in ready}   # in no row
   # the Barriers between calls add a few hundred bytes; negligible next to 32 MiB
   agree = lambda values: np.max(comm.allgather(np.asarray(values)), axis=0)   # noqa: E731
   for label, times, tx, extra in time_rounds(ready, args, lambda name: comm.Barrier(), iface,
