@@ -27,6 +27,7 @@ LAYERS = {
     "ext": 1,             # the native kernels and their references
     "topology": 1,
     "vma": 0,
+    "native": 0,          # lax's own collectives, whatever jax.lax holds later
     "cache": 0,           # where measured profiles and kernel choices are kept
     "timing": 0,          # calls timed side by side, and their order (calibrate, benchmarks)
 }

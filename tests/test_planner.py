@@ -61,9 +61,10 @@ def test_without_a_profile_auto_keeps_the_native_collective_even_across_unlike_l
 
 
 def _profile(axes, sizes, lines, codecs=None):
-  """A profile with one line (alpha, beta) per algorithm, keyed as the planner keys them."""
+  """A profile with one line (alpha, beta) per algorithm, keyed as the planner keys them (over
+  the mesh :func:`_plan` makes)."""
   from jaxring._src.algorithms import planner
-  groups, _, _ = planner.levels_for(tuple(axes), tuple(sizes))
+  groups, _, _ = planner.levels_for(tuple(axes), tuple(sizes), mesh_names=tuple(axes))
   key = planner.codec_key([planner.codec_for(codecs, g.name, jnp.float32) for g in groups])
   return cost_model.Profile(
       cost_model.profile_key(axes, sizes, "xla", 1, "cpu"),
@@ -128,7 +129,8 @@ def test_auto_with_lossy_codec_never_picks_native():
 
 def test_cross_process_levels_never_use_native_reduce_scatter():
   # lax.psum_scatter over gloo returned corrupt results across processes (ENVIRONMENT.md)
-  plan = _plan(("node", "local"), (2, 4), 1 << 20, algorithm="hierarchical", mp=True)
+  topo = jaxring.Topology((LOCAL, NODE))   # a local level of devices in several processes
+  plan = _plan(("node", "local"), (2, 4), 1 << 20, algorithm="hierarchical", mp=True, topo=topo)
   assert plan.algos == ("ring", "xla")
 
 
@@ -244,7 +246,10 @@ def test_calibrate_measures_every_candidate_and_auto_then_follows_it(tmp_path, m
       ("hierarchical", int8)}
   assert all(len(f.seconds) == 2 and min(f.seconds) > 0 and f.beta >= 0 for f in prof.fits)
   assert json.loads(cost_model.profile_path(prof.key).read_text())["key"]["axes"] == [
-      "node", "local"]
+      "local", "node"]   # sorted: the same axes in any order run the same plans
+  from jaxring._src.algorithms.planner import find_profile_for
+  assert find_profile_for(("local", "node"), (4, 2)) == prof == find_profile_for(
+      ("node", "local"), (2, 4))
   # the next call reuses the cached profile; auto picks the fitted minimum, and the result is
   # lax.psum's whatever it picked
   assert jaxring.calibrate(mesh, sizes=(1 << 10, 2 << 10)) == prof

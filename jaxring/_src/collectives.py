@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxring._src import vma
+from jaxring._src import native, vma
 from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import Codec
@@ -142,15 +142,15 @@ def _psum(x, axis_name, axis_index_groups, algorithm, compression, op: str):
   validate_algorithm(algorithm)
   validate_compression(compression)
   if _positional(axis_name):  # lax sums over the array dimensions an int names
-    return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
+    return native.psum(x, axis_name, axis_index_groups=axis_index_groups)
   axes = _axes(axis_name, op)
   if not axes:
     return x
   if axis_index_groups is not None:
     _check_groups(algorithm, compression, op, axes)
-    return lax.psum(x, axis_name, axis_index_groups=axis_index_groups)
+    return native.psum(x, axis_name, axis_index_groups=axis_index_groups)
   if _lax_only(axes, x, op):
-    return lax.psum(x, axis_name)
+    return native.psum(x, axis_name)
   leaves, treedef = _prep(x)
   out = engine.all_reduce(leaves, engine.bind(axes, op), algorithm, compression)
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -172,7 +172,7 @@ def pmean(x, axis_name: AxisName, *, axis_index_groups=None, algorithm="auto", c
     Array([3.5], dtype=float32)
   """
   if _positional(axis_name):
-    return lax.pmean(x, axis_name, axis_index_groups=axis_index_groups)
+    return native.pmean(x, axis_name, axis_index_groups=axis_index_groups)
   s = _psum(x, axis_name, axis_index_groups, algorithm, compression, "pmean")
   n = _group_size(_axes(axis_name, "pmean"), axis_index_groups)
   return jax.tree_util.tree_map(lambda v: v / n, s)
@@ -219,8 +219,8 @@ def psum_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0, axis_ind
   for leaf in jax.tree_util.tree_leaves(x):   # lax itself only fails with an IndexError
     _canon_dim(scatter_dimension, np.ndim(leaf), "scatter_dimension")
   if _native_only("psum_scatter", axes, algorithm, compression, axis_index_groups, x):
-    return lax.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
-                            axis_index_groups=axis_index_groups, tiled=tiled)
+    return native.psum_scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                               axis_index_groups=axis_index_groups, tiled=tiled)
   binding = engine.bind(axes, "psum_scatter")
   p = binding.size
   leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -267,10 +267,11 @@ def all_gather(x, axis_name: AxisName, *, axis_index_groups=None, axis: int = 0,
     if is_lossy(compression):
       raise ValueError(f"jaxring.all_gather: to={to!r} is lax's own all-gather, which cannot "
                        "compress; use to='varying' (the default) with compression")
-    return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
-                          tiled=tiled, to=to)
+    return native.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
+                             tiled=tiled, to=to)
   if _native_only("all_gather", axes, algorithm, compression, axis_index_groups, x):
-    return lax.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled)
+    return native.all_gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis,
+                             tiled=tiled)
   binding = engine.bind(axes, "all_gather")
   leaves, treedef = jax.tree_util.tree_flatten(x)
   out = []

@@ -179,14 +179,34 @@ class Profile:
 
 def profile_key(axes, sizes, transport: str, processes: int, platform: str) -> dict:
   """What a profile is valid for: the axes and their sizes, transport, processes, platform,
-  jaxring's version."""
+  jaxring's version.
+
+  The axes are sorted by name: every plan orders several axes by their levels, not by the order
+  the caller wrote (jaxring._src.algorithms.planner.level_order), so ``("local", "node")`` and
+  ``("node", "local")`` run the same plans and share one profile.
+
+  Example:
+    >>> profile_key(("local", "node"), (2, 4), "xla", 4, "cpu")["axes"]
+    ['local', 'node']
+  """
   try:
     version = importlib.metadata.version("jaxring")
   except importlib.metadata.PackageNotFoundError:
     version = "unknown"
-  return {"axes": [str(a) for a in axes], "sizes": [int(s) for s in sizes],
+  pairs = sorted(zip((str(a) for a in axes), (int(s) for s in sizes)))
+  return {"axes": [a for a, _ in pairs], "sizes": [s for _, s in pairs],
           "transport": transport, "processes": int(processes), "platform": platform,
           "jaxring": version}
+
+
+def _comparable(key: dict) -> dict:
+  """``key`` without jaxring's version, its axes sorted (a profile written in the caller's order
+  is found for the axes in any order)."""
+  out = {k: v for k, v in key.items() if k != "jaxring"}
+  if "axes" in out and "sizes" in out:
+    pairs = sorted(zip(map(str, out["axes"]), map(int, out["sizes"])))
+    out["axes"], out["sizes"] = [a for a, _ in pairs], [s for _, s in pairs]
+  return out
 
 
 def cache_dir() -> pathlib.Path:
@@ -243,6 +263,4 @@ def find_profile(key: dict) -> Profile | None:
     profile = _read_profile(env or str(profile_path(key)))
   if profile is None:
     return None
-  mine = {k: v for k, v in profile.key.items() if k != "jaxring"}
-  want = {k: v for k, v in key.items() if k != "jaxring"}
-  return profile if mine == want else None
+  return profile if _comparable(profile.key) == _comparable(key) else None

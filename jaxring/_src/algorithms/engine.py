@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring._src import native
 from jaxring._src.algorithms import base, linear
 from jaxring._src.algorithms.base import Plan
-from jaxring._src.algorithms.planner import make_plan
+from jaxring._src.algorithms.planner import make_plan, native_axes
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.transport import fingerprint
 from jaxring._src.transport.binding import bind as bind
@@ -65,9 +66,10 @@ def _is_traced(leaf) -> bool:
 
 
 def _native_all_reduce(x, axes: tuple, plan: Plan):
-  """The transport's own all-reduce over every member (``lax.psum`` over mesh axes)."""
+  """The transport's own all-reduce over every member (``lax.psum`` over mesh axes, named
+  slowest level first: :func:`~jaxring._src.algorithms.planner.native_axes`)."""
   if plan.whole is None:
-    return lax.psum(x, axis_arg(axes))
+    return native.psum(x, axis_arg(native_axes(axes, plan)))
   return plan.transport.all_reduce(x, plan.whole)
 
 
@@ -119,7 +121,7 @@ def _all_reduce_planned(flat, dtype, binding, plan: Plan, want_error: bool, segm
     covered = {a for g in plan.groups for a in g.axes}
     trivial = tuple(a for a in axes if a not in covered)
     if trivial:  # size-1 axes: a no-op all-reduce, but it types the result invariant over them
-      out = lax.psum(out, trivial)
+      out = native.psum(out, trivial)
   return out, (None if err is None else err[:n])
 
 
@@ -184,7 +186,7 @@ def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
     if binding.size > 1 and np.size(leaf) > 0 and (_is_traced(leaf) or not binding.lax_bound):
       by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
     elif binding.lax_bound:
-      out[i] = lax.psum(leaf, axis_arg(binding.axes))  # constants: size * x, as lax folds them
+      out[i] = native.psum(leaf, axis_arg(binding.axes))  # constants: size * x, as lax folds them
   for dtype, idxs in by_dtype.items():
     nbytes = sum(np.size(leaves[i]) for i in idxs) * dtype.itemsize
     plan = plan_for(binding, nbytes, dtype, algorithm, compression)
@@ -201,7 +203,8 @@ def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
     reduce = lambda v, plan=plan, dtype=dtype, sizes=sizes: _all_reduce_planned(
         v, dtype, binding, plan, False, sizes)[0]
     if binding.lax_bound and linear.differentiable(dtype):
-      reduce = linear.psum(reduce, binding.axes)  # over MPI the inputs carry no tangents
+      # the tangents' native all-reduce in the plan's order; over MPI they carry none
+      reduce = linear.psum(reduce, native_axes(binding.axes, plan))
     total = reduce(flat)
     offset = 0
     for i in idxs:
@@ -231,7 +234,7 @@ def reduce_scatter(leaf, d: int, tiled: bool, binding, algorithm, compression):
     block = _reduce_scatter_leaf(lax.stop_gradient(leaf), d, tiled, p, dtype, plan)
     return linear.not_differentiable("psum_scatter")(leaf, lax.stop_gradient(block))
   if plan.kind == "xla" or p == 1 or np.size(leaf) == 0:
-    return lax.psum_scatter(leaf, axis_arg(binding.axes), scatter_dimension=d, tiled=tiled)
+    return native.psum_scatter(leaf, axis_arg(binding.axes), scatter_dimension=d, tiled=tiled)
   scatter = functools.partial(_reduce_scatter_leaf, d=d, tiled=tiled, p=p, dtype=dtype, plan=plan)
   if linear.differentiable(dtype):
     scatter = linear.psum_scatter(scatter, binding.axes, d, tiled)
@@ -256,7 +259,7 @@ def all_gather(leaf, ax: int, tiled: bool, binding, algorithm, compression):
       gathered = _all_gather_leaf(held, ax, tiled, p, dtype, plan)
     return linear.not_differentiable("all_gather")(leaf, lax.stop_gradient(gathered))
   if plan.kind == "xla" or p == 1 or leaf.size == 0:
-    return lax.all_gather(leaf, axis_arg(binding.axes), axis=ax, tiled=tiled)
+    return native.all_gather(leaf, axis_arg(binding.axes), axis=ax, tiled=tiled)
   gather = functools.partial(_all_gather_leaf, ax=ax, tiled=tiled, p=p, dtype=dtype, plan=plan)
   if linear.differentiable(dtype):
     gather = linear.all_gather(gather, binding.axes, ax, tiled)
@@ -282,7 +285,7 @@ def reduce_scatter_flat(flat, dtype, binding, algorithm, compression, *, want_er
                               algorithm, compression)
   flat = _fingerprint("psum_scatter", binding, flat.shape, dtype, algorithm, plan)(flat)
   if plan.kind == "xla" or p == 1:
-    return lax.psum_scatter(flat, axis_arg(binding.axes), scatter_dimension=0, tiled=True), None
+    return native.psum_scatter(flat, axis_arg(binding.axes), scatter_dimension=0, tiled=True), None
   return _reduce_scatter_rows(flat.reshape(p, -1), p, dtype, plan, want_error)
 
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from jaxring._src import native
 from jaxring._src.transport.groups import axis_arg
 
 
@@ -59,19 +59,19 @@ def differentiable(dtype) -> bool:
 
 def psum(forward: Callable, axes: tuple) -> Callable:
   """``forward`` (an all-reduce of one flat array over ``axes``) with ``lax.psum``'s derivative."""
-  return straight_through(forward, lambda t: lax.psum(t, axis_arg(axes)))
+  return straight_through(forward, lambda t: native.psum(t, axis_arg(axes)))
 
 
 def psum_scatter(forward: Callable, axes: tuple, scatter_dimension: int, tiled: bool) -> Callable:
   """``forward`` (a reduce-scatter of one leaf) with ``lax.psum_scatter``'s derivative."""
-  return straight_through(forward, lambda t: lax.psum_scatter(
+  return straight_through(forward, lambda t: native.psum_scatter(
       t, axis_arg(axes), scatter_dimension=scatter_dimension, tiled=tiled))
 
 
 def all_gather(forward: Callable, axes: tuple, axis: int, tiled: bool) -> Callable:
   """``forward`` (an all-gather of one leaf) with ``lax.all_gather``'s derivative."""
-  return straight_through(forward, lambda t: lax.all_gather(t, axis_arg(axes), axis=axis,
-                                                            tiled=tiled))
+  return straight_through(forward, lambda t: native.all_gather(t, axis_arg(axes), axis=axis,
+                                                               tiled=tiled))
 
 
 # --- over an MPI-bound axis ----------------------------------------------------------------------

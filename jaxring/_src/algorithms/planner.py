@@ -19,6 +19,7 @@ from jaxring._src import topology as topo_mod
 from jaxring._src.algorithms import base
 from jaxring._src.algorithms.base import Plan, PlanRequest
 from jaxring._src.codecs.base import Codec, accum_dtype, for_dtype
+from jaxring._src.transport.binding import mesh_axis_names
 from jaxring._src.transport.groups import (
   Group,
   Hierarchy,
@@ -60,20 +61,57 @@ def _level_params(names: tuple[str, ...], sizes: tuple[int, ...]) -> list[topo_m
   return out
 
 
-def levels_for(axes: tuple, sizes: tuple[int, ...], order: tuple | None = None):
+def level_order(axes: tuple, mesh_names: tuple | None = None) -> tuple:
+  """Several axes as levels, fast -> slow, whatever order the caller named them in.
+
+  The default topology's order where it names every axis (``local``, ``node``); else the mesh's
+  (``mesh_names``, default the mesh in context), its last (innermost) axis the fastest, as
+  ``jax.make_mesh`` lays a process's devices out along it; else (no mesh) the order given.
+
+  Example:
+    >>> level_order(("node", "local"))  # two processes: the topology's order  # doctest: +SKIP
+    ('local', 'node')
+  """
+  names = tuple(axes)
+  topo_names = topo_mod.default_topology().names
+  if set(names) <= set(topo_names):
+    return tuple(n for n in topo_names if n in names)
+  mesh_names = mesh_axis_names() if mesh_names is None else tuple(mesh_names)
+  if set(names) <= set(mesh_names):
+    return tuple(n for n in reversed(mesh_names) if n in names)
+  return names
+
+
+def native_axes(axes: tuple, plan: Plan) -> tuple:
+  """The axes in the order the native all-reduce of ``plan`` names them: the slowest level
+  outermost (first), as ``lax.psum(x, ("node", "local"))`` over a mesh laid out node by node.
+
+  The native collective's replica group lists the members in the order of the names (the first
+  most significant); gloo's and NCCL's rings follow that list, so a fast level named first sends
+  every hop across the slow links: ``lax.psum(g, ("local", "node"))`` took 2.0x the time of
+  ``("node", "local")`` on the emulated cluster (docs/design.md, "Native axis order"). The sum is
+  the same on every member whatever the order; only its rounding may differ from lax's for the
+  order the caller wrote.
+
+  Example:
+    >>> native_axes(("local", "node"), plan)  # doctest: +SKIP
+    ('node', 'local')
+  """
+  ordered = [a for g in reversed(plan.groups) for a in g.axes]
+  ordered = list(dict.fromkeys(ordered)) + [a for a in axes if a not in ordered]
+  return tuple(ordered) if set(ordered) == set(axes) else tuple(axes)
+
+
+def levels_for(axes: tuple, sizes: tuple[int, ...], order: tuple | None = None, *,
+               mesh_names: tuple | None = None):
   """Groups and per-level parameters of the hierarchy the axes span, fast -> slow.
 
-  Several axes: one level per axis, in ``order`` if given (a per-level dict's key order), else the
-  default topology's order when it names the axes, else the order given (fast -> slow).
-  One axis: factorized by the default topology when its size matches and it has several levels.
+  Several axes: one level per axis, in ``order`` if given (a per-level dict's key order), else
+  :func:`level_order`'s (``mesh_names``: the mesh's axes, default the mesh in context). One axis:
+  factorized by the default topology when its size matches and it has several levels.
   """
   if len(axes) > 1:
-    names = tuple(axes)
-    topo_names = topo_mod.default_topology().names
-    if order is not None:
-      names = tuple(order)
-    elif set(names) <= set(topo_names):
-      names = tuple(n for n in topo_names if n in names)
+    names = tuple(order) if order is not None else level_order(axes, mesh_names)
     size_of = dict(zip(axes, sizes))
     # linear index over `axes` as given: row-major, the first axis most significant
     weight = {a: math.prod(sizes[i + 1:]) for i, a in enumerate(axes)}
@@ -136,12 +174,12 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
     if lossy:
       raise ValueError("algorithm='xla' is the native collective and cannot compress; use "
                        "algorithm='ring', 'hierarchical' or 'auto' with compression")
-    return Plan("xla", transport=transport)
+    return Plan("xla", tuple(groups), transport=transport)
   if kind == "auto":
     kind = choose(nbytes, len(groups), codecs, lossy,
                   find_profile_for(axes, sizes, transport.name), dtype)
   if kind == "xla":
-    return Plan("xla", transport=transport)
+    return Plan("xla", tuple(groups), transport=transport)
   request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
                         tuple(codecs), whole, transport, algorithm, multi_process, dtype)
   return base.get(kind).plan(request)

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxring._src.algorithms.base import Plan, PlanRequest, permute_flat, register
 from jaxring._src.codecs.base import Codec
+from jaxring._src.transport.binding import mesh_axis_names
 from jaxring._src.transport.groups import Group, whole_group
 
 
@@ -176,10 +176,7 @@ def all_reduce_payload(flat, group: Group, codec: Codec, dtype, transport, *, wa
 
 def _mesh_order(axes: tuple, sizes: tuple) -> tuple[tuple, tuple[int, ...] | None]:
   """The axes in mesh order, and the lax-numbered member at each ring position (None: same)."""
-  try:
-    mesh_names = tuple(jax.sharding.get_abstract_mesh().axis_names)
-  except Exception:  # noqa: BLE001 - no mesh in context (pmap): keep the caller's order
-    mesh_names = ()
+  mesh_names = mesh_axis_names()
   if not set(axes) <= set(mesh_names):
     return axes, None
   ordered = tuple(a for a in mesh_names if a in axes)

@@ -25,7 +25,7 @@ class MeshTarget:
   def __init__(self, mesh, axes):
     self.mesh, self.axes = mesh, axes
     self.sizes = tuple(mesh.shape[a] for a in axes)
-    self.groups = tuple(planner.levels_for(axes, self.sizes)[0])
+    self.groups = tuple(planner.levels_for(axes, self.sizes, mesh_names=mesh.axis_names)[0])
     self.transport = "xla"
 
   def program(self, algorithm, comp):

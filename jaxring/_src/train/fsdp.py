@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring._src import native
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
@@ -73,16 +74,17 @@ def gather_leaves(blocks: Sequence, dims: Sequence[int], shapes: Sequence, axes:
     local, outer = _hpz_levels(axes)
   if not is_lossy(compression):
     if hpz:  # the node's piece (kept for the backward pass), then the leaf (dropped)
-      return [lax.all_gather(lax.all_gather(b, axis_arg(outer), axis=d, tiled=True), local,
-                             axis=d, tiled=True) for b, d in zip(blocks, dims)]
-    return [lax.all_gather(b, axis_arg(axes), axis=d, tiled=True) for b, d in zip(blocks, dims)]
+      return [native.all_gather(native.all_gather(b, axis_arg(outer), axis=d, tiled=True),
+                                local, axis=d, tiled=True) for b, d in zip(blocks, dims)]
+    return [native.all_gather(b, axis_arg(axes), axis=d, tiled=True)
+            for b, d in zip(blocks, dims)]
   p = engine.bind(axes, "all_gather").size
   dtype = jnp.result_type(*blocks)
   flat = jnp.concatenate([jnp.ravel(b).astype(dtype) for b in blocks])
   if hpz:  # the codec on the outer level only; within the node the decoded values, exactly
     piece = engine.all_gather(flat, 0, True, engine.bind(outer, "all_gather"), algorithm,
                               compression)
-    gathered = lax.all_gather(piece, local, axis=0, tiled=True)
+    gathered = native.all_gather(piece, local, axis=0, tiled=True)
   else:
     gathered = engine.all_gather(flat, 0, True, engine.bind(axes, "all_gather"), algorithm,
                                  compression)

@@ -38,6 +38,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxring._src import native
 from jaxring._src.train.context import current_context
 from jaxring._src.train.sharding import dim_list, full_shape, local_block
 
@@ -89,12 +90,12 @@ class _Evaluator:
 
   def whole(self, v: _Value):
     if v.partial:   # the sum over the replicas, taken once
-      v.x, v.partial = lax.psum(v.x, self.axes), False
+      v.x, v.partial = native.psum(v.x, self.axes), False
     if v.make is not None:
       return v.make(None)
     if v.dim is None:
       return v.x
-    return lax.all_gather(v.x, self.axes, axis=v.dim, tiled=True)
+    return native.all_gather(v.x, self.axes, axis=v.dim, tiled=True)
 
   def block(self, v: _Value, dim: int):
     if v.make is not None:

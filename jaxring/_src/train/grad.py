@@ -22,8 +22,8 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
+from jaxring._src import native
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.error_feedback import next_residual
@@ -75,7 +75,7 @@ def replica_mean(tree, axis_name):
   for i, x in enumerate(leaves):
     by_dtype.setdefault(x.dtype, []).append(i)
   for idxs in by_dtype.values():
-    mean = lax.pmean(jnp.concatenate([leaves[i].ravel() for i in idxs]), axis_name)
+    mean = native.pmean(jnp.concatenate([leaves[i].ravel() for i in idxs]), axis_name)
     for i, x in zip(idxs, _split(mean, [leaves[i] for i in idxs])):
       out[i] = x
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -324,7 +324,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     ctx.new_residuals = jax.tree_util.tree_unflatten(treedef, list(g_res))
   if check:
     local = sum(g_flags) if g_flags else jnp.zeros((), jnp.float32)
-    ctx.finite = lax.psum(local, cfg.axis_name) == 0
+    ctx.finite = native.psum(local, cfg.axis_name) == 0
   grads = jax.tree_util.tree_unflatten(treedef, list(g_leaves))
   if shard is not None:
     ctx.note_split(g_leaves, shard.dims)

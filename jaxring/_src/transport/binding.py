@@ -49,7 +49,7 @@ class MeshAxes:
     del op
 
 
-def _mesh_axis_names() -> tuple:
+def mesh_axis_names() -> tuple:
   """The axes of the mesh in context (shard_map's, or pmap's axis); vmap adds none."""
   try:
     return tuple(jax.sharding.get_abstract_mesh().axis_names)
@@ -75,7 +75,7 @@ def bind(axes: tuple, op: str) -> MeshAxes | mpi_axis.MpiAxis:
       unbound = a
       break
   else:
-    return MeshAxes(axes, tuple(sizes), batched=not set(axes) <= set(_mesh_axis_names()))
+    return MeshAxes(axes, tuple(sizes), batched=not set(axes) <= set(mesh_axis_names()))
   mpi = mpi_axis.lookup(axes)
   if mpi is not None:
     return mpi

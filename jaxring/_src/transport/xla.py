@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring._src import vma
+from jaxring._src import native, vma
 from jaxring._src.transport.groups import Group, axis_arg
 from jaxring._src.transport.packing import pack, unpack
 
@@ -74,15 +74,15 @@ class XlaTransport:
   def _gather(w, group: Group):
     if vma.is_varying(w, group.axes):
       return vma.all_gather_invariant(w, axis_arg(group.axes), tiled=True)
-    return lax.all_gather(w, axis_arg(group.axes), tiled=True)
+    return native.all_gather(w, axis_arg(group.axes), tiled=True)
 
   def all_reduce(self, x, group: Group):
     """Native all-reduce (``lax.psum``) over a whole group's axes."""
-    return lax.psum(x, axis_arg(group.axes))
+    return native.psum(x, axis_arg(group.axes))
 
   def reduce_scatter(self, x, group: Group):
     """Native reduce-scatter (``lax.psum_scatter``, tiled) over a whole group's axes."""
-    return lax.psum_scatter(x, axis_arg(group.axes), tiled=True)
+    return native.psum_scatter(x, axis_arg(group.axes), tiled=True)
 
 
 XLA = XlaTransport()

@@ -11,6 +11,10 @@ All contenders run in one invocation, on the same shaped links, one after the ot
 * ``jaxring hierarchical <codec> (MPI transport)``: the same, one MPI rank per device, the ring
   over mpi4jax (``jaxring.distributed.bind_mpi_axis``);
 * ``jaxring ring <codec>``: one flat ring over all devices, in both shapes;
+* ``gloo lax.psum (local, node)`` and ``jaxring default none (local, node), no profile``: the axes
+  in the README's order (levels fast -> slow), lax's and jaxring's default (``auto``) with no
+  calibrated profile, as on a fresh install; the MPI shape's ``jaxring default`` row likewise.
+  Their ratio to the faster of the shape's baselines is the "never slower than lax" check;
 * ``jaxring auto <codec>``: after ``jaxring.calibrate`` in the same job, with the plan it chose,
   its time against the best contender it could have been (with a 90% bootstrap interval of that
   ratio over the two rows' calls: ``common.median_ratio_interval``), and the chosen plan's own
@@ -233,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if "ms" in r:
       r["vs_best_baseline"] = r["ms"] / min(base) if base else None
       r["vs_t_min"] = r["ms"] / r["t_min_ms"] if r["t_min_ms"] else None
+      if " default " in r["contender"]:   # the fresh install's call against the job's own baseline
+        own = [o["ms"] for o in base_rows if o["job"] == r["job"]]
+        r["default_vs_native"] = r["ms"] / min(own) if own else None
       # auto against every contender it could have been: the baselines when lossless, and every
       # jaxring plan of the same codec, in either check_vma mode (they compile the same program)
       if " auto " in r["contender"]:
@@ -259,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
       ("contender", "contender", ""), ("ms", "median ms", ".1f"), ("algbw", "algbw GB/s", ".3f"),
       ("tx_mib", "MiB/node link/call", ".2f"), ("wire_ratio", "wire", ".3f"),
       ("t_min_ms", "T_min ms", ".1f"), ("vs_t_min", "T/T_min", ".2f"),
-      ("vs_best_baseline", "vs best(gloo,MPI)", ".3f"), ("plan", "auto chose", ""),
+      ("vs_best_baseline", "vs best(gloo,MPI)", ".3f"),
+      ("default_vs_native", "default vs its shape's best", ".3f"), ("plan", "auto chose", ""),
       ("auto_vs_best", "auto vs best", ".3f"), ("auto_vs_best_90_text", "its 90% interval", ""),
       ("choice_vs_best", "its plan's row vs best", ".3f"),
       ("rel_err", "rel err", ".1e")])

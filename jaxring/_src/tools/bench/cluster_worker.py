@@ -47,6 +47,22 @@ def emit(**rec) -> None:
   sys.stdout.flush()
 
 
+#: The axes as the README writes them (levels fast -> slow): the order in which lax's replica
+#: group crosses a node link at every hop. Rows with it time what a user gets without a profile.
+README_AXES = ("local", "node")
+README_LABEL = "(local, node)"
+
+
+def uncalibrated(body):
+  """``body`` traced as on a fresh install: no calibrated profile for ``auto`` to read."""
+  from jaxring._src import cost_model
+
+  def traced(v):
+    with cost_model.use_profile(None):
+      return body(v)
+  return traced
+
+
 def run_jax(args) -> int:
   import jaxring.distributed
   jaxring.distributed.initialize()
@@ -73,6 +89,10 @@ def run_jax(args) -> int:
     kind = kind.split("/")[0]
     if kind == "gloo":
       body = lambda v: jax.lax.psum(v, axes)
+    elif kind == "gloo-readme":
+      body = lambda v: jax.lax.psum(v, README_AXES)
+    elif kind == "default":
+      body = uncalibrated(lambda v: jaxring.psum(v, README_AXES))
     else:
       codec = jaxring.codecs.parse(codec_name)
       comp = None if codec is None else {"node": codec}
@@ -81,7 +101,9 @@ def run_jax(args) -> int:
                                  check_vma=check_vma))
 
   codecs = [c for c in args.codecs.split(",") if c]
-  contenders = [("gloo lax.psum", "gloo", "none")] + [
+  contenders = [("gloo lax.psum", "gloo", "none"),
+                 (f"gloo lax.psum {README_LABEL}", "gloo-readme", "none"),
+                 (f"jaxring default none {README_LABEL}, no profile", "default", "none")] + [
       (f"jaxring {a} {c}", a, c) for a in args.algorithms.split(",") for c in codecs]
   # check_vma=False (train_step's mode, and pmap's): the same program as check_vma=True since
   # the in-process gather types its result invariant; kept as a check that they time alike
@@ -303,17 +325,22 @@ def _jaxring_mpi(args, comm, send, ref) -> list:
       emit(calibration=True, node=0, seconds=time.perf_counter() - t0,
            profile=json.loads(profile.to_json()))
     plans = choices(profile, [send.nbytes], codecs)[send.nbytes]
-  runs = [(a, c) for a in args.algorithms.split(",") for c in codecs]
+  runs = [("default", "none")] + [(a, c) for a in args.algorithms.split(",") for c in codecs]
   runs += [("auto", c) for c in codecs if args.auto]
   ready = []
   for algorithm, codec_name in runs:
     codec = jaxring.codecs.parse(codec_name)
     comp = None if codec is None else {"node": codec}
-    f = jax.jit(lambda v, comp=comp, a=algorithm: jaxring.psum(v, "mpi", algorithm=a,
-                                                               compression=comp))
+    body = (lambda v, comp=comp, a=algorithm: jaxring.psum(v, "mpi", algorithm=a,
+                                                           compression=comp))
+    if algorithm == "default":   # the README's call on a fresh install (one axis name here)
+      body = uncalibrated(lambda v: jaxring.psum(v, "mpi"))
+    f = jax.jit(body)
     got = np.asarray(f(x), np.float64)  # every rank: the call is collective
     rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-    ready.append((f"jaxring {algorithm} {codec_name} (MPI transport)",
+    label = ("jaxring default none, no profile" if algorithm == "default" else
+             f"jaxring {algorithm} {codec_name}")
+    ready.append((f"{label} (MPI transport)",
                   lambda f=f: jax.block_until_ready(f(x)),
                   dict(head=got[:4].tolist(), rel_err=rel,
                        plan=plans.get(codec_name) if algorithm == "auto" else None)))
