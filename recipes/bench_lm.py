@@ -104,7 +104,7 @@ def main(argv=None) -> int:
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                           text=True).stdout.strip()
   now = datetime.datetime.now(datetime.timezone.utc)
-  out = os.path.join(root, "benchmarks", "results", f"lm-{now:%Y%m%d-%H%M%S}.json")
+  out = os.path.join(root, "benchmarks", "results", "lm.json")   # the current run (git keeps older)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   with open(out, "w") as f:
     json.dump({"command": "python -m recipes.bench_lm " + " ".join(argv), "date": now.isoformat(),

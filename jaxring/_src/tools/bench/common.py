@@ -107,9 +107,12 @@ def machine() -> dict:
 
 
 def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
+  """Writes ``payload`` to ``<out_dir>/<name>.json`` (default ``benchmarks/results``), replacing the
+  previous run of the same benchmark: the folder holds each command's current run, and git keeps
+  the earlier ones. A PNG beside it is ``<name>.png``. Returns the path."""
   out_dir = os.path.abspath(out_dir or RESULTS_DIR)
   os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+  path = os.path.join(out_dir, f"{name}.json")
   with open(path, "w") as f:
     json.dump(payload, f, indent=1, default=str)
   return path
@@ -263,7 +266,7 @@ def time_interleaved(contenders: dict, states: dict, batch, *, reps: int, steps:
   timed ones in every repetition: the first step after another contender's can pay for the
   switch, which training, one step after another, does not (on the emulated cluster the int8
   step right after the uncompressed one took 11-24% longer than the same step after its own
-  kind; cause not measured; ``benchmarks/scripts/overlap_penalty.py``). ``around(name)``, if
+  kind; cause not measured; docs/design.md, "Investigations"). ``around(name)``, if
   given, is a context manager entered around each contender's timed steps (a barrier, a byte
   counter); ``between()``, if given, runs after each repetition.
   """

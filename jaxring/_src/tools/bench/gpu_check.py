@@ -5,7 +5,7 @@ kernels registered for CUDA and matching their references on the card), ``pytest
 ``jaxring bench kernels`` (GB/s beside the card's device-to-device copy) and ``jaxring bench
 resnet50 --data synthetic --compare-norms`` in bf16 (images/s, jaxring's step beside a plain jit
 step, and the plain step with flax's BatchNorm). One JSON
-under ``benchmarks/results/gpu-check-<timestamp>.json`` holds every step's exit code, the tail of
+under ``benchmarks/results/gpu-check.json`` holds every step's exit code, the tail of
 its output and the results its benchmark wrote. The exit code is non-zero when a step failed.
 
 Example:
@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
@@ -51,9 +50,9 @@ def run_step(name: str, args: list[str], timeout: float, out_dir: str) -> dict:
     rc = "no GPU test ran (all skipped: is the GPU visible to JAX?)"
   record = {"command": " ".join(["python", *args]), "returncode": rc,
             "seconds": round(time.perf_counter() - t0, 1), "output_tail": output[-6000:]}
-  written = sorted(glob.glob(os.path.join(out_dir, f"{name}-*.json")))
-  if written:
-    with open(written[-1]) as f:
+  written = os.path.join(out_dir, f"{name}.json")
+  if os.path.exists(written):
+    with open(written) as f:
       record["result"] = json.load(f)
   print(f"== {name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {record['seconds']} s")
   print(output[-3000:])

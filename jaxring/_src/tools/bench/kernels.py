@@ -10,7 +10,7 @@ afresh, so the allocator matters: it is printed, and ``--glibc-heap`` stops glib
 page-faulting in) each large buffer. Above glibc's x86_non_temporal_threshold (192 MiB on the
 development machine) np.copyto switches to non-temporal stores and runs ~1.5x faster, while the
 kernels always use cached stores (their output is read again soon): compare ratios at 64 MiB.
-Results go to ``benchmarks/results/kernels-<timestamp>.json``.
+Results go to ``benchmarks/results/kernels.json``.
 
 Example:
     jaxring bench kernels --sizes 1 16 64 --repeats 7

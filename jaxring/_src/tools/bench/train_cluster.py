@@ -11,7 +11,7 @@ ResNet-18-style step as ``jaxring bench train`` (``jaxring._src.tools.bench.trai
 
 Contenders are interleaved repetition by repetition; each repetition times ``--steps`` steps of
 each, after ``--settle`` untimed ones (the first step after another contender's can pay for the
-switch: ``benchmarks/scripts/overlap_penalty.py``, docs/simulations.md).
+switch: docs/design.md, "Investigations").
 Reported: median ms/step, steps/s, images/s and the ratio to the uncompressed ``train_step``
 (median of per-repetition ratios), the bytes each node put on its link per step, and the step's
 computation alone (``common.ComputeShare``: each node's devices with no collective, sampled
