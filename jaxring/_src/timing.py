@@ -99,7 +99,7 @@ def unpaged(calls: Sequence[Callable], counts: Sequence[int], before: Callable[[
   zeroes each page), and a program's first calls fault in its buffers: 18-45 huge pages per
   process, and 1534, 1500, 1134, 1261 ms against 560 for a flat ring at 32 MiB; calibration
   timed the JAX shape's flat-ring bf16 plan at 738 ms in a call that faulted 49 huge pages, 299-316
-  without (docs/simulations.md, "What makes a program's first calls slow"). A training step
+  without (docs/design.md, "Investigations"). A training step
   pays that once; the cost model must not pay it on every call. Where every call faults (an
   allocator that returns large buffers to the system after each), that is the steady state,
   and nothing is left out.

@@ -101,7 +101,7 @@ def permute_rows(rows, order):
   Static slices (runs of consecutive rows together) and one concatenate, not fancy indexing:
   XLA:CPU runs a gather with constant indices element by element (reordering 8 MiB of int8
   rows cost ~20 ms of CPU per process and 35 ms a call on the emulated cluster, a concatenate
-  nothing measurable: docs/benchmarks.md, "Rows reordered by slices").
+  nothing measurable: docs/design.md, "Investigations").
 
   Example:
     >>> permute_rows(jnp.arange(4), [2, 3, 0, 1])

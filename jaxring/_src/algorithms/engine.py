@@ -159,7 +159,8 @@ def sum_norms(norms, binding):
   """A sparsifying codec's chunk norms (f32) summed over ``binding``, identically on every
   member, by the lossless plan ``auto`` picks for their size: the native all-reduce without a
   measured profile; with one, what it measured fastest (on the emulated cluster's (node,
-  local) mesh, the hierarchical plan: docs/simulations.md, "`bench train-cluster` steps")."""
+  local) mesh, the hierarchical plan: docs/simulations.md, "Validation against measurement on
+  the emulated cluster")."""
   return all_reduce_flat(norms, norms.dtype, binding, "auto", None)[0]
 
 

@@ -56,7 +56,7 @@ def _candidates(groups, codecs: Sequence[str]):
   timings at the packed size (planner.predict, still used for a profile without them): on the
   emulated cluster's JAX shape that predicted the flat ring's top-k 10-23% low in most runs, its
   14 latency-bound hops running beside the other processes' chunk work on the shared cores
-  (docs/simulations.md, "The flat ring's top-k in the JAX shape on the AMD VM").
+  (docs/design.md, "Planner").
   """
   algorithms = ("ring", "hierarchical") if len(groups) > 1 else ("ring",)
   parsed = [parse_codec(spec) for spec in codecs]
@@ -239,8 +239,8 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
       times = done[j]
     else:
       calls = [lambda f=compiled[i][j]: jax.block_until_ready(f(x)) for i in live]
-      # the first calls of a compiled program are often slow (docs/simulations.md,
-      # "Calibration's warm-up call"); their time also sets a large point's number of calls
+      # the first calls of a compiled program are often slow (docs/design.md,
+      # "Investigations"); their time also sets a large point's number of calls
       counts = _counts(target, nbytes, reps, calls, warmup)
       # the median, as users and benchmarks see it: the fastest call favours plans whose times
       # vary (bench cluster, JAX shape, 32 MiB: hierarchical 488-549 ms, gloo psum 495-523

@@ -3,7 +3,7 @@
 The ring's hop adds what arrived to a chunk of its own buffer. Handed a slice, XLA copies the
 chunk into a buffer of its own before the custom call (a custom call takes whole buffers): on
 the emulated cluster, the JAX shape's hierarchical int8 all-reduce of 32 MiB spent 10-19 ms of CPU
-a process a call on them (docs/benchmarks.md, "The ring's chunks read in place"). These wrappers
+a process a call on them (docs/design.md, "Investigations"). These wrappers
 take the whole flat f32 buffer and the chunk's first element instead (an int32 scalar, traced
 where it depends on the device's rank), and the CPU targets ``jaxring_<name>_at`` read the chunk
 where it lies.

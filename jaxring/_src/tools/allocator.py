@@ -3,7 +3,7 @@
 XLA:CPU collectives are dominated by allocating fresh output buffers. Plain glibc malloc serves
 every buffer over 32 MiB with a fresh ``mmap`` and returns it on free, so each call page-faults its
 outputs in again: a ``lax.psum`` of 32 MiB on 8 CPU devices runs about 2x slower than with the
-tuning below (docs/benchmarks.md, "Allocator"). Two remedies, in order:
+tuning below (docs/benchmarks.md, "All-reduce on one host"). Two remedies, in order:
 
 - tcmalloc, preloaded where it is installed (``make tcmalloc``);
 - otherwise glibc malloc tuned through ``GLIBC_TUNABLES`` (nothing to install): large blocks come

@@ -65,8 +65,8 @@ def replica_mean(tree, axis_name):
   """Every leaf's mean over the replicas (integers as float32), the leaves of one dtype fused
   into one ``pmean``. Leaf by leaf, XLA:CPU combined the 40 batch-norm statistics and the loss
   of a ResNet-18 into one all-reduce that gloo ran operand by operand, about 10 ms each across
-  4 processes: 0.45 s of a 0.87 s step (docs/benchmarks.md, "Batch statistics averaged in one
-  `pmean`")."""
+  4 processes: 0.45 s of a 0.87 s step (docs/benchmarks.md, "Training on the emulated
+  cluster")."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   leaves = [jnp.asarray(x) for x in leaves]
   leaves = [x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32) for x in leaves]

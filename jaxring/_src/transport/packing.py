@@ -3,7 +3,7 @@
 A codec's hop carries several arrays (int8: codes and scales). Each collective costs messages
 of its own, and so link bytes and time: with gloo a small int8 call put 20 KB on a node link
 sent array by array and 12 KB packed, and took 15 ms instead of 10 at 10 Mbit/s
-(docs/benchmarks.md, "One message per hop"). The transports send a payload as one uint8 buffer
+(docs/design.md, "Investigations"). The transports send a payload as one uint8 buffer
 and split it on arrival.
 """
 from __future__ import annotations

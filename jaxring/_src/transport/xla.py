@@ -14,7 +14,7 @@ from jaxring._src.transport.packing import pack, unpack
 # Several arrays of an all-gather travel as one message below this many bytes per member (a
 # message fewer saves a collective's latency); above it each array is gathered alone, since
 # splitting the gathered bytes back into arrays copies every member's piece (an all-gather of
-# 1 MiB of int8 a member: docs/benchmarks-history.md, "Rows reordered by slices").
+# 1 MiB of int8 a member: docs/design.md, "Investigations").
 PACK_BELOW = 256 << 10
 _BITCAST = {jnp.dtype(jnp.bfloat16): jnp.uint16, jnp.dtype(jnp.float16): jnp.uint16}
 

@@ -198,14 +198,15 @@ def probe_link(mesh, axes, sizes, codecs, algorithms, barrier, iface, calls: int
 #: quick one is called several times a round, so that its median rests on more calls. Top-k's
 #: calls at 32 MiB (~30 ms) spread over 25-34 ms between quartiles on the emulated cluster: with
 #: 41 calls a row, rows of one compiled program differed by up to 15%; the median's error shrinks
-#: as the square root of the calls (docs/benchmarks.md, "Current figures").
+#: as the square root of the calls (docs/benchmarks.md, "Multi-node all-reduce on the emulated
+#: cluster").
 ROUND_BUDGET_S = 1.0
 MAX_CALLS_PER_ROUND = 30
 #: Calls a contender gets per round after the first, at least: a call over ROUND_BUDGET_S / 2
 #: (MPICH's all-reduce, the uncompressed plans) would otherwise have one a round. MPICH's calls
 #: at 32 MiB fall in two groups (209 calls over 41 runs: quartiles 731-887 ms, most at 680-800
 #: and 840-960), and a median of 5 could land in the upper one: the calibration's point was
-#: 15-26% below the row in 11 of those runs (docs/simulations.md, "MPICH's row").
+#: 15-26% below the row in 11 of those runs (docs/design.md, "Investigations").
 MIN_CALLS_PER_ROUND = 2
 
 

@@ -131,7 +131,7 @@ def mpi_rank(state: ClusterState, command: Sequence[str], *, nodes: int, procs_p
 
   ``bind``: hydra's ``-bind-to`` (``none``: the scheduler places the ranks; ``core``: each rank
   of a node on a core of its own, wrapping round where a node has more ranks than the machine
-  has cores; docs/benchmarks.md, "Ranks bound to cores")."""
+  has cores; docs/benchmarks.md, "Multi-node all-reduce on the emulated cluster")."""
   env = _job_env(state, nodes, procs_per_node, devices_per_proc, port, failure_timeout)
   env["UCX_TLS"] = "tcp"
   if "PYTHONUNBUFFERED" not in os.environ:

@@ -13,8 +13,8 @@ the veths, the bridge and the qdiscs inside them).
 
 With ``quickack`` (``jaxring cluster up --quickack``) each node's route to the others acknowledges
 every TCP segment at once, where Linux by default may hold an ACK back for 40 ms or more to send
-it with data. The default keeps Linux's behaviour. Measured (docs/benchmarks.md, "Delayed ACKs on
-the emulated links"): with delayed ACKs a third of the JAX shape's 1 MiB all-reduces stalled to
+it with data. The default keeps Linux's behaviour. Measured (docs/design.md, "Investigations"):
+with delayed ACKs a third of the JAX shape's 1 MiB all-reduces stalled to
 2-12x the others, each stalled call with a delayed ACK; at once, 2-7% did, while all-reduces of
 64 KiB and less took 12-27% longer (an ACK packet for every segment, on the shared cores).
 """

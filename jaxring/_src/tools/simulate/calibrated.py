@@ -292,7 +292,7 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
 #: cluster`` runs of 2026-11-26 to -29 (818), the point against that fit is 0.86-1.16 from the
 #: 5th to the 95th percentile; the two at 1.4-1.5 were both off their rows (the fit within 8%
 #: and 36% of them, the points 1.63x and 2.32x); of the seven at 1.3-1.4, four were nearer
-#: their rows than the fit (docs/simulations.md, "The outlier bound at 1.4x").
+#: their rows than the fit (docs/simulations.md, "The model").
 OUTLIER = 1.4
 OUTLIER_FLOOR_S = 0.02
 

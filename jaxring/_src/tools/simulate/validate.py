@@ -115,8 +115,8 @@ def load(path: str, bench: str | tuple[str, ...] = "cluster") -> dict:
 
 # --- training steps -------------------------------------------------------------------------------
 #
-# XLA:CPU runs a collective and the computation beside it in turn (docs/benchmarks.md, "Inter-node
-# step alone"), so on the emulated cluster a step is its computation plus its reductions; only the
+# XLA:CPU runs a collective and the computation beside it in turn (docs/design.md,
+# "Investigations"), so on the emulated cluster a step is its computation plus its reductions; only the
 # links' token buckets let link time hide behind the rest (predict_steps).
 
 BURST = 256 * 1024   # bytes: the tbf bucket of every emulated link (jaxring cluster up's default)
