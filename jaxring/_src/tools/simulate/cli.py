@@ -6,7 +6,7 @@ Examples:
   jaxring simulate --reproduce baidu                 # the ring all-reduce arithmetic of Baidu (2017)
   jaxring simulate --reproduce gradientflow          # lazy all-reduce + 1% chunks, 512 GPUs, 56 Gbit/s
   jaxring simulate --reproduce blueconnect           # hierarchical vs flat ring, ResNet-50, 192 GPUs
-  jaxring simulate --validate benchmarks/results/cluster-20261123-160415.json   # vs measured
+  jaxring simulate --validate benchmarks/results/cluster.json         # vs measured
   jaxring simulate --validate RUN.json --calibration OTHER_RUN.json  # model fitted elsewhere
   jaxring simulate --validate-steps TTA_OR_TRAIN_CLUSTER.json --calibration CLUSTER.json  # steps
 
