@@ -30,6 +30,7 @@ LAYERS = {
     "native": 0,          # lax's own collectives, whatever jax.lax holds later
     "cache": 0,           # where measured profiles and kernel choices are kept
     "timing": 0,          # calls timed side by side, and their order (calibrate, benchmarks)
+    "extras": 0,          # optional dependencies imported with the extra to install named
 }
 FACES = {"jaxring", "jaxring.codecs", "jaxring.distributed", "jaxring.bench", "jaxring.__main__",
          "jaxring.data", "jaxring.train"}

@@ -6,6 +6,10 @@ training batches on the GPU with NVIDIA DALI (optional: ``pip install 'jaxring[d
 ``SyntheticImages`` yields random ones without disk (``--data synthetic``),
 ``prefetch_to_device`` overlaps the host-to-device copies, and ``write_image_folder`` writes a
 small learnable data set of real JPEG files for tests and demos.
+
+Decoding and writing images needs the ``data`` extra (Pillow, simplejpeg, OpenCV: ``pip install
+'jaxring[data]'``); without it this module still imports, and ``SyntheticImages``,
+``prefetch_to_device`` and ``ImageFolder`` work.
 """
 from jaxring._src.data.dali import DaliImageLoader as DaliImageLoader
 from jaxring._src.data.dali import dali_error as dali_error

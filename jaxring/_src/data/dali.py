@@ -31,14 +31,16 @@ from typing import Iterator
 import jax
 import numpy as np
 
+from jaxring._src.extras import install_hint
+
 DALI_PACKAGE = "nvidia-dali-cuda130"
 
 
 def dali_error() -> str | None:
   """None where NVIDIA DALI and its JAX plugin can be imported, else why not."""
   if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
-    return (f"the DALI input pipeline needs NVIDIA DALI, which is not installed: pip install "
-            f"'jaxring[dali]' (or {DALI_PACKAGE}; nvidia-dali-cuda120 for CUDA 12)")
+    return (f"the DALI input pipeline needs NVIDIA DALI, which is not installed: "
+            f"{install_hint('dali')} (or {DALI_PACKAGE}; nvidia-dali-cuda120 for CUDA 12)")
   if not any(d.platform == "gpu" for d in jax.devices()):
     return "the DALI input pipeline needs a GPU visible to JAX; this process sees none"
   return None

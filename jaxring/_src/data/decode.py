@@ -30,14 +30,15 @@ import logging
 import os
 
 import numpy as np
-from PIL import Image
 
 from jaxring._src.data.transforms import (CorruptImageError, center_crop_box, load_image,
-                                          random_resized_crop_box)
+                                          pil_image, random_resized_crop_box)
+from jaxring._src.extras import require
 
+_NEEDS = "jaxring.data's JPEG decoder needs simplejpeg and OpenCV"
 try:
-  import cv2
-  import simplejpeg
+  cv2 = require("cv2", "data", _NEEDS)
+  simplejpeg = require("simplejpeg", "data", _NEEDS)
 except ImportError as _e:  # the PIL path still works; ImageLoader says which decoder it uses
   cv2 = simplejpeg = None
   _IMPORT_ERROR: ImportError | None = _e
@@ -45,18 +46,15 @@ else:
   _IMPORT_ERROR = None
 
 DECODERS = ("auto", "turbo", "pil")
-_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 1 << 62
 _warned: list = []  # the fallback to Pillow is announced once per process
 _JPEG_SOI = b"\xff\xd8"
 _SCALES = (8, 4, 2, 1)  # denominators of the libjpeg scales worth using, largest first
 
 
 def fast_decoder_error() -> str | None:
-  """None when the libjpeg-turbo path can run, else why not (the missing package)."""
-  if _IMPORT_ERROR is None:
-    return None
-  return (f"the fast decoder needs simplejpeg and opencv-python-headless "
-          f"(pip install simplejpeg opencv-python-headless): {_IMPORT_ERROR}")
+  """None when the libjpeg-turbo path can run, else why not (the missing package, and the extra
+  that installs it)."""
+  return None if _IMPORT_ERROR is None else str(_IMPORT_ERROR)
 
 
 def resolve_decoder(decoder: str) -> str:
@@ -64,7 +62,8 @@ def resolve_decoder(decoder: str) -> str:
 
   Raises:
     ValueError: an unknown name.
-    ImportError: ``"turbo"`` asked for where they are missing (names the packages).
+    ImportError: Pillow is missing (every decoder falls back to it), or ``"turbo"`` is asked for
+      where simplejpeg or OpenCV is missing (the message names the extra, ``jaxring[data]``).
 
   Example:
     >>> resolve_decoder("auto")
@@ -72,6 +71,7 @@ def resolve_decoder(decoder: str) -> str:
   """
   if decoder not in DECODERS:
     raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+  pil_image()  # every decoder needs Pillow: the fast one hands it what libjpeg-turbo cannot read
   error = fast_decoder_error()
   if decoder == "turbo" and error:
     raise ImportError(error)
@@ -119,6 +119,7 @@ class TurboDecoder:
     self.image_size = image_size
     self._pixels = np.empty(0, np.uint8)
     self._flip = np.empty((image_size, image_size, 3), np.uint8)
+    self._max_pixels = pil_image().MAX_IMAGE_PIXELS or 1 << 62
 
   def decode_into(self, out: np.ndarray, path: str, *, train: bool,
                   seed: tuple | None = None) -> None:
@@ -150,7 +151,7 @@ class TurboDecoder:
       height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
       return False
-    if colorspace in ("CMYK", "YCCK") or not 0 < width * height <= _MAX_PIXELS:
+    if colorspace in ("CMYK", "YCCK") or not 0 < width * height <= self._max_pixels:
       return False  # PIL: Adobe's CMYK convention; a decompression bomb is refused there
     if train:
       rng = np.random.default_rng(seed)

@@ -18,7 +18,8 @@ import os
 import pathlib
 
 import numpy as np
-from PIL import Image
+
+from jaxring._src.data.transforms import pil_image
 
 _SHAPES = ("disc", "square", "triangle", "ring")
 _ANGLES = 6
@@ -73,6 +74,7 @@ def _rgb(hue: float, saturation: float, value: float) -> np.ndarray:
 def render_example(c: int, num_classes: int, image_size: int,
                    rng: np.random.Generator) -> np.ndarray:
   """One ``[height, width, 3]`` uint8 image of class ``c``; the shorter side is ``image_size``."""
+  Image = pil_image()
   pattern = class_pattern(c, num_classes)
   short, long_ = image_size, int(round(image_size * rng.uniform(1.0, 1.4)))
   height, width = (short, long_) if rng.random() < 0.7 else (long_, short)
@@ -130,6 +132,7 @@ def write_image_folder(root: str | os.PathLike, *, num_classes: int = 10,
     raise ValueError(f"val_layout must be 'folders' or 'flat', got {val_layout!r}")
   if not 1 <= num_classes <= max_classes(num_classes):
     raise ValueError(f"num_classes must be in [1, {max_classes(num_classes)}], got {num_classes}")
+  Image = pil_image()
   root = pathlib.Path(root)
   wnids = [f"n{c:08d}" for c in range(num_classes)]
 

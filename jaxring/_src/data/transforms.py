@@ -14,11 +14,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from PIL import Image
+
+from jaxring._src.extras import require
 
 EVAL_CROP_FRACTION = 0.875
-# What PIL raises for an unreadable, truncated or hostile image file.
-DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
+
+
+def pil_image():
+  """``PIL.Image`` (Pillow, the ``data`` extra), or an ImportError naming ``jaxring[data]``."""
+  return require("PIL.Image", "data", "jaxring.data's image decoding needs Pillow")
 
 
 class CorruptImageError(ValueError):
@@ -92,9 +96,12 @@ def load_image(path: str, image_size: int, *, train: bool,
     >>> x.shape, x.dtype
     ((224, 224, 3), dtype('uint8'))
   """
+  Image = pil_image()
+  # what PIL raises for an unreadable, truncated or hostile image file
+  decode_errors = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
   try:
     image = Image.open(path)
-  except DECODE_ERRORS as e:
+  except decode_errors as e:
     raise CorruptImageError(f"cannot decode image {path}: {e}") from e
   with image:
     width, height = image.size
@@ -113,7 +120,7 @@ def load_image(path: str, image_size: int, *, train: bool,
       image.load()
       # grayscale and CMYK JPEGs (ImageNet has both), palette or RGBA PNGs
       pixels = image if image.mode == "RGB" else image.convert("RGB")
-    except DECODE_ERRORS as e:
+    except decode_errors as e:
       raise CorruptImageError(f"cannot decode image {path}: {e}") from e
     out = pixels.resize((image_size, image_size), Image.Resampling.BILINEAR,
                         box=(x * sx, y * sy, (x + w) * sx, (y + h) * sy))

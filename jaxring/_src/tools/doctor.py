@@ -19,6 +19,7 @@ import platform
 import sys
 import time
 
+from jaxring._src import extras
 from jaxring._src.tools import allocator
 
 REQUIRABLE = ("mpi", "cuda", "gpu", "tcmalloc")
@@ -191,24 +192,27 @@ def _extension(r: Report, require: set[str], self_test: bool) -> None:
 def _mpi(r: Report, require: set[str]) -> None:
   launched = [v for v in _LAUNCHER_VARS if v in os.environ]
   r.add("mpi", "launched by", f"an MPI launcher ({launched[0]} set)" if launched else "no launcher")
+  needs = "jaxring's MPI transport needs MPICH, mpi4py and mpi4jax"
   try:
-    import mpi4py
+    mpi4py = extras.require("mpi4py", "mpi", needs)
     mpi4py.rc.initialize = False   # reading versions must not start MPI
     mpi4py.rc.finalize = False
-    from mpi4py import MPI
+    MPI = extras.require("mpi4py.MPI", "mpi", needs)
     r.add("mpi", "MPI library", MPI.Get_library_version().splitlines()[0].strip())
     r.add("mpi", "MPI standard", "%d.%d" % MPI.Get_version())
   except Exception as e:  # noqa: BLE001
-    r.add("mpi", "MPI library", f"unavailable ({type(e).__name__}: {e})")
+    cause = e.__cause__ or e
+    r.add("mpi", "MPI library", f"unavailable ({type(cause).__name__}: {cause})")
     if "mpi" in require or launched:
-      r.errors.append(f"MPI is unavailable ({e}); `pip install mpich mpi4py` (see docs/install.md)")
+      r.errors.append(f"MPI is unavailable: {e} (see docs/install.md)")
     return
   try:
-    import mpi4jax
+    mpi4jax = extras.require("mpi4jax", "mpi", needs)
     r.add("mpi", "mpi4jax", f"{mpi4jax.__version__} ("
           f"{'with' if mpi4jax.has_cuda_support() else 'without'} its CUDA bridge)")
   except Exception as e:  # noqa: BLE001
-    r.add("mpi", "mpi4jax", f"unavailable ({type(e).__name__}: {e})")
+    cause = e.__cause__ or e
+    r.add("mpi", "mpi4jax", f"unavailable ({type(cause).__name__}: {cause})")
     if "mpi" in require or launched:
       r.errors.append("mpi4jax is not importable, so the MPI transport (jaxring.distributed."
                       "bind_mpi_axis) cannot run; build it with `make install` (see "

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring._src.extras import require
 from jaxring._src.transport.packing import pack, unpack
 
 # mpi4jax's MPI datatype table (mpi4jax/_src/utils.py: MPI_TYPE_MAP). Anything else (bf16, f16,
@@ -26,17 +27,21 @@ _MPI_DTYPES = frozenset(map(np.dtype, (
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
+_NEEDS = ("jaxring's MPI transport (jaxring.distributed.bind_mpi_axis, mpi_axis) needs MPICH, "
+          "mpi4py and mpi4jax")
+_MPI4JAX_BUILD = ("mpi4jax 0.9 is an sdist: `pip install cython nanobind mpi4py wheel setuptools`, "
+                  "then `pip install --no-build-isolation mpi4jax`, with CUDA_ROOT set where CUDA "
+                  "is installed (docs/install.md)")
+
+
+def mpi_module():
+  """``mpi4py.MPI``, or an ImportError naming ``jaxring[mpi]``."""
+  return require("mpi4py.MPI", "mpi", _NEEDS)
+
+
 def mpi4jax_module():
-  """``mpi4jax``, or an ImportError that says how to install it."""
-  try:
-    import mpi4jax
-  except ImportError as exc:
-    raise ImportError(
-        "jaxring's MPI transport needs mpi4jax (`pip install jaxring[mpi]`; mpi4jax 0.9 is an sdist:"
-        " `pip install cython nanobind mpi4py wheel setuptools`, then `pip install "
-        f"--no-build-isolation mpi4jax`, with CUDA_ROOT set where CUDA is installed): {exc}"
-    ) from exc
-  return mpi4jax
+  """``mpi4jax``, or an ImportError naming ``jaxring[mpi]`` and how to build mpi4jax."""
+  return require("mpi4jax", "mpi", _NEEDS, hint=_MPI4JAX_BUILD)
 
 
 def _as_wire(x):
@@ -119,7 +124,7 @@ class MpiTransport:
 
   def all_reduce(self, x, group: MpiGroup):
     """``MPI_Allreduce`` (sum); 16-bit floats are summed in f32 (MPI has no such type)."""
-    from mpi4py import MPI
+    MPI = mpi_module()
     mpi4jax = mpi4jax_module()
     dt = jnp.dtype(x.dtype)
     if dt in _MPI_DTYPES:

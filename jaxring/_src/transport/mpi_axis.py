@@ -24,7 +24,7 @@ from typing import Any
 from jaxring._src import topology as topo_mod
 from jaxring._src.transport import flight_recorder, mpi_heartbeats
 from jaxring._src.transport.groups import Hierarchy
-from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module
+from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module, mpi_module
 from jaxring._src.transport.watchdog import (
   ENV_FAILURE_TIMEOUT,
   Watchdog,
@@ -81,7 +81,7 @@ class MpiAxis:
 def _host_levels(comm) -> tuple[list[tuple[topo_mod.Level, Any]], list[int]]:
   """``local`` (ranks sharing a host) and ``node`` (one rank per host) levels, and the rank's
   digit on each."""
-  from mpi4py import MPI
+  MPI = mpi_module()
   local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
   counts = comm.allgather(local.Get_size())
   if len(set(counts)) != 1:
@@ -142,7 +142,7 @@ def _start_watchdog(comm, failure_timeout_s: float | None) -> None:
   failure_timeout_s = failure_timeout(failure_timeout_s)
   if failure_timeout_s <= 0 or _watchdog[0] is not None or comm.Get_size() < 2:
     return
-  from mpi4py import MPI
+  MPI = mpi_module()
   if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
     warnings.warn("jaxring: MPI was initialized without MPI_THREAD_MULTIPLE, so the peer "
                   "watchdog (a thread) cannot run: a hung rank will not be named", stacklevel=3)
@@ -174,14 +174,16 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
   Returns:
     The binding (``.topology`` shows the levels found).
 
+  Raises:
+    ImportError: mpi4py or mpi4jax is missing (the message names ``jaxring[mpi]``).
+
   Example:
     >>> from mpi4py import MPI
     >>> axis = jaxring.distributed.bind_mpi_axis("data", MPI.COMM_WORLD)  # doctest: +SKIP
     >>> jax.jit(lambda g: jaxring.pmean(g, "data", compression=jaxring.codecs.bf16()))(g)  # doctest: +SKIP
   """
   if comm is None:
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
+    comm = mpi_module().COMM_WORLD
   if topology is not None and not isinstance(topology, topo_mod.Topology):
     raise TypeError(f"topology must be a jaxring.Topology or None, got {type(topology).__name__}")
   axis = _make_axis(axis_name, comm, topology)

@@ -25,6 +25,7 @@ import sys
 import time
 
 from jaxring._src.transport import launches
+from jaxring._src.transport.mpi import mpi_module
 from jaxring._src.transport.watchdog import Watchdog
 
 _TAG = 0x7A11   # "I am alive"
@@ -38,7 +39,7 @@ class MpiHeartbeats:
   medium = "MPI"
 
   def __init__(self, comm):
-    from mpi4py import MPI
+    self.MPI = MPI = mpi_module()
     self.comm = comm.Dup()
     self.comm.Set_errhandler(MPI.ERRORS_RETURN)   # a send to a dead peer must not abort us
     self.me, self.n = self.comm.Get_rank(), self.comm.Get_size()
@@ -74,7 +75,7 @@ class MpiHeartbeats:
 
   def _received(self):
     """Receives every message that has arrived: yields ``(peer, tag)``."""
-    from mpi4py import MPI
+    MPI = self.MPI
     status = MPI.Status()
     while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
       q, tag = status.Get_source(), status.Get_tag()

@@ -103,8 +103,10 @@ def lamb_candidate(lr, axis, codec, adam_warmup: int, adam_variance_every: int):
 
 def digits(train: int = 1440):
   import numpy as np
-  from sklearn.datasets import load_digits
-  d = load_digits()
+
+  from jaxring._src.extras import require
+  datasets = require("sklearn.datasets", "test", "the digits task needs scikit-learn")
+  d = datasets.load_digits()
   perm = np.random.RandomState(0).permutation(len(d.target))
   x = (d.data[perm] / 16.0).astype(np.float32)
   y = d.target[perm].astype(np.int32)

@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 
+from jaxring._src.extras import require
 from jaxring._src.tools.bench import common
 
 COLUMNS = (("image_size", "size", "d"), ("transform", "transform", "s"),
@@ -116,9 +117,8 @@ def stage_costs(paths: list[str], image_size: int) -> list[dict]:
   """Single-threaded CPU ms per image of each stage the decoders are made of, on ``paths``."""
   import io
 
-  import cv2
-  import simplejpeg
-  from PIL import Image
+  needs = "jaxring bench data --stages needs Pillow, simplejpeg and OpenCV"
+  cv2, simplejpeg, Image = (require(m, "data", needs) for m in ("cv2", "simplejpeg", "PIL.Image"))
 
   datas = [pathlib.Path(p).read_bytes() for p in paths]
   heights = [simplejpeg.decode_jpeg_header(d)[:2] for d in datas]

@@ -58,12 +58,15 @@ def _mpirun() -> str:
 
 def _mpi_missing() -> str | None:
   import shutil
+
+  from jaxring._src.extras import install_hint
+  from jaxring._src.transport.mpi import mpi4jax_module
   if not os.path.exists(_mpirun()) and shutil.which("mpirun") is None:
-    return "no mpirun (pip install mpich)"
+    return f"no mpirun ({install_hint('mpi')})"
   try:
-    import mpi4jax  # noqa: F401
+    mpi4jax_module()
   except ImportError as exc:
-    return f"mpi4jax is not installed ({exc})"
+    return str(exc)
   return None
 
 

@@ -1,6 +1,7 @@
-"""PNG plots beside the JSON of ``jaxring bench collectives`` and ``jaxring bench cluster``.
+"""PNG plots beside the JSON of the benchmarks (``bench collectives``, ``cluster``, ``tta``) and
+of ``jaxring simulate``.
 
-matplotlib is an optional extra (``pip install jaxring[plot]``): where it is not importable each
+matplotlib is an optional extra (``pip install 'jaxring[plot]'``): where it is not importable each
 function returns None and draws nothing; the caller prints ``NO_MATPLOTLIB`` and goes on.
 """
 from __future__ import annotations
@@ -8,18 +9,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-NO_MATPLOTLIB = "no plot: matplotlib is not installed (pip install jaxring[plot])"
+from jaxring._src.extras import install_hint, require
+
+NO_MATPLOTLIB = f"no plot: matplotlib is not installed ({install_hint('plot')})"
+_NEEDS = "the plots need matplotlib"
 
 
-def _pyplot():
+def pyplot():
   """matplotlib.pyplot on the non-interactive Agg backend, or None where matplotlib is missing."""
   try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "plot", _NEEDS).use("Agg")
+    return require("matplotlib.pyplot", "plot", _NEEDS)
   except ImportError:
     return None
-  return plt
 
 
 def _members(result: dict[str, Any]) -> int:
@@ -39,7 +41,7 @@ def _busbw(row: dict[str, Any], p: int) -> float | None:
 
 def collectives(result: dict[str, Any], path: str) -> str | None:
   """Bus bandwidth (GB/s) against bytes per member, one line per algorithm/codec contender."""
-  plt = _pyplot()
+  plt = pyplot()
   if plt is None:
     return None
   p = _members(result)
@@ -69,7 +71,7 @@ def collectives(result: dict[str, Any], path: str) -> str | None:
 def cluster(result: dict[str, Any], path: str) -> str | None:
   """Each contender's median ms as a bar (MPI shape and JAX shape coloured apart), with the
   uncompressed ring all-reduce link bound 2(nodes-1)/nodes * bytes / bandwidth as a line."""
-  plt = _pyplot()
+  plt = pyplot()
   if plt is None:
     return None
   rows = [r for r in result.get("rows", []) if r.get("ms") is not None]
@@ -88,7 +90,7 @@ def cluster(result: dict[str, Any], path: str) -> str | None:
     ax.set_yticklabels(names, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(bound_ms, color="tab:red", linestyle="--", label="link bound, uncompressed")
-    from matplotlib.patches import Patch
+    Patch = require("matplotlib.patches", "plot", _NEEDS).Patch
     handles = [Patch(color="tab:orange", label="MPI shape"),
                Patch(color="tab:blue", label="JAX shape"), ax.get_lines()[-1]]
     ax.legend(handles=handles, fontsize=8, loc="lower right")

@@ -297,12 +297,10 @@ def rows_of(recs: list[dict], target: float) -> list[dict]:
 
 def plot(rows: list[dict], target: float, title: str, path: str) -> str | None:
   """Accuracy against training time per contender, as a PNG (None without matplotlib)."""
-  try:
-    import matplotlib
-  except ImportError:
+  from jaxring._src.tools.bench.plots import pyplot
+  plt = pyplot()
+  if plt is None:
     return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for r in rows:
     ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".", label=r["contender"])

@@ -323,11 +323,9 @@ def _left_out(fitted: dict) -> dict:
 
 
 def _plot(out: dict, json_path) -> None:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
+  from jaxring._src.tools.bench.plots import pyplot
+  plt = pyplot()
+  if plt is None:
     return
   names = list(out["clusters"])
   fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
