@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxring._src import vma
+from jaxring._src import fuse, vma
 from jaxring._src.algorithms import engine
 from jaxring._src.algorithms.planner import validate_algorithm
 from jaxring._src.codecs.base import accum_dtype, is_float
@@ -124,30 +124,22 @@ def mean_with_error(grads, residual, axis_name, *, algorithm="auto", compression
   binding = engine.bind(axes, "reduce_gradients")   # shard_map's axes, or an MPI-bound name
   p = binding.size
   applied, new_res = list(leaves), list(res_leaves)
-  by_dtype: dict[Any, list[int]] = {}
+  fused = lambda g: is_float(jnp.result_type(g)) and np.size(g) > 0 and p > 1
   for i, g in enumerate(leaves):
-    dtype = jnp.dtype(jnp.result_type(g))
-    if is_float(dtype) and np.size(g) > 0 and p > 1:
-      by_dtype.setdefault(dtype, []).append(i)
-    else:
-      applied[i] = pmean(g, axis_name, algorithm="xla" if not is_float(dtype) else algorithm)
-  for dtype, idxs in by_dtype.items():
+    if not fused(g):
+      applied[i] = pmean(g, axis_name, algorithm=algorithm if is_float(jnp.result_type(g))
+                         else "xla")
+  for dtype, idxs in fuse.by_dtype(leaves, fused).items():
     acc = accum_dtype(dtype)
-    flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) + jnp.ravel(res_leaves[i]).astype(acc)
-                            for i in idxs])
+    flat = fuse.concat(leaves, idxs, acc) + fuse.concat(res_leaves, idxs, acc)
     total, err = engine.all_reduce_flat(flat, dtype, binding, algorithm, compression,
                                         want_error=True,
                                         segments=engine.segment_sizes(leaves[i] for i in idxs))
     mean = total / jnp.asarray(p, acc)
-    out = mean.astype(dtype)
     # an exact reduction reports no error; the residual stays this member's (typed varying)
     err = next_residual(mean, jnp.zeros_like(flat) if err is None else err, dtype)
-    offset = 0
-    for i in idxs:
-      size, shape = np.size(leaves[i]), np.shape(leaves[i])
-      applied[i] = out[offset:offset + size].reshape(shape)
-      new_res[i] = err[offset:offset + size].reshape(shape)
-      offset += size
+    for i, a, r in zip(idxs, fuse.split(mean, leaves, idxs, dtype), fuse.split(err, leaves, idxs)):
+      applied[i], new_res[i] = a, r
   return (jax.tree_util.tree_unflatten(treedef, applied),
           jax.tree_util.tree_unflatten(treedef, new_res))
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxring._src import native
+from jaxring._src import fuse, native
 from jaxring._src.algorithms import base, linear
 from jaxring._src.algorithms.base import Plan
 from jaxring._src.algorithms.planner import make_plan, native_axes
@@ -182,13 +181,14 @@ def all_reduce(leaves: list, binding, algorithm, compression) -> list:
 
 def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
   leaves, out = list(leaves), list(leaves)
-  by_dtype: dict[Any, list[int]] = {}
-  for i, leaf in enumerate(leaves):
-    if binding.size > 1 and np.size(leaf) > 0 and (_is_traced(leaf) or not binding.lax_bound):
-      by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append(i)
-    elif binding.lax_bound:
-      out[i] = native.psum(leaf, axis_arg(binding.axes))  # constants: size * x, as lax folds them
-  for dtype, idxs in by_dtype.items():
+  travels = lambda leaf: binding.size > 1 and np.size(leaf) > 0 and (
+      _is_traced(leaf) or not binding.lax_bound)
+  groups = fuse.by_dtype(leaves, travels)
+  if binding.lax_bound:
+    for i, leaf in enumerate(leaves):
+      if not travels(leaf):   # constants: size * x, as lax folds them
+        out[i] = native.psum(leaf, axis_arg(binding.axes))
+  for dtype, idxs in groups.items():
     nbytes = sum(np.size(leaves[i]) for i in idxs) * dtype.itemsize
     plan = plan_for(binding, nbytes, dtype, algorithm, compression)
     tie = _fingerprint("psum", binding, (nbytes // dtype.itemsize,), dtype, algorithm, plan)
@@ -198,20 +198,15 @@ def _sum_by_dtype(leaves: list, binding, algorithm, compression) -> list:
       for i in idxs:
         out[i] = _native_all_reduce(leaves[i], binding.axes, plan)
       continue
-    acc = accum_dtype(dtype)
-    flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in idxs])
+    flat = fuse.concat(leaves, idxs, accum_dtype(dtype))
     sizes = segment_sizes(leaves[i] for i in idxs)
     reduce = lambda v, plan=plan, dtype=dtype, sizes=sizes: _all_reduce_planned(
         v, dtype, binding, plan, False, sizes)[0]
     if binding.lax_bound and linear.differentiable(dtype):
       # the tangents' native all-reduce in the plan's order; over MPI they carry none
       reduce = linear.psum(reduce, native_axes(binding.axes, plan))
-    total = reduce(flat)
-    offset = 0
-    for i in idxs:
-      size = np.size(leaves[i])
-      out[i] = total[offset:offset + size].reshape(np.shape(leaves[i])).astype(dtype)
-      offset += size
+    for i, piece in zip(idxs, fuse.split(reduce(flat), leaves, idxs, dtype)):
+      out[i] = piece
   return out
 
 

@@ -51,6 +51,14 @@ def _passes_through(codec: Codec) -> bool:
   return type(codec) is Codec
 
 
+
+def _add_error(err, offset, e):
+  """``err`` with ``e`` (one level's compression error, over the shard that starts at
+  ``offset``, possibly traced) added where that shard lies."""
+  e = e.astype(err.dtype)
+  return lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offset,), (e.shape[0],)) + e,
+                                  (offset,))
+
 def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str], dtype, transport,
                *, want_error=False, pieces=None):
   """Hierarchical all-reduce of ``flat`` (length a multiple of prod(sizes) * every codec's align).
@@ -73,14 +81,12 @@ def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str],
     c = x.shape[0] // g.size
     x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error, pc)
     if want_error:
-      err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offsets[-1],), (e.shape[0],)) + e,
-                                     (offsets[-1],))
+      err = _add_error(err, offsets[-1], e)
     offsets.append(offsets[-1] + g.rank() * c)
   payload, carrier, e = _slow_level_all_reduce(x, groups[-1], codecs[-1], algos[-1], dtype,
                                                 transport, want_error, pieces[-1])
   if want_error:
-    err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offsets[-1],), (e.shape[0],)) + e,
-                                   (offsets[-1],))
+    err = _add_error(err, offsets[-1], e)
   # The all-gathers keep the slow level's encoding through identity-codec levels and decode once
   # at the end: same values, and the fast levels move the narrow payload (int8: a quarter).
   replicas = groups[-1].size
@@ -91,9 +97,7 @@ def all_reduce(flat, groups: list[Group], codecs: list[Codec], algos: list[str],
       payload, carrier = cd.encode(x, dtype), cd
       if want_error:
         e = (x - cd.decode(payload, dtype)) / replicas
-        err = lax.dynamic_update_slice(
-            err, lax.dynamic_slice(err, (offsets[depth + 1],), (e.shape[0],)) + e.astype(err.dtype),
-            (offsets[depth + 1],))
+        err = _add_error(err, offsets[depth + 1], e)
     if algos[depth] == "shm" and (depth == 0 or not vma.is_varying(payload[0], g.axes)):
       # shared memory; the last gather leaves every member of every level the same result, so
       # it is typed invariant over all the axes (check_vma=True) as lax.psum's result is. A
@@ -123,15 +127,13 @@ def _all_reduce_flat_finish(flat, groups, codecs, algos, dtype, transport, axes,
     c = shard.shape[0] // g.size
     shard, e = _level_reduce_scatter(shard, g, cd, al, dtype, transport, want_error, pc)
     if want_error:
-      err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offset,), (e.shape[0],)) + e,
-                                     (offset,))
+      err = _add_error(err, offset, e)
     offset = offset + g.rank() * c
   cd = codecs[-1]
   payload = cd.encode(shard, dtype)
   if want_error:
     e = shard - cd.decode(payload, dtype)
-    err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offset,), (e.shape[0],)) + e,
-                                   (offset,))
+    err = _add_error(err, offset, e)
   whole = Group(axes, p, 1, p, "/".join(map(str, axes)))
   gathered = transport.all_gather(payload, whole)
   rows = cd.decode(gathered, dtype).reshape(p, -1)  # row i: member i's chunk, chunk perm^-1[i]
@@ -175,8 +177,7 @@ def reduce_scatter(flat, groups: list[Group], codecs: list[Codec], algos: list[s
     x, e = _level_reduce_scatter(x, g, cd, al, dtype, transport, want_error, pc, order)
     order = None
     if want_error:
-      err = lax.dynamic_update_slice(err, lax.dynamic_slice(err, (offset,), (e.shape[0],)) + e,
-                                     (offset,))
+      err = _add_error(err, offset, e)
     offset = offset + g.rank() * c
   return x, err
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxring._src import fuse
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype, is_float
 from jaxring._src.codecs.topk import TopKChunks
@@ -117,17 +118,12 @@ class Groups:
   @classmethod
   def of(cls, tree) -> Groups:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    by_dtype: dict[Any, list[int]] = {}
-    for i, g in enumerate(leaves):
-      dtype = jnp.dtype(jnp.result_type(g))
-      if is_float(dtype) and np.size(g) > 0:
-        by_dtype.setdefault(dtype, []).append(i)
-    return cls(treedef, leaves, by_dtype)
+    floats = fuse.by_dtype(leaves, lambda g: is_float(jnp.result_type(g)) and np.size(g) > 0)
+    return cls(treedef, leaves, floats)
 
   def flat(self, tree, dtype) -> jax.Array:
-    leaves = self.treedef.flatten_up_to(tree)
-    acc = accum_dtype(dtype)
-    return jnp.concatenate([jnp.ravel(leaves[i]).astype(acc) for i in self.by_dtype[dtype]])
+    return fuse.concat(self.treedef.flatten_up_to(tree), self.by_dtype[dtype],
+                       accum_dtype(dtype))
 
   def sizes(self, dtype) -> tuple[int, ...]:
     """The sizes of the leaves fused into ``flat(tree, dtype)``, in order."""
@@ -142,12 +138,9 @@ class Groups:
     leaves from ``fill``."""
     out = list(fill)
     for dtype, idxs in self.by_dtype.items():
-      offset = 0
-      for i in idxs:
-        size, shape = np.size(self.leaves[i]), np.shape(self.leaves[i])
-        piece = flats[dtype][offset:offset + size].reshape(shape)
-        out[i] = piece.astype(dtype) if cast else piece
-        offset += size
+      for i, piece in zip(idxs, fuse.split(flats[dtype], self.leaves, idxs,
+                                           dtype if cast else None)):
+        out[i] = piece
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
 

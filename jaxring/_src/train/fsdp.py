@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxring._src import native
+from jaxring._src import fuse, native
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
@@ -195,11 +195,10 @@ def gather_params(params, dims, axes: tuple, algorithm):
   dim_leaves = dim_list(params, dims)
   p = engine.bind(axes, "all_gather").size
   out = list(leaves)
-  by_dtype: dict = {}
-  for i, (x, d) in enumerate(zip(leaves, dim_leaves)):
-    if d is not None:
-      by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
-  for idx in by_dtype.values():
+  for idx in fuse.by_dtype(leaves).values():
+    idx = [i for i in idx if dim_leaves[i] is not None]
+    if not idx:
+      continue
     full = gather_leaves([leaves[i] for i in idx], [dim_leaves[i] for i in idx],
                          [full_shape(leaves[i].shape, dim_leaves[i], p) for i in idx], axes,
                          algorithm, None)

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxring._src import native
+from jaxring._src import fuse, native
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.error_feedback import next_residual
@@ -71,12 +71,9 @@ def replica_mean(tree, axis_name):
   leaves = [jnp.asarray(x) for x in leaves]
   leaves = [x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32) for x in leaves]
   out = list(leaves)
-  by_dtype: dict = {}
-  for i, x in enumerate(leaves):
-    by_dtype.setdefault(x.dtype, []).append(i)
-  for idxs in by_dtype.values():
-    mean = native.pmean(jnp.concatenate([leaves[i].ravel() for i in idxs]), axis_name)
-    for i, x in zip(idxs, _split(mean, [leaves[i] for i in idxs])):
+  for idxs in fuse.by_dtype(leaves).values():
+    for i, x in zip(idxs, fuse.split(native.pmean(fuse.concat(leaves, idxs), axis_name), leaves,
+                                     idxs)):
       out[i] = x
   return jax.tree_util.tree_unflatten(treedef, out)
 
