@@ -305,7 +305,7 @@ def test_bench_data_rows_and_json(tmp_path, capsys):
                    "--image-sizes", "32", "--gpu-rate", "1e9", "--stages",
                    "--out-dir", str(tmp_path)])
   out = capsys.readouterr().out
-  (path,) = glob.glob(str(tmp_path / "data-*.json"))
+  (path,) = glob.glob(str(tmp_path / "data.json"))
   result = json.loads(open(path).read())
   rows = result["rows"]
   stages = {r["stage"]: r["cpu_ms_per_image"] for r in result["stages"]}

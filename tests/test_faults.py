@@ -23,7 +23,7 @@ def _bench(tmp_path, *args: str, timeout: float) -> tuple[subprocess.CompletedPr
   proc = subprocess.run([sys.executable, "-m", "jaxring", "bench", "faults", "--out-dir",
                          str(tmp_path), *args], capture_output=True, text=True, timeout=timeout,
                         env=mp.clean_env())
-  files = glob.glob(str(tmp_path / "faults-*.json"))
+  files = glob.glob(str(tmp_path / "faults.json"))
   assert len(files) == 1, proc.stdout + proc.stderr
   return proc, json.load(open(files[0]))
 

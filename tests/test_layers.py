@@ -28,6 +28,7 @@ LAYERS = {
     "topology": 1,
     "vma": 0,
     "native": 0,          # lax's own collectives, whatever jax.lax holds later
+    "fuse": 0,            # leaves of one dtype fused into one buffer and back
     "cache": 0,           # where measured profiles and kernel choices are kept
     "timing": 0,          # calls timed side by side, and their order (calibrate, benchmarks)
     "extras": 0,          # optional dependencies imported with the extra to install named

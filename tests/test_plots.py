@@ -10,8 +10,8 @@ import pytest
 from jaxring._src.tools.bench import plots
 
 RESULTS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results")
-EXAMPLES = {"collectives": "collectives-20261121-092419.json",
-            "cluster": "cluster-20261123-190625.json"}
+EXAMPLES = {"collectives": "collectives.json",
+            "cluster": "cluster.json"}
 
 
 def _load(name: str) -> dict:

@@ -76,12 +76,12 @@ def test_cli_runs_to_1024_gpus_in_seconds_and_reproduces_baidus_400_ms(tmp_path)
   out = subprocess.run([sys.executable, "-m", "jaxring", "simulate", "--out-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
   assert out.returncode == 0, out.stderr
-  data = json.loads(next(tmp_path.glob("simulate-*.json")).read_text())
+  data = json.loads((tmp_path / "simulate.json").read_text())
   rows = data["clusters"]["h100-nvlink-ib400"]
   assert {r["gpus"] for r in rows} >= {8, 1024}
   out = subprocess.run([sys.executable, "-m", "jaxring", "simulate", "--reproduce", "baidu",
                         "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
-  baidu = json.loads(next(tmp_path.glob("simulate-baidu-*.json")).read_text())
+  baidu = json.loads((tmp_path / "simulate-baidu.json").read_text())
   at40 = next(r["ms"] for r in baidu["rows"] if r["gpus"] == 40)
   assert abs(at40 - 400) / 400 < 0.25
 
@@ -485,7 +485,7 @@ def test_any_flax_model_by_module_and_function(tmp_path, monkeypatch):
   assert sum(lay.flops for lay in layers) == pytest.approx(1e6)
   assert cli.main(["--model", "simmodel:params", "--cluster", "8xh100-25gbe", "--gpus", "64",
                    "--codecs", "none", "--out-dir", str(tmp_path)]) == 0
-  out = json.loads(next(tmp_path.glob("simulate-*.json")).read_text())
+  out = json.loads((tmp_path / "simulate.json").read_text())
   assert out["params"] == 407_050
   flat = next(r for r in out["clusters"]["8xh100-25gbe"] if r["plan"] == "flat none")
   one_bucket = timeline.all_reduce_seconds(4 * 407_050, 64, clusters.CLUSTERS["8xh100-25gbe"],
