@@ -63,6 +63,9 @@ class Algorithm(Protocol):
   """A way to reduce flat accumulator-dtype buffers of ``plan.size`` equal chunks."""
 
   name: str
+  #: the fewest levels the algorithm is a plan of its own over (``hierarchical``: 2; over one
+  #: level it lays itself out as the ring): the planner and calibration offer it from there
+  min_levels: int
 
   def plan(self, request: PlanRequest) -> Plan:
     """The plan for ``request`` (its ``kind`` may name another algorithm it reduces to)."""
@@ -140,3 +143,14 @@ def get(name: str) -> Algorithm:
 
 def names() -> tuple[str, ...]:
   return tuple(_REGISTRY)
+
+
+def candidates(num_levels: int) -> tuple[str, ...]:
+  """The registered algorithms that are plans of their own over ``num_levels`` levels: what
+  ``auto`` weighs and calibration times besides the native collective.
+
+  Example:
+    >>> candidates(1), candidates(2)
+    (('ring',), ('ring', 'hierarchical'))
+  """
+  return tuple(n for n, a in _REGISTRY.items() if getattr(a, "min_levels", 1) <= num_levels)

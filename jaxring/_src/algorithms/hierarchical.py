@@ -224,6 +224,7 @@ class Hierarchical:
   """BlueConnect over the levels the axes span; one level is a ring."""
 
   name = "hierarchical"
+  min_levels = 2
 
   def plan(self, r: PlanRequest) -> Plan:
     if len(r.groups) == 1:

@@ -254,7 +254,7 @@ def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile, dtype=jnp
   default = ("hierarchical" if num_levels > 1 else "ring") if lossy else "xla"
   if profile is None:
     return default
-  candidates = ("ring", "hierarchical") if lossy else ("xla", "ring", "hierarchical")
+  candidates = base.candidates(num_levels) if lossy else ("xla", *base.candidates(num_levels))
   seconds = {a: t for a in candidates
              if (t := predict(profile, a, codecs, nbytes, dtype)) is not None}
   if not seconds:

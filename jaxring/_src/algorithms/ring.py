@@ -198,6 +198,7 @@ class Ring:
   """One ring over every member; the slowest level's codec travels on it."""
 
   name = "ring"
+  min_levels = 1
 
   def plan(self, r: PlanRequest) -> Plan:
     pieces = (r.levels[-1].pieces,)

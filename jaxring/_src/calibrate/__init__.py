@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxring._src import cost_model, timing
 from jaxring._src.algorithms import planner
+from jaxring._src.algorithms.base import candidates as plan_candidates
 from jaxring._src.calibrate import targets
 from jaxring._src.codecs.base import parse as parse_codec
 
@@ -58,7 +59,7 @@ def _candidates(groups, codecs: Sequence[str]):
   14 latency-bound hops running beside the other processes' chunk work on the shared cores
   (docs/design.md, "Planner").
   """
-  algorithms = ("ring", "hierarchical") if len(groups) > 1 else ("ring",)
+  algorithms = plan_candidates(len(groups))
   parsed = [parse_codec(spec) for spec in codecs]
   for codec in list(parsed):
     if codec is not None and not codec.per_hop:
