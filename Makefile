@@ -27,7 +27,7 @@ LAYOUT := $(shell find jaxring -name '*.py' -not -path '*/__pycache__/*' 2>/dev/
 # namespaces stay together): the whole suite in 14 to 16 minutes on 2 cores (docs/benchmarks.md).
 PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 
-.PHONY: demo test install clean bench doctor tcmalloc gpu-check FORCE
+.PHONY: demo test install clean bench doctor tcmalloc gpu-check docs FORCE
 FORCE:
 demo: install
 	$(PY) -m jaxring demo
@@ -64,6 +64,17 @@ $(EXT_STAMP): $(DEPS_STAMP) $(EXT_SOURCES) $(LAYOUT_STAMP)
 
 bench: install
 	$(PY) -m jaxring bench collectives
+
+# The docs site into docs/_build/html (Sphinx, MyST, the book theme; API pages from the
+# docstrings, so jaxring is installed first), warnings as errors. The packages are pyproject's
+# `docs` extra, installed into the venv without reinstalling jaxring.
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): pyproject.toml | $(PY)
+	reqs=$$(python3 tools/extra_requirements.py docs) && $(PIP) install -q $$reqs
+	touch $@
+
+docs: install $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
 
 doctor: install
 	$(PY) -m jaxring doctor
