@@ -32,7 +32,7 @@ from jaxring._src.train.step import train_step as train_step
 
 # Submodules with heavier imports (MPI, the input pipeline, benchmarks) load on first attribute
 # access, so that `import jaxring as jr; jr.distributed.initialize()` works as written.
-_LAZY_SUBMODULES = ("bench", "data", "distributed")
+_LAZY_SUBMODULES = ("bench", "data", "distributed", "train")
 
 
 def __getattr__(name: str):
