@@ -36,7 +36,7 @@
 #define JAXRING_FOR_EACH_HOST_TARGET(X) X("launch_mark", JaxringLaunchMark)
 
 // Their instantiate stage, and the type of the state it makes (a call site), which Python
-// registers with XLA before the targets.
+// registers with XLA before the targets (cpu_rendezvous.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxringLocalCallSiteCpu);
 namespace jaxring {
 const void* CallSiteTypeId();    // XLA_FFI_TypeId*
