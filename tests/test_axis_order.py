@@ -76,19 +76,19 @@ def test_pmean_and_the_tangents_of_a_ring_take_the_same_order():
 
 
 def test_a_profile_is_found_for_the_same_axes_in_any_order(tmp_path, monkeypatch):
-  from jaxring._src import cost_model
+  from jaxring._src import profiles
   from jaxring._src.algorithms.planner import find_profile_for
   monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
-  key = cost_model.profile_key(("node", "local"), (4, 2), "xla", 1, jax.default_backend())
-  fit = cost_model.Fit("hierarchical", ("Codec()", "Codec()"), 0.0, 1e-12)
-  prof = cost_model.Profile(key, (fit,), "now")
-  cost_model.save_profile(prof)
+  key = profiles.profile_key(("node", "local"), (4, 2), "xla", 1, jax.default_backend())
+  fit = profiles.Fit("hierarchical", ("Codec()", "Codec()"), 0.0, 1e-12)
+  prof = profiles.Profile(key, (fit,), "now")
+  profiles.save_profile(prof)
   assert find_profile_for(("local", "node"), (2, 4)) == prof
   assert find_profile_for(("node", "local"), (4, 2)) == prof
   assert find_profile_for(("node", "local"), (2, 4)) is None    # other sizes: another mesh
   # a profile written with the caller's order (before keys were sorted) is found too
-  old = cost_model.Profile(dict(key, axes=["node", "local"], sizes=[4, 2]), (fit,), "then")
-  with cost_model.use_profile(old):
+  old = profiles.Profile(dict(key, axes=["node", "local"], sizes=[4, 2]), (fit,), "then")
+  with profiles.use_profile(old):
     assert find_profile_for(("local", "node"), (2, 4)) == old
 
 

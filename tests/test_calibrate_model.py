@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxring
-from jaxring._src import calibrate, cost_model, timing
+from jaxring._src import calibrate, profiles, timing
 from jaxring._src.algorithms import planner
 
 MiB = 1 << 20
@@ -18,11 +18,11 @@ KEY_TOPK = planner.codec_key([NONE, TOPK])
 
 def _fit(algorithm, key, points):
   sizes, seconds = zip(*points)
-  return cost_model.Fit.from_points(algorithm, key, sizes, seconds)
+  return profiles.Fit.from_points(algorithm, key, sizes, seconds)
 
 
 def _profile(*fits):
-  return cost_model.Profile(cost_model.profile_key(("node", "local"), (4, 2), "xla", 4, "cpu"),
+  return profiles.Profile(profiles.profile_key(("node", "local"), (4, 2), "xla", 4, "cpu"),
                             tuple(fits))
 
 
@@ -36,7 +36,7 @@ def test_predict_interpolates_between_points_and_extends_the_end_segments():
   assert fit.predict(0) == 0.0
   # the least-squares line stays in the profile for people: not what predict follows
   assert fit.predict(3e6) != pytest.approx(fit.alpha + fit.beta * 3e6)
-  line = cost_model.Fit("ring", ("a",), 1.0, 2e-6)       # no points: the line
+  line = profiles.Fit("ring", ("a",), 1.0, 2e-6)       # no points: the line
   assert line.predict(1e6) == pytest.approx(3.0)
 
 
@@ -98,14 +98,14 @@ def test_choices_report_auto_per_spelling_and_profile_json_is_readable(tmp_path)
   dense_hier = _fit("hierarchical", KEY_NONE, [(MiB, 0.02), (32 * MiB, 0.6)])
   xla = _fit("xla", KEY_NONE, [(MiB, 0.03), (32 * MiB, 0.5)])
   topk_hier = _fit("hierarchical", KEY_TOPK, [(MiB, 0.033), (32 * MiB, 0.150)])
-  prof = cost_model.Profile(_profile().key, (xla, dense_hier, topk_hier), "now",
+  prof = profiles.Profile(_profile().key, (xla, dense_hier, topk_hier), "now",
                             {"codecs": ["none", "topk"], "levels": ["local", "node"]})
   assert calibrate.choices(prof, [MiB, 32 * MiB]) == {
       MiB: {"none": "hierarchical", "topk": "hierarchical"},
       32 * MiB: {"none": "xla", "topk": "hierarchical"}}
   text = prof.to_json()
   assert json.loads(text)["fits"][0]["seconds"] == [0.03, 0.5] and "\n" in text
-  assert cost_model.Profile.from_json(text).meta["levels"] == ["local", "node"]
+  assert profiles.Profile.from_json(text).meta["levels"] == ["local", "node"]
 
 
 @pytest.mark.slow
@@ -324,7 +324,7 @@ def _timed_counting_barriers(codecs, sizes):
     target = calibrate.targets.target(mesh, ("node", "local"))
     waits = []
     target.barrier = lambda: waits.append(1)
-    key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
+    key = profiles.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
     inputs = {n: target.input(n // 4) for n in sizes}
     plans, _, first, raw, norms = calibrate._time_candidates(target, key, codecs, sizes, inputs,
                                                              1, 1, None)
@@ -371,16 +371,16 @@ def test_topk_is_timed_with_the_chunk_norms_plan_this_calibration_chooses_not_a_
   with jaxring.use_topology(jaxring.Topology((jaxring.Level("local", 4),
                                               jaxring.Level("node", 2, 1.25e8, 1e-4)))):
     target = calibrate.targets.target(mesh, ("node", "local"))
-    key = cost_model.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
+    key = profiles.profile_key(target.axes, target.sizes, target.transport, 1, "cpu")
     sizes = (1 << 10, 64 << 10)
     inputs = {n: target.input(n // 4) for n in sizes}
     none = planner.codec_key([planner.codec_for(None, g.name, np.float32) for g in target.groups])
     # a stale profile in which the ring is 10,000x faster than anything at every size
-    stale = cost_model.Profile(key, tuple(
-        cost_model.Fit.from_points(a, none, sizes, [t, t])
+    stale = profiles.Profile(key, tuple(
+        profiles.Fit.from_points(a, none, sizes, [t, t])
         for a, t in (("xla", 1.0), ("ring", 1e-4), ("hierarchical", 1.0))),
         meta={"levels": ["local", "node"]})
-    with cost_model.use_profile(stale):
+    with profiles.use_profile(stale):
       plans, compiled, _, _, norms = calibrate._time_candidates(target, key, ("topk",), sizes,
                                                                inputs, 1, 1, None)
       topk = next(i for i, (_, c) in enumerate(plans) if calibrate._sparsifying(c))

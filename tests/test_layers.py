@@ -23,7 +23,8 @@ LAYERS = {
     "algorithms": 3,      # planner, engine, ring, hierarchical
     "codecs": 2,
     "transport": 2,
-    "cost_model": 2,
+    "cost_model": 2,      # the alpha-beta formulas (tools and the simulator read them)
+    "profiles": 2,        # measured profiles: what auto reads, where calibration keeps them
     "ext": 1,             # the native kernels and their references
     "topology": 1,
     "vma": 0,

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxring
-from jaxring._src import cost_model
+from jaxring._src import cost_model, profiles
 from jaxring._src.algorithms.planner import MARGIN, make_plan
 
 LOCAL = jaxring.Level("local", 4, 100e9, 5e-6)
@@ -66,16 +66,16 @@ def _profile(axes, sizes, lines, codecs=None):
   from jaxring._src.algorithms import planner
   groups, _, _ = planner.levels_for(tuple(axes), tuple(sizes), mesh_names=tuple(axes))
   key = planner.codec_key([planner.codec_for(codecs, g.name, jnp.float32) for g in groups])
-  return cost_model.Profile(
-      cost_model.profile_key(axes, sizes, "xla", 1, "cpu"),
-      tuple(cost_model.Fit(a, key, alpha, beta) for a, (alpha, beta) in lines.items()))
+  return profiles.Profile(
+      profiles.profile_key(axes, sizes, "xla", 1, "cpu"),
+      tuple(profiles.Fit(a, key, alpha, beta) for a, (alpha, beta) in lines.items()))
 
 
 def test_auto_follows_the_measured_profile_with_its_crossover():
   # native: cheap to start, slow per byte; hierarchical: the reverse; crossover at 1 MiB
   prof = _profile(("node", "local"), (2, 4), {"xla": (1e-4, 2e-9), "hierarchical": (1.1e-3, 1.05e-9),
                                               "ring": (5e-3, 3e-9)})
-  with cost_model.use_profile(prof):
+  with profiles.use_profile(prof):
     assert _plan(("node", "local"), (2, 4), 64 << 10).kind == "xla"
     assert _plan(("node", "local"), (2, 4), 32 << 20).kind == "hierarchical"
     assert _plan(("d",), (8,), 32 << 20).kind == "xla"   # another set of axes: not measured
@@ -83,10 +83,10 @@ def test_auto_follows_the_measured_profile_with_its_crossover():
 
 def test_auto_leaves_its_default_only_for_a_measured_gain_above_the_margin():
   prof = _profile(("node", "local"), (2, 4), {"xla": (0.0, 1.0e-9), "hierarchical": (0.0, 0.98e-9)})
-  with cost_model.use_profile(prof):
+  with profiles.use_profile(prof):
     assert _plan(("node", "local"), (2, 4), 32 << 20).kind == "xla"   # 2%: noise
   prof = _profile(("node", "local"), (2, 4), {"xla": (0.0, 1.0e-9), "hierarchical": (0.0, 0.96e-9)})
-  with cost_model.use_profile(prof):
+  with profiles.use_profile(prof):
     assert _plan(("node", "local"), (2, 4), 32 << 20).kind == "hierarchical"
 
 
@@ -95,7 +95,7 @@ def test_auto_with_a_codec_reads_that_codecs_lines_only():
   comp = {"node": int8}
   prof = _profile(("node", "local"), (2, 4), {"ring": (1e-4, 1e-10), "hierarchical": (1e-3, 1e-9)},
                   codecs=comp)
-  with cost_model.use_profile(prof):
+  with profiles.use_profile(prof):
     assert _plan(("node", "local"), (2, 4), 32 << 20, compression=comp).kind == "ring"
     # bf16 was not measured: the default for a lossy codec over two levels
     bf = {"node": jaxring.codecs.bf16()}
@@ -104,17 +104,17 @@ def test_auto_with_a_codec_reads_that_codecs_lines_only():
 
 def test_profile_round_trips_through_its_json_and_the_cache(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
-  fit = cost_model.Fit.from_points("ring", ("a",), [1e6, 2e6, 4e6], [0.003, 0.005, 0.009])
+  fit = profiles.Fit.from_points("ring", ("a",), [1e6, 2e6, 4e6], [0.003, 0.005, 0.009])
   assert fit.alpha == pytest.approx(1e-3) and fit.beta == pytest.approx(2e-9)
-  prof = cost_model.Profile(cost_model.profile_key(("i",), (8,), "xla", 1, "cpu"), (fit,), "now")
-  path = cost_model.save_profile(prof)
+  prof = profiles.Profile(profiles.profile_key(("i",), (8,), "xla", 1, "cpu"), (fit,), "now")
+  path = profiles.save_profile(prof)
   assert path.parent == tmp_path / "profiles" and json.loads(path.read_text())["fits"][0]["beta"]
-  assert cost_model.find_profile(prof.key) == prof
+  assert profiles.find_profile(prof.key) == prof
   monkeypatch.setenv("JAXRING_PROFILE", "off")
-  assert cost_model.find_profile(prof.key) is None
+  assert profiles.find_profile(prof.key) is None
   monkeypatch.setenv("JAXRING_PROFILE", str(path))
-  other = cost_model.profile_key(("i",), (4,), "xla", 1, "cpu")
-  assert cost_model.find_profile(other) is None   # a profile of other axes is never used
+  other = profiles.profile_key(("i",), (4,), "xla", 1, "cpu")
+  assert profiles.find_profile(other) is None   # a profile of other axes is never used
 
 
 def test_auto_with_lossy_codec_never_picks_native():
@@ -245,7 +245,7 @@ def test_calibrate_measures_every_candidate_and_auto_then_follows_it(tmp_path, m
       ("xla", "Codec()"), ("ring", "Codec()"), ("hierarchical", "Codec()"), ("ring", int8),
       ("hierarchical", int8)}
   assert all(len(f.seconds) == 2 and min(f.seconds) > 0 and f.beta >= 0 for f in prof.fits)
-  assert json.loads(cost_model.profile_path(prof.key).read_text())["key"]["axes"] == [
+  assert json.loads(profiles.profile_path(prof.key).read_text())["key"]["axes"] == [
       "local", "node"]   # sorted: the same axes in any order run the same plans
   from jaxring._src.algorithms.planner import find_profile_for
   assert find_profile_for(("local", "node"), (4, 2)) == prof == find_profile_for(
@@ -289,7 +289,7 @@ def test_topk_chunk_norms_take_the_lossless_plan_auto_measured_fastest():
   native_out, native_calls = run()
   prof = _profile(("node", "local"), (2, 4), {"xla": (1e-2, 1e-9), "hierarchical": (1e-3, 1e-9),
                                               "ring": (5e-3, 1e-9)})
-  with cost_model.use_profile(prof):
+  with profiles.use_profile(prof):
     planned_out, planned_calls = run()
   assert native_calls == 1 and planned_calls == 0
   np.testing.assert_allclose(planned_out, native_out, rtol=1e-6, atol=1e-6)

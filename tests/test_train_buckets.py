@@ -116,12 +116,12 @@ MiB = 1 << 20
 
 
 def _profile(axes, sizes, lines):
-  from jaxring._src import cost_model
+  from jaxring._src import profiles
   from jaxring._src.algorithms import planner
   groups = planner.levels_for(tuple(axes), tuple(sizes))[0]
   key = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in groups])
-  fits = tuple(cost_model.Fit.from_points(a, key, *zip(*pts)) for a, pts in lines.items())
-  return cost_model.Profile(cost_model.profile_key(axes, sizes, "xla", 1, "cpu"), fits)
+  fits = tuple(profiles.Fit.from_points(a, key, *zip(*pts)) for a, pts in lines.items())
+  return profiles.Profile(profiles.profile_key(axes, sizes, "xla", 1, "cpu"), fits)
 
 
 # xla: 20 ms at 1 MiB, 0.6 s at 32 MiB; hierarchical: cheaper small, dearer large
@@ -175,7 +175,7 @@ def test_auto_bucket_bytes_keeps_the_default_within_the_margin():
 
 
 def test_auto_bucket_bytes_reads_the_bound_axes_and_the_profile_auto_reads():
-  from jaxring._src import cost_model
+  from jaxring._src import profiles
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   # one level: the ring is the lossless alternative to the native all-reduce
   prof = _profile(("data",), (8,), {"xla": LINES["xla"], "ring": LINES["hierarchical"]})
@@ -188,9 +188,9 @@ def test_auto_bucket_bytes_reads_the_bound_axes_and_the_profile_auto_reads():
     jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"),
                                  out_specs=jax.P("data")))(jnp.zeros(8))
 
-  with cost_model.use_profile(prof):
+  with profiles.use_profile(prof):
     trace()
   assert got[0].bucket_bytes == MiB and got[0].algorithms == ("ring",) * 32
-  with cost_model.use_profile(None):
+  with profiles.use_profile(None):
     trace()
   assert got[1] == jt_buckets.BucketChoice(25 << 20)

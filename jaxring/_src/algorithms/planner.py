@@ -1,7 +1,7 @@
 """Turns (axes, message size, topology, codec, algorithm) into a plan: which algorithm, which groups.
 
 ``auto`` picks the plan a measured profile of these axes says is fastest (``jaxring calibrate``,
-jaxring._src.cost_model.find_profile). Without one it keeps the native collective for lossless
+jaxring._src.profiles.find_profile). Without one it keeps the native collective for lossless
 reductions (the only choice that is never slower than the user's ``lax.psum``), and for a lossy
 codec the ring, hierarchical over several levels (the native collectives cannot compress).
 """
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxring._src import cost_model
+from jaxring._src import profiles
 from jaxring._src import topology as topo_mod
 from jaxring._src.algorithms import base
 from jaxring._src.algorithms.base import Plan, PlanRequest
@@ -292,9 +292,9 @@ def reduction_seconds(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, a
 
 
 def find_profile_for(axes: tuple, sizes: tuple[int, ...], transport: str = "xla"):
-  """The profile ``auto`` reads for these axes (``cost_model.find_profile``), or None."""
-  key = cost_model.profile_key(axes, sizes, transport, jax.process_count(), jax.default_backend())
-  return cost_model.find_profile(key)
+  """The profile ``auto`` reads for these axes (``profiles.find_profile``), or None."""
+  key = profiles.profile_key(axes, sizes, transport, jax.process_count(), jax.default_backend())
+  return profiles.find_profile(key)
 
 
 #: The measured gain a profile must show before ``auto`` leaves its default plan. It is also the

@@ -1,6 +1,6 @@
 """Measured planning: time every candidate plan on the real mesh, fit its cost line, keep it.
 
-``auto`` (the planner) reads the profile this writes (jaxring._src.cost_model.find_profile). Each
+``auto`` (the planner) reads the profile this writes (jaxring._src.profiles.find_profile). Each
 candidate is ``jaxring.psum`` of f32 over the axes with one algorithm (``xla``, ``ring``,
 ``hierarchical``) and one codec, the codec on the slowest level only over several levels (the
 BlueConnect way: ``compression={"node": codec}``), timed at a few sizes (the median of a few
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxring._src import cost_model, timing
+from jaxring._src import profiles, timing
 from jaxring._src.algorithms import planner
 from jaxring._src.algorithms.base import candidates as plan_candidates
 from jaxring._src.calibrate import targets
@@ -166,7 +166,7 @@ def _compiled(program, x):
 
 
 def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmup: int,
-                   log) -> tuple[cost_model.Profile, dict]:
+                   log) -> tuple[profiles.Profile, dict]:
   """The lossless plans timed at the sizes a sparsifying codec's chunk norms take, as the
   profile under which its programs are traced, and ``{size index: {plan index: this process's
   seconds of each call}}``: the first timing at those sizes, where only lossless plans are
@@ -193,9 +193,9 @@ def _norms_profile(target, key, plans, compiled, sizes, inputs, reps: int, warmu
     timed[j] = dict(zip(lossless, times))
   seconds = np.asarray(target.broadcast(seconds), np.float64)
   none = planner.codec_key([planner.codec_for(None, g.name, jnp.float32) for g in target.groups])
-  fits = tuple(cost_model.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
+  fits = tuple(profiles.Fit.from_points(plans[i][0], none, [sizes[j] for j in small], row)
                for i, row in zip(lossless, seconds))
-  profile = cost_model.Profile(key, fits, meta={"levels": [str(g.name) for g in target.groups]})
+  profile = profiles.Profile(key, fits, meta={"levels": [str(g.name) for g in target.groups]})
   if log is not None:
     log("chunk norms: " + ", ".join(
         f"{n} B by {plan['none']}" for n, plan in choices(profile, _norm_sizes(plans, sizes),
@@ -228,7 +228,7 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
   norms, done = None, {}
   if any(_sparsifying(c) for _, c in plans):
     norms, done = _norms_profile(target, key, plans, compiled, sizes, inputs, reps, warmup, log)
-    with cost_model.use_profile(norms):
+    with profiles.use_profile(norms):
       compiled = [row if row is not None else compile_row(a, c)
                   for (a, c), row in zip(plans, compiled)]
   t_compiled = time.perf_counter()
@@ -264,7 +264,7 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
               sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] = DEFAULT_CODECS,
               reps: int = 3, warmup: int = 1, reuse: bool = True, save: bool = True,
-              log=None) -> cost_model.Profile:
+              log=None) -> profiles.Profile:
   """Times the candidate plans of ``psum`` over ``axes`` and returns (and keeps) their profile.
 
   Collective: every process of the job calls it, with the same arguments.
@@ -291,7 +291,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     log: a callable receiving one line per measured plan (e.g. ``print``).
 
   Returns:
-    The :class:`~jaxring._src.cost_model.Profile`; ``auto`` uses it from now on (and in later
+    The :class:`~jaxring._src.profiles.Profile`; ``auto`` uses it from now on (and in later
     processes, through the cache).
 
   Raises:
@@ -306,10 +306,10 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   if isinstance(axes, str):
     axes = (axes,)
   target = targets.target(mesh, axes)
-  key = cost_model.profile_key(target.axes, target.sizes, target.transport, jax.process_count(),
+  key = profiles.profile_key(target.axes, target.sizes, target.transport, jax.process_count(),
                                jax.default_backend())
   if reuse:
-    cached = cost_model.find_profile(key)
+    cached = profiles.find_profile(key)
     digest = cached.digest() if cached else -1
     # every process takes part, cached or not; the largest of d and of -d is d, -d: all alike
     if target.most([digest, -digest]) == [digest, -digest] and cached is not None:
@@ -339,7 +339,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
   for (algorithm, comp), seconds in zip(plans, table):
     codec_names = planner.codec_key(
         [planner.codec_for(comp, g.name, jnp.float32) for g in target.groups])
-    fits.append(cost_model.Fit.from_points(algorithm, codec_names, *zip(*(
+    fits.append(profiles.Fit.from_points(algorithm, codec_names, *zip(*(
         (n, float(t)) for n, t in zip(sizes, seconds) if np.isfinite(t)))))
   del inputs, compiled
   meta = {"statistic": f"median of {reps} to {QUICK_REPS_FACTOR * reps} calls ({3 * reps} below "
@@ -353,7 +353,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
                        f"all its calls)",
           "codecs": list(codecs), "levels": [str(g.name) for g in target.groups],
           "seconds_to_calibrate": round(time.perf_counter() - t0, 1)}
-  profile = cost_model.Profile(key, tuple(fits),
+  profile = profiles.Profile(key, tuple(fits),
                                datetime.datetime.now(datetime.timezone.utc).isoformat(), meta)
   if norms is not None:
     # the chunk norms' plan the sparsifying codec was timed with, and the one it will run with
@@ -366,7 +366,7 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
         log(f"chunk norms: timed with {meta['chunk_norms']}, this profile picks "
             f"{meta['chunk_norms_now']}")
   if save:
-    cost_model.save_profile(profile)
+    profiles.save_profile(profile)
   return profile
 
 
@@ -374,7 +374,7 @@ def _label(comp) -> str:
   return "none" if comp is None else _codec_of(comp).name
 
 
-def choices(profile: cost_model.Profile, sizes: Sequence[int],
+def choices(profile: profiles.Profile, sizes: Sequence[int],
             codecs: Sequence[str] | None = None) -> dict[int, dict[str, str]]:
   """What ``auto`` picks from ``profile`` per size and codec spelling (for reports).
 

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
   import jax
 
   from jaxring._src import calibrate as calib
-  from jaxring._src import cost_model
+  from jaxring._src import profiles
   from jaxring._src.tools.bench import common
   mesh, axes = _mesh(args)
   sizes = ([common.parse_size(s) for s in args.sizes.split(",")] if args.sizes
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
                             reps=args.reps, reuse=not args.fresh, log=log)
   took = time.perf_counter() - t0
   if me == 0:
-    print(f"# {took:.1f} s; profile: {cost_model.profile_path(profile.key)}")
+    print(f"# {took:.1f} s; profile: {profiles.profile_path(profile.key)}")
     print("# auto picks (bytes per device -> codecs of the levels: algorithm):")
     for nbytes, row in calib.choices(profile, sizes).items():
       print(f"  {common.fmt_bytes(nbytes):>7}: " + "; ".join(f"{k}: {v}" for k, v in row.items()))

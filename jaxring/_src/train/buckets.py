@@ -211,7 +211,7 @@ def auto_bucket_bytes(leaves: Sequence, forward_order: Sequence[int], axes, *,
     overlap: whether buckets are reduced inside backprop (``train_step(overlap=...)``).
     axis_sizes, transport: the axes' sizes and transport name; None: read from the axes bound
       where this is called (inside the step's ``shard_map``, or an MPI-bound name).
-    profile: a ``cost_model.Profile``, None for none, or ``"find"``: the one ``auto`` reads.
+    profile: a ``profiles.Profile``, None for none, or ``"find"``: the one ``auto`` reads.
     candidates: the bucket sizes considered (bytes).
 
   Returns:

@@ -56,10 +56,10 @@ README_LABEL = "(local, node)"
 
 def uncalibrated(body):
   """``body`` traced as on a fresh install: no calibrated profile for ``auto`` to read."""
-  from jaxring._src import cost_model
+  from jaxring._src import profiles
 
   def traced(v):
-    with cost_model.use_profile(None):
+    with profiles.use_profile(None):
       return body(v)
   return traced
 

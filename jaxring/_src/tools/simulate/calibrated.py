@@ -45,7 +45,7 @@ import re
 
 import numpy as np
 
-from jaxring._src import cost_model
+from jaxring._src import cost_model, profiles
 
 LEVELS = ("local", "node")
 CODECS = ("bf16", "int8", "topk")
@@ -376,8 +376,8 @@ def norms_plans(profile: dict):
   as the native all-reduce, top-k's cost per call was fitted at 0, the least-squares bound."""
   from jaxring._src.calibrate import choices
 
-  prof = cost_model.Profile(profile.get("key", {}), tuple(
-      cost_model.Fit.from_points(f["algorithm"], f["codecs"], f["sizes"], f["seconds"])
+  prof = profiles.Profile(profile.get("key", {}), tuple(
+      profiles.Fit.from_points(f["algorithm"], f["codecs"], f["sizes"], f["seconds"])
       for f in profile["fits"]), meta={"levels": list(LEVELS)})
 
   @functools.lru_cache(maxsize=None)
