@@ -50,3 +50,90 @@ def test_bench_cluster_wire_ratio_is_the_codecs_own_arithmetic():
   # int8: one byte per value plus one f32 scale per 256-value block
   assert cluster._wire_ratio("int8") == pytest.approx((n + 4 * n / 256) / (4 * n))
   assert cluster._wire_ratio("topk") == codecs.topk_chunks(0.01).compression_ratio(jnp.float32, n)
+
+
+def test_the_registry_lists_the_spellings_and_the_default_sweep():
+  from jaxring._src.codecs import base
+  assert base.sweep() == ("none", "bf16", "int8", "topk")           # fp16 is not swept
+  assert base.sweep(per_hop=True) == ("none", "bf16", "int8")       # top-k wraps the all-reduce
+  assert base.spellings() == ("none", "bf16", "fp16", "int8", "topk", "topk_chunks")
+  assert [base.name_of(codecs.parse(s)) for s in base.spellings()] == [
+      "none", "bf16", "fp16", "int8", "topk", "topk"]
+
+
+@pytest.mark.parametrize("codec", [codecs.none(), codecs.bf16(), codecs.fp16(32),
+                                   codecs.int8(64, True),
+                                   codecs.topk_chunks(0.05, 1024, codecs.int8(128))])
+def test_a_profiles_codec_string_reads_back_into_the_codec(codec):
+  from jaxring._src.codecs import base
+  assert base.from_repr(repr(codec)) == codec
+
+
+@pytest.mark.parametrize("text", ["Nope()", "Int8(256)", "Int8(block_size=len('x'))", "Int8(",
+                                  "os.system('x')"])
+def test_from_repr_refuses_what_is_no_codecs_repr(text):
+  from jaxring._src.codecs import base
+  with pytest.raises(ValueError, match="not a codec's repr"):
+    base.from_repr(text)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+  """A codec registered for one test (and removed after): a nibble per value, swept."""
+  import dataclasses
+
+  from jaxring._src.codecs import base
+  from jaxring._src.tools.simulate import calibrated  # noqa: F401 (its NAMES: the sweep before)
+  monkeypatch.setattr(base, "_SPELLINGS", dict(base._SPELLINGS))
+  monkeypatch.setattr(base, "_CLASSES", dict(base._CLASSES))
+
+  @dataclasses.dataclass(frozen=True)
+  class Toy(base.Codec):
+    __qualname__ = "Toy"
+    name = "toy"
+    lossy = True
+    bits: int = 4
+
+    def wire_bytes(self, n, dtype=jnp.float32):
+      return -(-int(n) * self.bits // 8)
+
+  @base.spelling("toy[:bits]", "toy", sweep=True)
+  def _read(args, inner):
+    base.no_inner("toy", inner)
+    return Toy(*map(int, args))
+  return Toy
+
+
+def test_a_registered_codec_is_parsed_swept_and_read_back(toy):
+  from jaxring._src.codecs import base
+  assert codecs.parse("toy:2") == toy(2)
+  assert base.sweep() == ("none", "bf16", "int8", "topk", "toy")
+  assert base.sweep(per_hop=True)[-1] == "toy" and "toy" in base.spellings()
+  assert "toy[:bits]" in base.grammar()
+  assert base.from_repr(repr(toy(2))) == toy(2) and base.name_of(toy(2)) == "toy"
+
+
+def _codecs_option(main, argv, capsys, monkeypatch):
+  """The ``--codecs`` (or ``--compression``) entry of a command's ``--help``, unwrapped."""
+  monkeypatch.setenv("COLUMNS", "2000")
+  with pytest.raises(SystemExit):
+    main([*argv, "--help"])
+  out = capsys.readouterr().out
+  start = max(out.find("\n  --codecs "), out.find("\n  --compression "))
+  return out[start:].split("\n  -")[1].replace("\n", " ")
+
+
+@pytest.mark.parametrize("command", ["calibrate", "simulate", "bench cluster", "cluster_worker",
+                                     "fsdp", "fsdp_worker", "convergence", "collectives"])
+def test_a_registered_codec_appears_in_every_commands_defaults_and_help(command, toy, capsys,
+                                                                         monkeypatch):
+  import importlib
+  module = {"calibrate": "calibrate", "simulate": "simulate.cli", "bench cluster": "bench.cluster"
+            }.get(command, f"bench.{command}")
+  mod = importlib.import_module(f"jaxring._src.tools.{module}")
+  main = (lambda argv: mod._parser().parse_args(argv)) if hasattr(mod, "_parser") else mod.main
+  argv = {"cluster_worker": ["--mode", "jax"], "fsdp_worker": ["--part", "train"]}.get(command, [])
+  line = _codecs_option(main, argv, capsys, monkeypatch)
+  assert "toy[:bits]" in line, line                     # the help names the registered spellings
+  if command != "collectives":                          # its default is none, not a sweep
+    assert "toy)" in line or "toy;" in line, line       # ... and the default sweep has it

@@ -178,6 +178,57 @@ def test_calibrated_fit_recovers_the_coefficients_and_moves_to_another_link_rate
           truth.all_reduce_seconds(*plan, 8 << 20, rate), rel=1e-6)
 
 
+@pytest.fixture
+def toy(monkeypatch):
+  """A codec registered for one test (and removed after): a nibble per value, swept."""
+  import jax.numpy as jnp
+
+  from jaxring._src.codecs import base
+  from jaxring._src.tools.simulate import calibrated  # noqa: F401 (its NAMES: the sweep before)
+  monkeypatch.setattr(base, "_SPELLINGS", dict(base._SPELLINGS))
+  monkeypatch.setattr(base, "_CLASSES", dict(base._CLASSES))
+
+  @dataclasses.dataclass(frozen=True)
+  class Toy(base.Codec):
+    __qualname__ = "Toy"
+    name = "toy"
+    lossy = True
+    bits: int = 4
+
+    def wire_bytes(self, n, dtype=jnp.float32):
+      return -(-int(n) * self.bits // 8)
+
+  @base.spelling("toy[:bits]", "toy", sweep=True)
+  def _read(args, inner):
+    return Toy(*map(int, args))
+  return Toy
+
+
+def test_a_registered_codecs_wire_comes_from_the_codec_and_its_coefficients_are_fitted(
+    toy, monkeypatch):
+  from jaxring._src.tools.simulate import calibrated, validate
+  text = repr(toy(2))                                  # how a profile names it: "Toy(bits=2)"
+  assert calibrated.codec_spelling(text) == "toy"
+  assert calibrated.wire_of(text) == calibrated.Wire(2 / 32)   # its wire_bytes: 2 bits of 32
+  assert calibrated._wire("toy") == calibrated.Wire(4 / 32)    # the spelling at its defaults
+  assert validate.plan_of("jaxring hierarchical toy") == ("hierarchical", "toy")
+  sizes, link = (2, 4), 125e6
+  truth = calibrated.Calibrated(sizes, {
+      **dict.fromkeys(calibrated.NAMES, 0.0), "alpha_local": 1e-3, "alpha_node": 2e-3,
+      "alpha_ring": 1.3e-3, "beta_local": 3e-9, "beta_node": 2e-9, "alpha_native": 8e-3,
+      "link_native": 1.8, "kappa_int8": 4e-9, "gamma_int8": 5e-3, "kappa_toy": 6e-9,
+      "gamma_toy": 4e-3}, wires={"toy": calibrated.Wire(2 / 32)})
+  monkeypatch.setitem(calibrated._DEFAULT, "toy", text)
+  plans = PLANS + [("ring", "toy"), ("hierarchical", "toy")]
+  model = calibrated.fit(_profile(truth, sizes, link, plans), sizes, link)
+  assert model.wires["toy"] == calibrated.Wire(2 / 32)
+  assert model.coef["kappa_toy"] == pytest.approx(6e-9, rel=1e-6)
+  assert model.coef["gamma_toy"] == pytest.approx(4e-3, rel=1e-6)
+  for rate in (62.5e6, 250e6):
+    assert model.all_reduce_seconds("ring", "toy", 8 << 20, rate) == pytest.approx(
+        truth.all_reduce_seconds("ring", "toy", 8 << 20, rate), rel=1e-6)
+
+
 def test_a_point_timed_far_slower_than_the_others_fit_is_left_out_and_a_faster_one_kept():
   """One MPI-shape calibration timed the flat ring with bf16 at 547 ms for 32 MiB (its row: 275);
   fitted through, it moved every bf16 plan's prediction. Slow phases only add time: a point far

@@ -25,6 +25,7 @@ from jaxring._src.algorithms import planner
 from jaxring._src.algorithms.base import candidates as plan_candidates
 from jaxring._src.calibrate import targets
 from jaxring._src.codecs.base import parse as parse_codec
+from jaxring._src.codecs.base import sweep
 
 # Log-spaced over what gradient buckets and psums take: 1 KiB pins the per-call latency (a step's
 # statistics, losses, chunk norms), 64 KiB small buckets and top-k's packed chunks, 32 MiB the
@@ -43,7 +44,9 @@ QUICK_S = 0.1
 QUICK_BUDGET_S = 1.0
 #: Top-k's 32 MiB point (~30 ms a call on the emulated cluster) took 24.5-34.5 ms on 9 calls.
 QUICK_REPS_FACTOR = 12
-DEFAULT_CODECS = ("none", "bf16", "int8", "topk")
+#: The codecs timed by default: the codec registry's sweep (``codecs.base.sweep``), as the
+#: codec modules registered it at import; ``calibrate(codecs=None)`` asks the registry anew.
+DEFAULT_CODECS = sweep()
 #: Compressed plans are timed from this size up: below, a call is latency, which the lossless
 #: plans' small points pin (docs/design.md, "What calibration compiles").
 COMPRESSED_FROM = 1 << 20
@@ -262,7 +265,7 @@ def _time_candidates(target, key, codecs, sizes, inputs, reps: int, warmup: int,
 
 
 def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str | None = None, *,
-              sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] = DEFAULT_CODECS,
+              sizes: Sequence[int] = DEFAULT_SIZES, codecs: Sequence[str] | None = None,
               reps: int = 3, warmup: int = 1, reuse: bool = True, save: bool = True,
               log=None) -> profiles.Profile:
   """Times the candidate plans of ``psum`` over ``axes`` and returns (and keeps) their profile.
@@ -275,7 +278,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     axes: the axis names, as the program passes them to ``psum`` (default: all of the mesh's).
     sizes: bytes per device to time the plans at (at least two; compressed plans from
       :data:`COMPRESSED_FROM` up; costs between and beyond are interpolated, ``Fit.predict``).
-    codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans.
+    codecs: codec spellings (``jaxring.codecs.parse``) to time, ``none`` for lossless plans
+      (default: every codec registered for the sweep, ``codecs.base.sweep()``).
     reps, warmup: timed and untimed calls per point (the median is kept; three times ``reps``
       below 4 MiB, above it up to :data:`QUICK_REPS_FACTOR` times where they fit in
       :data:`POINT_BUDGET_S`, or :data:`QUICK_BUDGET_S` for a quick plan: :func:`_counts`).
@@ -305,6 +309,8 @@ def calibrate(mesh: jax.sharding.Mesh | None = None, axes: Sequence[str] | str |
     raise ValueError(f"calibrate: need at least two sizes to interpolate, got {tuple(sizes)}")
   if isinstance(axes, str):
     axes = (axes,)
+  if codecs is None:
+    codecs = sweep()
   target = targets.target(mesh, axes)
   key = profiles.profile_key(target.axes, target.sizes, target.transport, jax.process_count(),
                                jax.default_backend())
@@ -386,7 +392,7 @@ def choices(profile: profiles.Profile, sizes: Sequence[int],
     {1048576: {'none': 'xla', 'int8': 'hierarchical'}}
   """
   if codecs is None:
-    codecs = profile.meta.get("codecs", DEFAULT_CODECS)
+    codecs = profile.meta.get("codecs", sweep())
   levels = len(profile.meta.get("levels", ())) or len(profile.key["axes"])
   out: dict[int, dict[str, str]] = {}
   for nbytes in sizes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import ast
 import dataclasses
 
 import jax.numpy as jnp
@@ -53,6 +54,10 @@ class Codec:
   # sends only part of the values each step (the rest waits in error feedback): momentum and
   # Adam must then run before compression (jaxring.momentum_correction, compressed_adam)
   sparsifying = False
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _CLASSES[cls.__qualname__] = cls   # for from_repr: a profile names codecs by their repr
 
   def applies_to(self, dtype) -> bool:
     """Whether this codec compresses ``dtype``; other dtypes travel uncompressed."""
@@ -139,25 +144,103 @@ def for_dtype(codec: Codec | None, dtype) -> Codec:
   return codec
 
 
-# name -> (grammar, reader): each codec module registers how it is spelled (``spelling``), so a
-# new codec is one file and parse() imports none of them.
-_SPELLINGS: dict[str, tuple[str, Callable[[list[str], Codec | None], Codec]]] = {}
+# name -> (grammar, reader, in the sweep): each codec module registers how it is spelled
+# (``spelling``), so a new codec is one file and parse() imports none of them; calibrate, the
+# benchmarks and the simulator take their codec lists from here (sweep, spellings).
+_SPELLINGS: dict[str, tuple[str, Callable[[list[str], Codec | None], Codec], bool]] = {}
+# class name, as its repr spells it -> codec class (Codec.__init_subclass__), for from_repr
+_CLASSES: dict[str, type] = {"Codec": Codec}
 
 
-def spelling(grammar: str, *names: str):
+def spelling(grammar: str, *names: str, sweep: bool = False):
   """Registers a reader of ``name[:arg...]`` for ``parse``: ``reader(args, inner) -> Codec``.
 
   ``inner`` is the codec after a ``+`` (None without one); a reader that takes none raises.
+  ``sweep``: the first name, with no arguments, is one of the codecs calibration, the
+  benchmarks and the simulator try by default (:func:`sweep`); the other names are aliases.
 
   Example:
-    >>> @spelling("int8[:block_size[:stochastic]]", "int8")  # doctest: +SKIP
+    >>> @spelling("int8[:block_size[:stochastic]]", "int8", sweep=True)  # doctest: +SKIP
     ... def _read(args, inner): ...
   """
   def register(reader):
-    for name in names:
-      _SPELLINGS[name] = (grammar, reader)
+    for i, name in enumerate(names):
+      _SPELLINGS[name] = (grammar, reader, sweep and i == 0)
     return reader
   return register
+
+
+def sweep(*, per_hop: bool = False) -> tuple[str, ...]:
+  """The codec spellings tried by default (``none`` first, then those registered with
+  ``sweep=True``, in registration order): calibration's candidates, the benchmarks' and the
+  simulator's ``--codecs``. ``per_hop``: only the codecs run hop by hop (what ``all_gather``
+  and ``psum_scatter`` take; not top-k, which wraps a whole all-reduce).
+
+  Example:
+    >>> sweep()
+    ('none', 'bf16', 'int8', 'topk')
+    >>> sweep(per_hop=True)
+    ('none', 'bf16', 'int8')
+  """
+  names = ("none", *(name for name, (_, _, swept) in _SPELLINGS.items() if swept))
+  return tuple(n for n in names if not per_hop or getattr(parse(n), "per_hop", True))
+
+
+def spellings() -> tuple[str, ...]:
+  """Every codec name ``parse`` reads (aliases included), ``none`` first.
+
+  Example:
+    >>> spellings()
+    ('none', 'bf16', 'fp16', 'int8', 'topk', 'topk_chunks')
+  """
+  return ("none", *_SPELLINGS)
+
+
+def name_of(codec: Codec | None) -> str:
+  """The registered name of ``codec``'s kind: the first name of the spelling whose reader, with
+  no arguments, builds a codec of its class (``none`` for None and the identity ``Codec()``).
+
+  Example:
+    >>> name_of(parse("int8:128"))
+    'int8'
+  """
+  if codec is None or type(codec) is Codec:
+    return "none"
+  for name, (_, reader, _) in _SPELLINGS.items():
+    try:
+      default = reader([], None)
+    except (ValueError, TypeError):
+      continue
+    if type(default) is type(codec):
+      return name
+  raise ValueError(f"no spelling of the codec {codec!r}; spellings: {grammar()}")
+
+
+def from_repr(text: str) -> Codec:
+  """The codec whose ``repr`` is ``text``, as a calibration profile names each level's codec
+  (``planner.codec_key``): the class by its name, its dataclass fields as keywords (literals,
+  or codecs themselves); the fields a repr leaves out take their defaults.
+
+  Raises:
+    ValueError: ``text`` is not the repr of a codec class defined in this process.
+
+  Example:
+    >>> from_repr("Int8(block_size=128, stochastic=False)")
+    Int8(block_size=128, stochastic=False)
+  """
+  def build(node):
+    if isinstance(node, ast.Call):
+      cls = _CLASSES.get(node.func.id if isinstance(node.func, ast.Name) else "")
+      if cls is None:
+        raise ValueError(f"{ast.unparse(node.func)} is no codec class")
+      if node.args:
+        raise ValueError("a codec's repr names its fields")
+      return cls(**{k.arg: build(k.value) for k in node.keywords})
+    return ast.literal_eval(node)
+  try:
+    return build(ast.parse(str(text).strip(), mode="eval").body)
+  except (SyntaxError, ValueError, TypeError) as e:
+    raise ValueError(f"not a codec's repr: {text!r} ({e})") from e
 
 
 def no_inner(name: str, inner) -> None:
@@ -165,8 +248,14 @@ def no_inner(name: str, inner) -> None:
     raise ValueError(f"only topk takes a +<codec>, not {name}")
 
 
-def _grammar() -> str:
-  return ", ".join(["none", *dict.fromkeys(g for g, _ in _SPELLINGS.values())])
+def grammar() -> str:
+  """Every spelling ``parse`` reads, with its arguments, for messages and ``--help``.
+
+  Example:
+    >>> grammar()[:36]
+    'none, bf16, fp16[:block_size], int8['
+  """
+  return ", ".join(["none", *dict.fromkeys(g for g, _, _ in _SPELLINGS.values())])
 
 
 def parse(spec: str | Codec | None) -> Codec | None:
@@ -202,8 +291,8 @@ def parse(spec: str | Codec | None) -> Codec | None:
   if name == "none" and not args and not inner:
     return None
   if name not in _SPELLINGS:
-    raise ValueError(f"unknown codec {spec!r}; spellings: {_grammar()}")
+    raise ValueError(f"unknown codec {spec!r}; spellings: {grammar()}")
   try:
     return _SPELLINGS[name][1](args, parse(inner) if inner else None)
   except (ValueError, TypeError) as e:
-    raise ValueError(f"bad codec {spec!r}: {e} (spellings: {_grammar()})") from e
+    raise ValueError(f"bad codec {spec!r}: {e} (spellings: {grammar()})") from e

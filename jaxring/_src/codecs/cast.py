@@ -245,7 +245,7 @@ def fp16(block_size: int = 256) -> Fp16:
   return Fp16(block_size)
 
 
-@spelling("bf16", "bf16")
+@spelling("bf16", "bf16", sweep=True)
 def _read_bf16(args, inner) -> Bf16:
   no_inner("bf16", inner)
   if args:

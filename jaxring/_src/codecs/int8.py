@@ -172,7 +172,7 @@ def int8(block_size: int = 256, stochastic: bool = False) -> Int8:
   return Int8(block_size, stochastic)
 
 
-@spelling("int8[:block_size[:stochastic]]", "int8")
+@spelling("int8[:block_size[:stochastic]]", "int8", sweep=True)
 def _read_int8(args, inner) -> Int8:
   no_inner("int8", inner)
   if len(args) > 2 or args[1:] not in ([], ["stochastic"]):

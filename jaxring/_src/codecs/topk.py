@@ -262,7 +262,7 @@ def topk_chunks(density: float = 0.01, chunk_size: int = 4096, inner: Codec | No
 
 
 @spelling("topk[:density[:chunk_size[:per_tensor|global]]][+bf16|+fp16|+int8...]", "topk",
-          "topk_chunks")
+          "topk_chunks", sweep=True)
 def _read_topk(args, inner) -> TopKChunks:
   if len(args) > 3 or (len(args) == 3 and args[2] not in ("per_tensor", "global")):
     raise ValueError("topk takes a density, a chunk size and the word per_tensor or global")

@@ -23,6 +23,7 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
+  from jaxring._src.codecs.base import grammar, sweep
   ap = argparse.ArgumentParser(prog="jaxring calibrate", description=__doc__.splitlines()[0])
   ap.add_argument("--devices", type=int, default=None, help="emulated CPU devices (one process)")
   ap.add_argument("--mesh", default=None, help="e.g. 2x4 (one process; default: all devices flat)")
@@ -31,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                   "calibrates a flat mesh of every device)")
   ap.add_argument("--sizes", default=None, help="bytes per device, comma-separated (default "
                   "1KiB,64KiB,1MiB,32MiB)")
-  ap.add_argument("--codecs", default="none,bf16,int8,topk")
+  ap.add_argument("--codecs", default=",".join(sweep()),
+                  help=f"codecs to time on the slowest level, comma-separated (default "
+                  f"%(default)s); spellings: {grammar()}")
   ap.add_argument("--reps", type=int, default=3)
   ap.add_argument("--fresh", action="store_true", help="measure even if a profile is cached")
   ap.add_argument("--out", default=None, help="also write the profile to this file")

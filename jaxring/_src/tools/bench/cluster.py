@@ -53,6 +53,7 @@ MARK = "JRB "
 
 
 def _parser() -> argparse.ArgumentParser:
+  from jaxring._src.codecs.base import grammar, sweep
   ap = argparse.ArgumentParser(prog="jaxring bench cluster", description=__doc__.splitlines()[0])
   ap.add_argument("--nodes", type=int, default=4)
   ap.add_argument("--link", default="1gbit", help="tc rate of every node link (default 1gbit)")
@@ -60,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--mib", type=int, default=32, help="MiB of f32 per device (default 32)")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--codecs", default="none,bf16,int8,topk",
-                  help="node-level codecs of the hierarchical contender (none,bf16,int8,topk)")
+  ap.add_argument("--codecs", default=",".join(sweep()),
+                  help=f"node-level codecs of the hierarchical contender, comma-separated (default "
+                  f"%(default)s); spellings: {grammar()}")
   ap.add_argument("--skip", default="", help="comma list of jobs to skip: jax, mpi")
   ap.add_argument("--name", default=None,
                   help="use this existing cluster (not brought up or down); default: bring up "

@@ -357,12 +357,15 @@ def _jaxring_mpi(args, comm, send, ref) -> list:
 
 
 def main(argv=None) -> int:
+  from jaxring._src.codecs.base import grammar, sweep
   ap = argparse.ArgumentParser()
   ap.add_argument("--mode", choices=("jax", "mpi"), required=True)
   ap.add_argument("--mib", type=int, default=32)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--codecs", default="none,bf16,int8,topk")
+  ap.add_argument("--codecs", default=",".join(sweep()),
+                  help=f"node-level codecs, comma-separated (default %(default)s); "
+                  f"spellings: {grammar()}")
   ap.add_argument("--algorithms", default="hierarchical,ring",
                   help="jaxring plans timed, each with every codec (both modes)")
   ap.add_argument("--no-auto", dest="auto", action="store_false",

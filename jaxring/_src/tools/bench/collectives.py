@@ -113,6 +113,7 @@ def _print_size(rows):
 
 
 def main(argv=None) -> int:
+  from jaxring._src.codecs.base import grammar
   ap = argparse.ArgumentParser(prog="jaxring bench collectives", description=__doc__)
   ap.add_argument("--devices", type=int, default=8, help="emulated CPU devices (default 8)")
   ap.add_argument("--mesh", default=None, help="e.g. 2x4 for a (node, local) mesh; default flat")
@@ -122,8 +123,8 @@ def main(argv=None) -> int:
   ap.add_argument("--sizes", default=None, help="comma-separated sizes, overrides min/max")
   ap.add_argument("--algorithms", default=",".join(DEFAULT_ALGOS))
   ap.add_argument("--compression", default="none",
-                  help="comma-separated codecs: none, bf16, fp16, int8:256, topk:0.01, ... "
-                  "(jaxring.codecs.parse; ring/hierarchical/auto only)")
+                  help=f"comma-separated codecs (jaxring.codecs.parse; ring/hierarchical/auto "
+                  f"only): {grammar()}")
   ap.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
   ap.add_argument("--out-dir", default=None, help="where the JSON goes (benchmarks/results)")
   args = ap.parse_args(argv)

@@ -31,7 +31,6 @@ import time
 from jaxring._src.tools.bench.models import MODELS
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw", "lamb")
-CODECS = ("bf16", "int8", "topk")
 LEARNING_RATES = {"sgd": 0.5, "momentum": 0.05, "nesterov": 0.05, "adam": 1e-3, "adamw": 1e-3,
                   "lamb": 5e-3}
 WEIGHT_DECAY = 1e-4   # AdamW and LAMB (decoupled)
@@ -353,6 +352,7 @@ def _clip_norm(text: str) -> float | str | None:
 
 
 def main(argv=None) -> int:
+  from jaxring._src.codecs.base import grammar, sweep
   parser = argparse.ArgumentParser(prog="jaxring bench convergence", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--task", default="digits", choices=sorted(TASKS),
@@ -363,7 +363,9 @@ def main(argv=None) -> int:
                       help="momentum correction's local gradient clipping: 'auto' (default: "
                            "twice each member's running norm), a norm, or 'none'")
   parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-  parser.add_argument("--codecs", default=",".join(CODECS), help="bf16, int8, topk (1%%)")
+  parser.add_argument("--codecs", default=",".join(c for c in sweep() if c != "none"),
+                      help=f"codecs, comma-separated, each against the uncompressed run "
+                      f"(default %(default)s; topk: 1%%); spellings: {grammar()}")
   parser.add_argument("--steps", type=int, default=0, help="0: the task's default")
   parser.add_argument("--chunk-size", type=int, default=0,
                       help="top-k chunk size (0: the task's, 16: 1%% of digits' is 4 chunks)")

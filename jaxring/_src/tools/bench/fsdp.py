@@ -174,6 +174,7 @@ def _summarize(part: str, recs: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
+  from jaxring._src.codecs.base import grammar, sweep
   ap = argparse.ArgumentParser(prog="jaxring bench fsdp", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--parts", default="memory,accuracy,collectives,train")
@@ -190,7 +191,9 @@ def main(argv=None) -> int:
                   help="train: a rate at which the uncompressed FSDP step is network-bound")
   ap.add_argument("--mib", type=int, default=32, help="collectives: f32 MiB per device")
   ap.add_argument("--train-mib", type=int, default=32, help="train: the MLP's parameter MiB")
-  ap.add_argument("--codecs", default="none,bf16,int8")
+  ap.add_argument("--codecs", default=",".join(sweep(per_hop=True)),
+                  help=f"collectives: node-level codecs, comma-separated, run hop by hop "
+                  f"(default %(default)s); spellings: {grammar()}")
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--timeout", type=float, default=900)

@@ -157,12 +157,15 @@ def _train(args, mesh, me):
 
 
 def main(argv=None) -> int:
+  from jaxring._src.codecs.base import grammar, sweep
   ap = argparse.ArgumentParser()
   ap.add_argument("--part", choices=("collectives", "train"), required=True)
   ap.add_argument("--mib", type=int, default=32)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--codecs", default="none,bf16,int8")
+  ap.add_argument("--codecs", default=",".join(sweep(per_hop=True)),
+                  help=f"collectives: node-level codecs, comma-separated, run hop by hop "
+                  f"(default %(default)s); spellings: {grammar()}")
   ap.add_argument("--algorithms", default="hierarchical,ring")
   ap.add_argument("--algorithm", default="hierarchical", help="train: the step's algorithm")
   ap.add_argument("--width", type=int, default=1024, help="train: the MLP's width")

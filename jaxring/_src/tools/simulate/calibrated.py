@@ -21,7 +21,7 @@ carry over to other sizes, link rates and plans:
   (14 hops) where the hierarchical plan took 5-7 (2 local and 6 node hops); one ``alpha_node``
   for both under-predicted the flat ring's top-k by 9-31% (docs/simulations.md).
 - ``kappa_c``, ``gamma_c``: codec ``c``'s encode and decode per f32 byte of the slow level's
-  hops, and its cost per call.
+  hops, and its cost per call (``c`` the codec's registered name, ``codecs.base.name_of``).
 - Top-k chunks: the chunk norms' all-reduce, by the lossless plan ``auto`` picks from the
   profile (:func:`norms_plans`); selection and scatter on the whole buffer (``kappa``,
   ``gamma``); the dense plan on the packed chunks.
@@ -41,33 +41,41 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 
 import numpy as np
 
 from jaxring._src import cost_model, profiles
+from jaxring._src.codecs.base import from_repr, name_of, parse, sweep
 
 LEVELS = ("local", "node")
-CODECS = ("bf16", "int8", "topk")
-NAMES = (("alpha_local", "alpha_node", "alpha_ring", "beta_local", "beta_node", "alpha_native",
-          "link_native") + tuple(f"kappa_{c}" for c in CODECS)
-         + tuple(f"gamma_{c}" for c in CODECS))
 
-# the profile's codec strings (repr of each level's codec) -> the spelling jaxring.codecs.parse takes
-_SPELLING = (("Codec()", "none"), ("Bf16()", "bf16"), ("Int8(", "int8"), ("TopKChunks(", "topk"))
+
+def coefficients(codecs) -> tuple[str, ...]:
+  """The coefficients of a model of these (lossy) codecs: per level, then per codec."""
+  return (("alpha_local", "alpha_node", "alpha_ring", "beta_local", "beta_node", "alpha_native",
+           "link_native") + tuple(f"kappa_{c}" for c in codecs)
+          + tuple(f"gamma_{c}" for c in codecs))
+
+
+# Each codec has fitted coefficients of its own (kappa_<codec>, gamma_<codec>): these are the
+# codec registry's sweep (codecs.base.sweep) as the codec modules registered it, less the
+# lossless none; a profile that timed other codecs fits theirs too (fit).
+CODECS = tuple(c for c in sweep() if c != "none")
+NAMES = coefficients(CODECS)
 
 
 def codec_spelling(text: str) -> str:
-  """``none``/``bf16``/``int8``/``topk`` for a profile's codec string.
+  """The registered name (``none``, ``bf16``, ``int8``, ``topk``, ...) of a profile's codec
+  string: the repr of a level's codec (``planner.codec_key``), read back by the codec registry.
 
   Example:
     >>> codec_spelling("Int8(block_size=256, stochastic=False)")
     'int8'
   """
-  for prefix, name in _SPELLING:
-    if text.startswith(prefix):
-      return name
-  raise ValueError(f"calibrated: no model for the codec {text!r}")
+  try:
+    return name_of(from_repr(text))
+  except ValueError as e:
+    raise ValueError(f"calibrated: no model for the codec {text!r} ({e})") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +90,23 @@ class Wire:
     return max(1, round(chunks * self.density)) * self.chunk_bytes
 
 
+def codec_wire(codec) -> Wire:
+  """What ``codec`` (None: none) puts on the wire, by its own arithmetic: its bytes per f32 byte
+  (``Codec.compression_ratio`` of ``wire_bytes``), or for a codec that wraps the all-reduce
+  (top-k: not ``per_hop``) the fraction of chunks it sends and their f32 bytes."""
+  if codec is None:
+    return Wire()
+  if not codec.per_hop:
+    return Wire(density=float(codec.density), chunk_bytes=4 * int(codec.chunk_size))
+  return Wire(float(codec.compression_ratio(np.float32)))
+
+
 def wire_of(text: str) -> Wire:
-  """The wire format of a profile's codec string (its density and chunk size for top-k)."""
-  name = codec_spelling(text)
-  if name == "topk":
-    density = float(re.search(r"density=([0-9.e-]+)", text).group(1))
-    chunk = int(re.search(r"chunk_size=(\d+)", text).group(1))
-    return Wire(density=density, chunk_bytes=4 * chunk)
-  if name == "int8":   # a byte per value and an f32 scale per block
-    block = int(re.search(r"block_size=(\d+)", text).group(1))
-    return Wire(0.25 + 1 / block)
-  return Wire({"none": 1.0, "bf16": 0.5}[name])
+  """The wire format of a profile's codec string (the codec its repr names: :func:`codec_wire`)."""
+  try:
+    return codec_wire(from_repr(text))
+  except ValueError as e:
+    raise ValueError(f"calibrated: no model for the codec {text!r} ({e})") from e
 
 
 def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[int, int],
@@ -106,7 +120,7 @@ def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[in
   all-reduce).
   """
   f = dict.fromkeys(NAMES, 0.0)
-  if codec == "topk":
+  if wire.density:
     # the chunk norms' all-reduce (one f32 per chunk), then the dense plan on the chunks
     n_norms = 4 * math.ceil(nbytes / wire.chunk_bytes)
     norms_link, norms_f = terms("xla" if norms is None else norms(n_norms), "none", Wire(),
@@ -114,8 +128,8 @@ def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[in
     link, f = terms(algorithm, "none", Wire(), wire.packed(nbytes), sizes, link_bytes_per_s,
                     extra)
     f = {k: v + norms_f[k] for k, v in f.items()}
-    f["kappa_topk"] += nbytes
-    f["gamma_topk"] += 1.0
+    f[f"kappa_{codec}"] = f.get(f"kappa_{codec}", 0.0) + nbytes
+    f[f"gamma_{codec}"] = f.get(f"gamma_{codec}", 0.0) + 1.0
     return link + norms_link, f
   local, nodes = sizes
   p = local * nodes
@@ -143,8 +157,8 @@ def terms(algorithm: str, codec: str, wire: Wire, nbytes: float, sizes: tuple[in
   else:
     raise ValueError(f"calibrated: no model for the algorithm {algorithm!r}")
   if codec != "none":
-    f[f"kappa_{codec}"] += coded
-    f[f"gamma_{codec}"] += 1.0
+    f[f"kappa_{codec}"] = f.get(f"kappa_{codec}", 0.0) + coded
+    f[f"gamma_{codec}"] = f.get(f"gamma_{codec}", 0.0) + 1.0
   return link + beyond, f
 
 
@@ -185,7 +199,7 @@ class LinkBytes:
 
 
 def _wire(codec: str) -> Wire:
-  return Wire() if codec == "none" else wire_of(_DEFAULT[codec])
+  return codec_wire(parse(codec))    # the named codec at its defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +234,8 @@ class Calibrated:
     return sum(self.split(algorithm, codec, nbytes, link_bytes_per_s))
 
 
-_DEFAULT = {"bf16": "Bf16()", "int8": "Int8(block_size=256, stochastic=False)",
-            "topk": "TopKChunks(density=0.01, chunk_size=4096, inner=None)"}
+# how a profile names each swept codec at its defaults (planner.codec_key: the repr)
+_DEFAULT = {c: repr(parse(c)) for c in CODECS}
 
 
 def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
@@ -237,6 +251,7 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
   from scipy.optimize import nnls
 
   wires = {codec_spelling(f["codecs"][-1]): wire_of(f["codecs"][-1]) for f in profile["fits"]}
+  names = coefficients(dict.fromkeys([*CODECS, *(c for c in wires if c != "none")]))
   extra = LinkBytes.measured(link_probe or [], wires, sizes, link_bytes_per_s)
   norms = norms_plans(profile)
   points = []   # (native plan?, seconds - link, weight, multipliers, (plan, codec, bytes, s))
@@ -248,13 +263,14 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
       # weights 1/sqrt(t): between absolute error (the large sizes decide, and the small ones'
       # latency is lost) and relative error (the small sizes' noise, +-50% from one run to the
       # next at 1 MiB on the emulated cluster, decides)
+      f = {**dict.fromkeys(names, 0.0), **f}   # a codec beyond the sweep's: 0 elsewhere
       points.append((fit_["algorithm"] == "xla", seconds - link, seconds ** -0.5, f,
                      (fit_["algorithm"], codec, nbytes, seconds)))
   # The native all-reduce is a black box measured by its own points: fitted first, from them
   # alone, then held (top-k's chunk norms take it too, where auto sums them by it). Fitted
   # jointly, the top-k points pulled its cost per call to 7 ms where its own 1 and 64 KiB
   # points took 10-12 ms (2026-11-26).
-  coef = {**dict.fromkeys(NAMES, 0.0), "hidden_native": 0.0}
+  coef = {**dict.fromkeys(names, 0.0), "hidden_native": 0.0}
   _fit_native(coef, [p for p in points if p[0]], nnls)
   # The other plans share coefficients, so one point no fit comes near (a slow phase of the
   # shared cores on a large size's 3 calls) moves every plan of its codec: one MPI-shape
@@ -266,7 +282,7 @@ def fit(profile: dict, sizes: tuple[int, int], link_bytes_per_s: float,
   # calibration of 2026-11-26 timed the flat ring with int8 at 191 ms, the others fitted 297,
   # and its row took 190).
   rest, dropped = [p for p in points if not p[0]], []
-  others = tuple(k for k in NAMES if k not in _NATIVE)
+  others = tuple(k for k in names if k not in _NATIVE)
   while len(dropped) < max(1, len(rest) // 10):
     worst = (math.log(OUTLIER), None, 0.0)
     for i, p in enumerate(rest):      # each point against the fit of all the others

@@ -36,11 +36,14 @@ def _codec_plan(spec: str, algorithm: str) -> timeline.Plan:
 
 
 def _parser():
+  from jaxring._src.codecs.base import grammar, sweep
   ap = argparse.ArgumentParser(prog="jaxring simulate", description=__doc__.splitlines()[0])
   ap.add_argument("--cluster", default=",".join(c for c in clusters.CLUSTERS if c != "emulated"),
                   help=f"comma list of {sorted(clusters.CLUSTERS)}")
   ap.add_argument("--gpus", default=",".join(map(str, GPUS)))
-  ap.add_argument("--codecs", default="none,bf16,int8,topk")
+  ap.add_argument("--codecs", default=",".join(sweep()),
+                  help=f"the hierarchical plan's codecs, comma-separated (default %(default)s); "
+                  f"spellings: {grammar()}")
   ap.add_argument("--model", default="resnet50",
                   help="resnet50 (built in) or MODULE:FUNCTION, a callable of no arguments that "
                        "returns the parameter pytree (arrays or jax.ShapeDtypeStruct, e.g. "

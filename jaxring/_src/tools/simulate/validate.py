@@ -17,30 +17,33 @@ import dataclasses
 import json
 import re
 
+from jaxring._src.codecs.base import name_of, parse, spellings
 from jaxring._src.tools.simulate import calibrated, timeline
 from jaxring._src.tools.simulate import cluster as clusters
 
 # contender name -> (algorithm, codec); the rest (auto, the node ring alone, check_vma variants)
-# repeat these plans or time part of one
+# repeat these plans or time part of one. CODEC: any name the codec registry reads (spellings).
 PLANS = (
     (r"^gloo lax\.psum$", ("flat", "none")),
     (r"^MPICH MPI_Allreduce", ("flat", "none")),
-    (r"^jaxring ring (none|bf16|int8|topk)( \(MPI transport\))?$", ("flat", None)),
-    (r"^jaxring hierarchical (none|bf16|int8|topk)( \(MPI transport\))?$", ("hierarchical", None)),
+    (r"^jaxring ring (CODEC)( \(MPI transport\))?$", ("flat", None)),
+    (r"^jaxring hierarchical (CODEC)( \(MPI transport\))?$", ("hierarchical", None)),
 )
 
 
 def plan_of(contender: str) -> tuple[str, str] | None:
-  """``(algorithm, codec)`` of a ``bench cluster`` contender the simulator models, else None.
+  """``(algorithm, codec)`` of a ``bench cluster`` contender the simulator models, else None
+  (the codec by its registered name, ``codecs.base.name_of``).
 
   Example:
     >>> plan_of("jaxring hierarchical int8 (MPI transport)")
     ('hierarchical', 'int8')
   """
+  names = "|".join(re.escape(n) for n in sorted(spellings(), key=len, reverse=True))
   for pattern, (algorithm, codec) in PLANS:
-    m = re.match(pattern, contender)
+    m = re.match(pattern.replace("CODEC", names), contender)
     if m:
-      return algorithm, codec or m.group(1)
+      return algorithm, codec or name_of(parse(m.group(1)))
   return None
 
 
@@ -90,7 +93,8 @@ def predict_cluster_rows(result: dict, plan_for_codec, calibration: dict | None 
     model = fitted.get(job_of(r["contender"]))
     algorithm = plan[0] if plan[0] != "flat" else (
         "xla" if r["contender"].startswith(("gloo", "MPICH")) else "ring")
-    cal = None if model is None else model.all_reduce_seconds(algorithm, plan[1], n, link) * 1e3
+    known = model is not None and (plan[1] == "none" or f"kappa_{plan[1]}" in model.coef)
+    cal = model.all_reduce_seconds(algorithm, plan[1], n, link) * 1e3 if known else None
     rows.append({"contender": r["contender"], "measured_ms": r["ms"],
                  "predicted_ms": predicted, "error": predicted / r["ms"] - 1,
                  "calibrated_ms": cal, "calibrated_error": None if cal is None else cal / r["ms"] - 1})
