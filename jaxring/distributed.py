@@ -1,10 +1,10 @@
 """Multi-process jobs: ``jax.distributed`` start-up (gloo interface, peer watchdog) and axis names
 bound to MPI communicators (one process per device under ``mpirun``)."""
 from jaxring._src.distributed import BarrierTimeoutError as BarrierTimeoutError
-from jaxring._src.transport.fingerprint import CollectiveMismatchError as CollectiveMismatchError
-from jaxring._src.transport.flight_recorder import dump as dump
-from jaxring._src.transport.fingerprint import FingerprintTimeoutError as FingerprintTimeoutError
-from jaxring._src.transport.rendezvous import StartupTimeoutError as StartupTimeoutError
+from jaxring._src.reliability.fingerprint import CollectiveMismatchError as CollectiveMismatchError
+from jaxring._src.reliability.flight_recorder import dump as dump
+from jaxring._src.reliability.fingerprint import FingerprintTimeoutError as FingerprintTimeoutError
+from jaxring._src.reliability.rendezvous import StartupTimeoutError as StartupTimeoutError
 from jaxring._src.distributed import barrier as barrier
 from jaxring._src.distributed import initialize as initialize
 from jaxring._src.distributed import is_initialized as is_initialized

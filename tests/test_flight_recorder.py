@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxring
 import jaxring.distributed
-from jaxring._src.transport import flight_recorder
+from jaxring._src.reliability import flight_recorder
 
 
 def test_planned_collectives_are_recorded_and_dumped(tmp_path):

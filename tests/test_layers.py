@@ -12,17 +12,18 @@ MAX_LINES = 450
 # Each folder (or module) of jaxring/_src and its layer: a module imports only from lower layers
 # or from its own folder. Two folders on one layer are independent axes and never import each other.
 LAYERS = {
-    "tools": 8,           # applications of the library: CLI, benchmarks, emulated cluster, doctor
-    "train": 7,           # train_step, value_and_grad's buckets, state, checkpoints, the loop
-    "optim": 6,           # optax transforms that compress (momentum correction, compressed Adam)
-    "calibrate": 6,       # times the candidate plans on the mesh, writes the profile auto reads
-    "error_feedback": 5,  # reduce_gradients (optax) and the one error-feedback rule
-    "data": 5,            # input pipeline
-    "distributed": 5,     # multi-process start-up (public API over transport/)
-    "collectives": 4,     # the lax contract
-    "algorithms": 3,      # planner, engine, ring, hierarchical
+    "tools": 9,           # applications of the library: CLI, benchmarks, emulated cluster, doctor
+    "train": 8,           # train_step, value_and_grad's buckets, state, checkpoints, the loop
+    "optim": 7,           # optax transforms that compress (momentum correction, compressed Adam)
+    "calibrate": 7,       # times the candidate plans on the mesh, writes the profile auto reads
+    "error_feedback": 6,  # reduce_gradients (optax) and the one error-feedback rule
+    "data": 6,            # input pipeline
+    "distributed": 6,     # multi-process start-up (public API over transport/ and reliability/)
+    "collectives": 5,     # the lax contract
+    "algorithms": 4,      # planner, engine, ring, hierarchical
+    "transport": 3,       # how a collective's bytes move: XLA, MPI, in-process
     "codecs": 2,
-    "transport": 2,
+    "reliability": 2,     # watchdog, heartbeats, roll call, fingerprints, launches, flight recorder
     "cost_model": 2,      # the alpha-beta formulas (tools and the simulator read them)
     "profiles": 2,        # measured profiles: what auto reads, where calibration keeps them
     "ext": 1,             # the native kernels and their references

@@ -2,7 +2,7 @@
 tests/test_distributed.py and tests/test_mpi.py with real processes)."""
 import time
 
-from jaxring._src.transport.watchdog import Watchdog, failure_timeout
+from jaxring._src.reliability.watchdog import Watchdog, failure_timeout
 
 
 class Board:
@@ -110,11 +110,11 @@ def test_a_channel_that_blocks_instead_of_failing_is_named_after_the_timeout():
   forever.set()
 
 
-# --- live peers stuck between collectives (transport/launches.py) --------------------------------
+# --- live peers stuck between collectives (reliability/launches.py) --------------------------------
 
 
 def _launch_dog(timeout, tables, failed=None):
-  from jaxring._src.transport import launches
+  from jaxring._src.reliability import launches
   launches.reset()
   hb = BoardHeartbeats(Board(), 0)
   hb.launches = tables
@@ -201,7 +201,7 @@ def test_a_marked_collective_counts_each_launch_once_before_it_runs_without_a_ja
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxring._src.transport import launches
+  from jaxring._src.reliability import launches
   launches.reset()
   launches.enable(2)
   try:

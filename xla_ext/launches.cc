@@ -1,4 +1,4 @@
-// Launch markers for the stuck-peer check (jaxring/_src/transport/launches.py): the custom call
+// Launch markers for the stuck-peer check (jaxring/_src/reliability/launches.py): the custom call
 // "jaxring_launch_mark" sits on the data path of each collective of a multi-process job (its result
 // is tied to the collective's input by an optimization barrier, so it runs before the collective)
 // and counts, per collective key, the launches of programs that reached it. The devices of one

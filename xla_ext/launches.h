@@ -9,7 +9,7 @@
 
 namespace jaxring {
 
-// The most recent collective keys kept (jaxring/_src/transport/launches.py's KEEP).
+// The most recent collective keys kept (jaxring/_src/reliability/launches.py's KEEP).
 constexpr std::size_t kLaunchKeep = 256;
 
 struct LaunchLatest {

@@ -22,11 +22,11 @@ from typing import Any
 import jax
 
 from jaxring._src import topology as topology_lib
-from jaxring._src.transport import coordination
-from jaxring._src.transport.rendezvous import StartupTimeoutError as StartupTimeoutError
-from jaxring._src.transport.rendezvous import roll_call
-from jaxring._src.transport.watchdog import ENV_FAILURE_TIMEOUT as ENV_FAILURE_TIMEOUT
-from jaxring._src.transport.watchdog import failure_timeout
+from jaxring._src.reliability import coordination
+from jaxring._src.reliability.rendezvous import StartupTimeoutError as StartupTimeoutError
+from jaxring._src.reliability.rendezvous import roll_call
+from jaxring._src.reliability.watchdog import ENV_FAILURE_TIMEOUT as ENV_FAILURE_TIMEOUT
+from jaxring._src.reliability.watchdog import failure_timeout
 
 ENV_COORDINATOR = "JAXRING_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXRING_NUM_PROCESSES"

@@ -28,7 +28,7 @@ from jaxring._src.algorithms import base, linear
 from jaxring._src.algorithms.base import Plan
 from jaxring._src.algorithms.planner import make_plan, native_axes
 from jaxring._src.codecs.base import accum_dtype
-from jaxring._src.transport import fingerprint
+from jaxring._src.reliability import fingerprint
 from jaxring._src.transport.binding import bind as bind
 from jaxring._src.transport.groups import axis_arg
 
@@ -45,7 +45,7 @@ def plan_for(binding, nbytes: int, dtype, algorithm, compression) -> Plan:
 
 
 def _fingerprint(op: str, binding, shape, dtype, algorithm, plan: Plan):
-  """Every process of a multi-process job must plan this collective alike (transport/fingerprint).
+  """Every process of a multi-process job must plan this collective alike (reliability/fingerprint).
   Returns the function its operands go through (their launch marker's tie)."""
   return fingerprint.check({
       "op": op, "axes": [str(a) for a in binding.axes], "axis_sizes": list(binding.sizes),

@@ -22,10 +22,10 @@ from collections.abc import Hashable
 from typing import Any
 
 from jaxring._src import topology as topo_mod
-from jaxring._src.transport import flight_recorder, mpi_heartbeats
+from jaxring._src.reliability import flight_recorder, mpi_heartbeats
 from jaxring._src.transport.groups import Hierarchy
 from jaxring._src.transport.mpi import MPI_TRANSPORT, MpiGroup, mpi4jax_module, mpi_module
-from jaxring._src.transport.watchdog import (
+from jaxring._src.reliability.watchdog import (
   ENV_FAILURE_TIMEOUT,
   Watchdog,
   failure_timeout,
@@ -52,7 +52,7 @@ class MpiAxis:
   topology: topo_mod.Topology
   hierarchy: Hierarchy
   contiguous: bool
-  control: Any = None   # a duplicate of comm for the ranks' fingerprints (transport/fingerprint)
+  control: Any = None   # a duplicate of comm for the ranks' fingerprints (reliability/fingerprint)
   # not bound by shard_map/pmap: lax's collectives and derivative rules do not apply to it
   lax_bound = False
 
@@ -164,7 +164,7 @@ def bind_mpi_axis(axis_name: Hashable = "data", comm=None,
     comm: an ``mpi4py.MPI.Intracomm`` (default ``MPI.COMM_WORLD``); jaxring works on a duplicate.
     topology: the levels, fast -> slow, whose sizes multiply to the communicator's size (ranks
       split row-major); default: ``local`` = ranks of one host, ``node`` = hosts.
-    failure_timeout_s: the peer watchdog's timeout (transport/watchdog.py, a thread that
+    failure_timeout_s: the peer watchdog's timeout (reliability/watchdog.py, a thread that
       heartbeats over a duplicate of ``comm``): a rank silent this long is named (rank, pid, host)
       and every other rank exits instead of hanging. Default ``JAXRING_FAILURE_TIMEOUT``, else
       120 s as for :func:`jaxring.distributed.initialize`; ``0`` turns it off. It needs

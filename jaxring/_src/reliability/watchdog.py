@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from jaxring._src.transport import flight_recorder, launches
+from jaxring._src.reliability import flight_recorder, launches
 
 ENV_FAILURE_TIMEOUT = "JAXRING_FAILURE_TIMEOUT"
 DEFAULT_FAILURE_TIMEOUT_S = 120.0
@@ -41,7 +41,7 @@ class Heartbeats(Protocol):
   """The side channel a transport heartbeats over."""
 
   medium: str   # what a failing channel is called in messages, e.g. "the coordination service"
-  # peer id -> its launch counts (transport/launches.py), as last received with its heartbeats
+  # peer id -> its launch counts (reliability/launches.py), as last received with its heartbeats
   launches: dict[int, dict[str, int]]
 
   def beat(self) -> tuple[Iterable[int], Iterable[int]]:
@@ -174,7 +174,7 @@ class Watchdog:
 
   def stuck(self, *, gone: bool = False) -> str | None:
     """A live peer that never launched a collective this process waits in, or this process
-    behind its peers, for longer than the timeout (``transport/launches.py``); else None.
+    behind its peers, for longer than the timeout (``reliability/launches.py``); else None.
 
     ``gone``: the collective already failed because a peer left; a peer behind is named even if
     it has since gone quiet (it was heartbeating while it held the collective up).

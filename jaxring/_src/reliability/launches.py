@@ -5,7 +5,7 @@ A peer that planned it, is alive and heartbeating, but never launches the progra
 in Python between two steps, a deadlock in the input pipeline) leaves its peers blocked inside a
 launched program, and neither gloo nor MPI says for whom. So every process counts, per
 collective, how many times it has launched a program that contains it; the peer watchdog
-(``transport/watchdog.py``) publishes the counts with its heartbeats and compares them:
+(``reliability/watchdog.py``) publishes the counts with its heartbeats and compares them:
 
 * a process that launched collective ``#s`` for the ``k``-th time more than the timeout ago
   names the peers whose count for ``#s`` is still below ``k`` (they never launched it);

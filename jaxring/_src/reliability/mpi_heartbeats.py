@@ -1,4 +1,4 @@
-"""The MPI transport's heartbeat channel for the peer watchdog (``transport/watchdog.py``).
+"""The MPI transport's heartbeat channel for the peer watchdog (``reliability/watchdog.py``).
 
 When a rank exits, ``mpirun`` (hydra) normally kills the job at once, but names the dead process
 unreliably (its report gives one pid of the job, not always the dead one's), and a rank that hangs
@@ -6,7 +6,7 @@ unreliably (its report gives one pid of the job, not always the dead one's), and
 for good. Every rank sends an empty message to every other rank per heartbeat, on a duplicate of
 the communicator, from the watchdog's thread (MPICH grants ``MPI_THREAD_MULTIPLE``, mpi4py's
 default), and a last "finished" message when it ends normally. A heartbeat carries this rank's
-launch counts (``transport/launches.py``, JSON) when they changed since the last one it sent to
+launch counts (``reliability/launches.py``, JSON) when they changed since the last one it sent to
 that peer; otherwise it is empty.
 
 Ending: a rank sends "finished" to its peers, then receives what they still send until each has
@@ -24,9 +24,9 @@ import socket
 import sys
 import time
 
-from jaxring._src.transport import launches
-from jaxring._src.transport.mpi import mpi_module
-from jaxring._src.transport.watchdog import Watchdog
+from jaxring._src.reliability import launches
+from jaxring._src.extras import require
+from jaxring._src.reliability.watchdog import Watchdog
 
 _TAG = 0x7A11   # "I am alive"
 _BYE = 0x7A12   # "I have finished": stop watching me
@@ -39,7 +39,7 @@ class MpiHeartbeats:
   medium = "MPI"
 
   def __init__(self, comm):
-    self.MPI = MPI = mpi_module()
+    self.MPI = MPI = require("mpi4py.MPI", "mpi", "jaxring's MPI heartbeats need mpi4py")
     self.comm = comm.Dup()
     self.comm.Set_errhandler(MPI.ERRORS_RETURN)   # a send to a dead peer must not abort us
     self.me, self.n = self.comm.Get_rank(), self.comm.Get_size()

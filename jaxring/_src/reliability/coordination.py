@@ -4,7 +4,7 @@ Two things jaxring adds below :func:`jaxring.distributed.initialize`:
 
 * gloo bound to one network interface: gloo advertises the hostname by default, which resolves to
   127.0.0.1 inside a network namespace, so processes in different namespaces cannot connect;
-* the peer watchdog's channel (``transport/watchdog.py``): heartbeat counters in the coordination
+* the peer watchdog's channel (``reliability/watchdog.py``): heartbeat counters in the coordination
   service's key-value store, plus what a failing process tells the others (``failed: ...``) so
   that the process that raised first is named with its error, not only the one that went silent,
   and what a process said as it left (``said``), which a peer whose collective then broke repeats.
@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 
-from jaxring._src.transport import flight_recorder, launches
-from jaxring._src.transport.watchdog import Watchdog
+from jaxring._src.reliability import flight_recorder, launches
+from jaxring._src.reliability.watchdog import Watchdog
 
 _KV_PREFIX = "jaxring/peer/"
 _PREFIX = "jaxring.distributed: "   # of every line this module prints for a failing job
@@ -58,7 +58,7 @@ class CoordinationHeartbeats:
   """Heartbeat counters under ``jaxring/peer/hb/<id>`` in the coordination service.
 
   A peer that published a state (``exiting``, or ``failed: <error>``) is no longer watched.
-  Launch counts (``transport/launches.py``) go under ``jaxring/peer/launch/<id>`` when they
+  Launch counts (``reliability/launches.py``) go under ``jaxring/peer/launch/<id>`` when they
   changed since the last heartbeat.
   """
 

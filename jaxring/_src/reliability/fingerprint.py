@@ -20,8 +20,8 @@ import json
 import os
 import threading
 
-from jaxring._src.transport import flight_recorder, launches
-from jaxring._src.transport.watchdog import failure_timeout
+from jaxring._src.reliability import flight_recorder, launches
+from jaxring._src.reliability.watchdog import failure_timeout
 
 ENV_FINGERPRINT = "JAXRING_FINGERPRINT"
 _PREFIX = "jaxring/fp/"
@@ -121,7 +121,7 @@ def check(record: dict, binding=None):
 
   Returns:
     the function the collective's operands (a pytree) go through, which ties its launch marker
-    to them (``transport/launches.py``); the identity where nothing is marked.
+    to them (``reliability/launches.py``); the identity where nothing is marked.
 
   Raises:
     CollectiveMismatchError: another process's record for the same collective differs.
