@@ -3,6 +3,7 @@
 Derivatives (lax's transpose whatever travels on the wire), dtypes, and the errors for arguments
 lax refuses; each checked against jax.lax itself or a float64 NumPy reference.
 """
+import functools
 import re
 
 import jax
@@ -318,6 +319,28 @@ def test_unreduced_values_are_reduced_like_lax(algorithm):
   np.testing.assert_array_equal(
       run(lambda v: jaxring.psum_scatter(u(v), "i", tiled=True, algorithm=algorithm), P("i")),
       run(lambda v: lax.psum_scatter(u(v), "i", tiled=True), P("i")))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+def test_values_typed_reduced_keep_their_type_as_with_lax(algorithm):
+  """JAX's shard_map_test.py::test_psum_reduced_input: a psum over "x" of a value typed reduced
+  over "y" (``all_gather(..., to="reduced")``) keeps that type, and its gradient lax's."""
+  mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  arr = jax.device_put(jnp.arange(32.0).reshape(8, 4), jax.NamedSharding(mesh, P("x", "y")))
+
+  def step(psum):
+    @jax.shard_map(out_specs=P(reduced={"y"}))
+    def f(x):
+      return psum(jnp.sum(lax.all_gather(x, "y", axis=1, tiled=True, to="reduced")), "x")
+    return f
+
+  ours = functools.partial(jaxring.psum, algorithm=algorithm)
+  with jax.set_mesh(mesh):
+    got, want = jax.jit(step(ours))(arr), jax.jit(step(lax.psum))(arr)
+    assert got.sharding == want.sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(step(ours)))(arr)),
+                                  np.asarray(jax.jit(jax.grad(step(lax.psum)))(arr)))
 
 
 def test_all_gather_takes_lax_to_keyword():

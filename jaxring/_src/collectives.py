@@ -42,11 +42,13 @@ def _positional(axis_name) -> bool:
 
 def _lax_only(axes: tuple, x, op: str) -> bool:
   """Calls only lax's own collective can make: over a ``vmap`` axis (no devices, lax batches
-  the collective), or of values typed unreduced (``lax.pcast(..., to="unreduced")``)."""
+  the collective), of values typed unreduced over the axes (``lax.pcast(..., to="unreduced")``),
+  or of values typed reduced over any axis (``lax.all_gather(..., to="reduced")``): lax's
+  collective carries that typing to its result, which a ring's ppermutes do not."""
   if getattr(engine.bind(axes, op), "batched", False):
     return True
-  return any(vma.unreduced_axes(leaf) & set(axes) for leaf in jax.tree_util.tree_leaves(x)
-             if isinstance(leaf, jax.Array))
+  return any(vma.unreduced_axes(leaf) & set(axes) or vma.reduced_axes(leaf)
+             for leaf in jax.tree_util.tree_leaves(x) if isinstance(leaf, jax.Array))
 
 
 def _axes(axis_name, op: str) -> tuple:

@@ -33,6 +33,12 @@ def unreduced_axes(x) -> frozenset:
   return frozenset(getattr(mat, "unreduced", ()))
 
 
+def reduced_axes(x) -> frozenset:
+  """The axes ``x`` is typed reduced over (``lax.all_gather(..., to="reduced")``)."""
+  mat = getattr(jax.typeof(x), "mat", None)
+  return frozenset(getattr(mat, "reduced", ()))
+
+
 def is_varying(x, axes: tuple) -> bool:
   return set(axes) <= varying_axes(x)
 
