@@ -87,27 +87,33 @@ def zeros_per_member(params, axes: tuple):
   return tree
 
 
-def next_residual(mean, err, dtype):
+def next_residual(mean, err, dtype, *, row=None):
   """This member's residual for the next step (``r_i <- e_i`` of the module docstring).
 
-  The one place the rule lives: :func:`mean_with_error` and the train step's bucket reduction
-  (jaxring._src.train.grad) both call it.
+  The one place the rule lives: :func:`mean_with_error`, the compressed optimizers
+  (jaxring._src.optim), and the train step's bucket reduction and sharded reduce-scatter
+  (jaxring._src.train.grad, jaxring._src.train.fsdp) call it.
 
   Args:
     mean: this step's mean, flat, in the accumulator dtype.
     err: this member's compression error laid out like ``mean``; None after an exact reduction.
+      With ``row``: laid out like the reduce-scatter's rows, ``(members, mean's size)``, not None.
     dtype: the gradients' dtype: rounding the mean to it is an error each member carries once.
+    row: None, or this member's row of a reduce-scatter's ``err``, where ``mean`` is this
+      member's block only: its rounding is carried in that row, by the block's owner.
 
   Returns:
-    The residual, laid out like ``mean``. Non-finite errors (an inf or nan gradient) are zeroed:
-    this step's result already shows them, and carrying them would poison every later step.
+    The residual, laid out like ``err`` (like ``mean`` without ``row``). Non-finite errors (an
+    inf or nan gradient) are zeroed: this step's result already shows them, and carrying them
+    would poison every later step.
 
   Example:
     >>> next_residual(jnp.full(4, 1 / 3), None, jnp.bfloat16)  # the bf16 rounding, carried
   """
   err = jnp.zeros_like(mean) if err is None else err
   if jnp.dtype(dtype) != mean.dtype:
-    err = err + (mean - mean.astype(dtype).astype(mean.dtype))
+    rounding = mean - mean.astype(dtype).astype(mean.dtype)
+    err = err + rounding if row is None else err.at[row].add(rounding)
   return jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
 
 

@@ -3,7 +3,7 @@
 The planner (jaxring._src.algorithms.planner) decides; this module executes. It is the one place
 that switches on a plan's kind: ``xla`` (the transport's native collective) or a registered
 algorithm (``base.get(plan.kind)``: ``ring``, ``hierarchical``), with ``topk_chunks`` wrapping a
-whole all-reduce. The axes arrive bound
+whole all-reduce (:func:`sparse_all_reduce`, its one orchestration). The axes arrive bound
 (jaxring._src.transport.binding): names bound by ``shard_map``/``pmap`` move their bytes with XLA
 collectives and take lax's derivatives (jaxring._src.algorithms.linear); a name bound to an MPI
 communicator moves them with mpi4jax, runs on stop_gradient'ed inputs and carries the MPI rules.
@@ -26,7 +26,7 @@ from jax import lax
 from jaxring._src import fuse, native
 from jaxring._src.algorithms import base, linear
 from jaxring._src.algorithms.base import Plan
-from jaxring._src.algorithms.planner import make_plan, native_axes
+from jaxring._src.algorithms.planner import dense_codecs, make_plan, native_axes
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.reliability import fingerprint
 from jaxring._src.transport.binding import bind as bind
@@ -106,12 +106,8 @@ def _all_reduce_planned(flat, dtype, binding, plan: Plan, want_error: bool, segm
   axes = binding.axes
   wrapper = next((c for c in plan.codecs if not c.per_hop), None)
   if wrapper is not None:  # topk_chunks: chooses what to send, then runs the plan on that
-    dense = dataclasses.replace(plan, codecs=tuple(
-        c.dense_codec(dtype) if not c.per_hop else c for c in plan.codecs))
-    return wrapper.all_reduce(
-        flat, dtype, reduce_norms=lambda v: sum_norms(v, binding),
-        reduce_dense=lambda buf, err: _all_reduce_planned(buf, dtype, binding, dense, err),
-        want_error=want_error, segments=segments)
+    return sparse_all_reduce(flat, dtype, binding, wrapper, plan, want_error=want_error,
+                             segments=segments)[:2]
   n = flat.shape[0]
   buf = _pad_to(flat, plan.size * plan.align)
   out, err = base.get(plan.kind).all_reduce(buf, plan, dtype, want_error=want_error)
@@ -161,6 +157,46 @@ def sum_norms(norms, binding):
   local) mesh, the hierarchical plan: docs/simulations.md, "Validation against measurement on
   the emulated cluster")."""
   return all_reduce_flat(norms, norms.dtype, binding, "auto", None)[0]
+
+
+def sparse_all_reduce(flat, dtype, binding, codec, dense, *, want_error: bool = False,
+                      segments=None, density: float | None = None):
+  """A sparsifying codec's all-reduce, top-k's one orchestration: ``(sum, error, chunks sent)``.
+
+  Every member's chunk norms are summed over ``binding`` (:func:`sum_norms`), ``codec`` picks
+  the same chunks on every member (``TopKChunks.select``), and their packed buffer is reduced
+  densely, with :func:`~jaxring._src.algorithms.planner.dense_codecs`, and added back in place
+  (``TopKChunks.reduce_selected``). psum, pmean and reduce_gradients reach it through
+  :func:`all_reduce_flat`; the compressed optimizers (jaxring._src.optim.sparse) call it.
+
+  Args:
+    flat, dtype, binding, want_error, segments: as in :func:`all_reduce_flat`.
+    codec: the sparsifying codec (``topk_chunks``).
+    dense: how the packed buffer is planned. A ``Plan``: the whole call's own (planned and
+      fingerprinted once, for the whole buffer's size), run with its codecs made dense. Or
+      ``(algorithm, compression)``: the packed buffer planned for its own size as an
+      all-reduce of its own (:func:`all_reduce_flat`), for a caller that chooses chunks without
+      planning the whole buffer (the optimizers). The two differ under ``auto``: planned
+      afresh, a lossless packed buffer goes by the native all-reduce (or what a profile
+      measured fastest at its size), where psum's keeps the ring its top-k call planned.
+    density: None, or a density that replaces the codec's (the optimizers' warm-up).
+
+  Returns:
+    The sum and error as in :func:`all_reduce_flat`, and the chunks sent (ascending int32;
+    ``codec.sent_mask`` makes them a mask: momentum masking).
+  """
+  if density is not None:
+    codec = dataclasses.replace(codec, density=density)
+  if isinstance(dense, Plan):
+    plan = dataclasses.replace(dense, codecs=tuple(dense_codecs(dense.codecs, dtype)))
+    reduce_dense = lambda buf, want: _all_reduce_planned(buf, dtype, binding, plan, want)
+  else:
+    algorithm, compression = dense[0], dense_codecs(dense[1], dtype)
+    reduce_dense = lambda buf, want: all_reduce_flat(buf, dtype, binding, algorithm, compression,
+                                                     want_error=want)
+  idx = codec.select(flat, lambda v: sum_norms(v, binding), segments)
+  total, err = codec.reduce_selected(flat, idx, reduce_dense=reduce_dense, want_error=want_error)
+  return total, err, idx
 
 
 def all_reduce(leaves: list, binding, algorithm, compression) -> list:

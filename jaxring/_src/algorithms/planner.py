@@ -190,9 +190,20 @@ def codec_key(codecs) -> tuple[str, ...]:
   return tuple(c if isinstance(c, str) else repr(c) for c in codecs)
 
 
-def _dense(codecs, dtype):
-  """The per-hop codecs a plan's levels carry once a sparsifying codec has chosen its chunks."""
-  return [c if c.per_hop else c.dense_codec(dtype) for c in codecs]
+def dense_codecs(codecs, dtype):
+  """What the levels carry once a sparsifying codec has chosen its chunks, decided here only.
+
+  ``codecs`` is a plan's codecs (a sequence: a list back), or a ``compression`` argument (None, a
+  codec, or a dict level -> codec: the same form back); each codec that wraps a whole
+  all-reduce is replaced by the per-hop codec of its chosen chunks (``TopKChunks.dense_codec``:
+  its ``inner`` for ``dtype``, the codec :func:`make_plan` makes of ``inner`` itself).
+  """
+  swap = lambda c: c if c is None or c.per_hop else c.dense_codec(dtype)
+  if isinstance(codecs, dict):
+    return {k: swap(c) for k, c in codecs.items()}
+  if isinstance(codecs, (list, tuple)):
+    return [swap(c) for c in codecs]
+  return swap(codecs)
 
 
 def _packed_bytes(codecs, nbytes: float, dtype) -> float:
@@ -224,7 +235,7 @@ def predict(profile, algorithm: str, codecs, nbytes: float, dtype=jnp.float32) -
   if all(isinstance(c, str) for c in codecs) or all(c.per_hop for c in codecs):
     fit = profile.fit(algorithm, key)
     return None if fit is None else fit.predict(nbytes)
-  dense_key, packed = codec_key(_dense(codecs, dtype)), _packed_bytes(codecs, nbytes, dtype)
+  dense_key, packed = codec_key(dense_codecs(codecs, dtype)), _packed_bytes(codecs, nbytes, dtype)
   d = {f.algorithm: f.predict(packed) for f in profile.fits if f.codecs == dense_key}
   own = profile.fit(algorithm, key)
   if own is not None:

@@ -202,8 +202,9 @@ class TopKChunks(Codec):
   def reduce_selected(self, flat, idx, *, reduce_dense, want_error=False):
     """The all-reduce of :meth:`all_reduce` for chunks ``idx`` already chosen (:meth:`select`).
 
-    Callers that need to know which chunks were sent (momentum masking, jaxring._src.optim)
-    select first and reduce here; :meth:`all_reduce` is the two in one.
+    The engine's top-k all-reduce (jaxring._src.algorithms.engine.sparse_all_reduce, for psum
+    and the optimizers alike) selects first and reduces here, so that it can say which chunks
+    were sent (momentum masking); :meth:`all_reduce` is the two in one.
     """
     ops = _chunk_ops(flat.dtype)
     cs = self.chunk_size

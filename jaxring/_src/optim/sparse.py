@@ -1,11 +1,10 @@
 """What the compressed optimizers share: a mean all-reduce that says which values it sent, the
 density warm-up of sparsifying codecs, and per-member state trees.
 
-Momentum masking (Lin et al. 2018) needs to know which coordinates a step sent. ``topk_chunks``
-inside the engine chooses its chunks out of sight, so here the chunks are chosen first
-(``TopKChunks.select``, on norms summed by ``auto``'s lossless plan, identical on every
-member) and only the dense buffer of chosen chunks goes through the planned algorithm
-(``TopKChunks.reduce_selected``), with the codec's ``inner`` per-hop codec.
+Momentum masking (Lin et al. 2018) needs to know which coordinates a step sent: the engine's
+top-k all-reduce (``engine.sparse_all_reduce``, the one psum's top-k runs too) returns the
+chunks it chose, and takes the warm-up's density. Here it plans the dense buffer of chosen
+chunks for that buffer's own size, with the codec's dense part.
 """
 from __future__ import annotations
 
@@ -37,13 +36,6 @@ def sparsifier(compression) -> TopKChunks | None:
   return found
 
 
-def _dense_part(compression):
-  """``compression`` with its sparsifying codec replaced by that codec's per-hop ``inner``."""
-  if isinstance(compression, dict):
-    return {k: (c.inner if isinstance(c, TopKChunks) else c) for k, c in compression.items()}
-  return compression.inner if isinstance(compression, TopKChunks) else compression
-
-
 def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float | None = None,
                   segments=None):
   """``(mean, error, sent)`` of one member's flat accumulator-dtype buffer.
@@ -61,14 +53,8 @@ def mean_and_sent(flat, dtype, binding, algorithm, compression, density: float |
     # an exact reduction reports no error; a residual stays this member's (typed varying)
     err = jnp.zeros_like(flat) if err is None else err
     return total / jnp.asarray(p, flat.dtype), err, None
-  if density is not None:
-    codec = dataclasses.replace(codec, density=density)
-  dense = _dense_part(compression)
-  idx = codec.select(flat, lambda v: engine.sum_norms(v, binding), segments)
-  total, err = codec.reduce_selected(
-      flat, idx, want_error=True,
-      reduce_dense=lambda buf, want: engine.all_reduce_flat(buf, dtype, binding, algorithm, dense,
-                                                            want_error=want))
+  total, err, idx = engine.sparse_all_reduce(flat, dtype, binding, codec, (algorithm, compression),
+                                             want_error=True, segments=segments, density=density)
   return total / jnp.asarray(p, flat.dtype), err, codec.sent_mask(flat.shape[0], idx)
 
 

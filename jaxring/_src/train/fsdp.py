@@ -34,6 +34,7 @@ from jaxring._src import fuse, native
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.collectives import is_lossy
+from jaxring._src.error_feedback import next_residual
 from jaxring._src.train.sharding import dim_list, from_rows, full_shape, to_rows
 from jaxring._src.transport.groups import axis_arg
 
@@ -135,9 +136,7 @@ def scatter_bucket(cfg, cts: Sequence, dims: Sequence[int], residuals, tok, inv_
   new_res = None
   if want_error:
     err = jnp.zeros_like(grid) if err is None else err.reshape(grid.shape)
-    if dtype != acc:  # rounding the mean to the gradients' dtype: carried by its owner
-      err = err.at[lax.axis_index(cfg.axes)].add(mean - mean.astype(dtype).astype(acc))
-    err = jnp.where(jnp.isfinite(err), err, jnp.zeros_like(err))
+    err = next_residual(mean, err, dtype, row=lax.axis_index(cfg.axes))  # the block's owner's row
     if cfg.hpz:  # back to block order
       err = err.reshape(p // local, local, -1).swapaxes(0, 1).reshape(p, -1)
     new_res, col = [], 0
