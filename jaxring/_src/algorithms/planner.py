@@ -177,7 +177,7 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
     return Plan("xla", tuple(groups), transport=transport)
   if kind == "auto":
     kind = choose(nbytes, len(groups), codecs, lossy,
-                  find_profile_for(axes, sizes, transport.name), dtype)
+                  find_profile_for(axes, sizes, transport.name), dtype, transport)
   if kind == "xla":
     return Plan("xla", tuple(groups), transport=transport)
   request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
@@ -248,11 +248,14 @@ def predict(profile, algorithm: str, codecs, nbytes: float, dtype=jnp.float32) -
   return max(0.0, timed[0].predict(nbytes) - d[timed[0].algorithm] + d[algorithm])
 
 
-def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile, dtype=jnp.float32) -> str:
+def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile, dtype=jnp.float32,
+           transport=None) -> str:
   """``xla`` or an algorithm's name for a message of ``nbytes`` per member.
 
   The default, where nothing was measured: the native collective for a lossless reduction (never
-  slower than ``lax.psum``), else the ring (hierarchical over several levels). A profile moves
+  slower than ``lax.psum``), else the ring (hierarchical over several levels); over several
+  levels of a ``transport`` whose native all-reduce loses to the ring from some size on
+  (``native_all_reduce_loses_from``: MPI), the hierarchical plan from that size. A profile moves
   ``auto`` off the default only for a measured gain above :data:`MARGIN`: timings on a shared
   machine are noisy, and the alpha-beta formulas alone chose hierarchical at 1.41x gloo's time
   on the emulated cluster (docs/design.md, "Planner"). ``codecs`` are the levels' codecs (or
@@ -263,6 +266,9 @@ def choose(nbytes: int, num_levels: int, codecs, lossy: bool, profile, dtype=jnp
     'xla'
   """
   default = ("hierarchical" if num_levels > 1 else "ring") if lossy else "xla"
+  loses_from = getattr(transport, "native_all_reduce_loses_from", None)
+  if not lossy and num_levels > 1 and loses_from is not None and nbytes >= loses_from:
+    default = "hierarchical"
   if profile is None:
     return default
   candidates = base.candidates(num_levels) if lossy else ("xla", *base.candidates(num_levels))
@@ -297,7 +303,8 @@ def reduction_seconds(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, a
   lossy = any(c.lossy for c in codecs)
   kind = algorithm if isinstance(algorithm, str) else "hierarchical"
   if kind == "auto":
-    kind = choose(nbytes, len(groups), codecs, lossy, profile, dtype)
+    kind = choose(nbytes, len(groups), codecs, lossy, profile, dtype,
+                  None if hierarchy is None else hierarchy.transport)
   seconds = None if profile is None else predict(profile, kind, codecs, nbytes, dtype)
   return kind, seconds
 

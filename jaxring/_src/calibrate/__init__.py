@@ -26,6 +26,8 @@ from jaxring._src.algorithms.base import candidates as plan_candidates
 from jaxring._src.calibrate import targets
 from jaxring._src.codecs.base import parse as parse_codec
 from jaxring._src.codecs.base import sweep
+from jaxring._src.transport.mpi import MPI_TRANSPORT
+from jaxring._src.transport.xla import XLA
 
 # Log-spaced over what gradient buckets and psums take: 1 KiB pins the per-call latency (a step's
 # statistics, losses, chunk norms), 64 KiB small buckets and top-k's packed chunks, 32 MiB the
@@ -74,6 +76,10 @@ def _candidates(groups, codecs: Sequence[str]):
     comp = None if codec is None else ({groups[-1].name: codec} if len(groups) > 1 else codec)
     out += [(a, comp) for a in (("xla",) if codec is None else ()) + algorithms]
   return out
+
+
+#: The transport a profile's key names (what ``auto``'s default depends on: planner.choose).
+_TRANSPORTS = {"xla": XLA, "mpi": MPI_TRANSPORT}
 
 
 def _same(codec, other) -> bool:
@@ -402,6 +408,7 @@ def choices(profile: profiles.Profile, sizes: Sequence[int],
       level = [None] * (levels - 1) + [codec]
       level_codecs = [planner.codec_for(c, "", jnp.float32) for c in level]
       row[spec] = planner.choose(nbytes, len(level_codecs), level_codecs,
-                                 any(c.lossy for c in level_codecs), profile)
+                                 any(c.lossy for c in level_codecs), profile,
+                                 transport=_TRANSPORTS.get(profile.key.get("transport")))
     out[nbytes] = row
   return out

@@ -94,6 +94,12 @@ class MpiTransport:
   # (4 nodes x 2 ranks, 1 Gbit/s, 32 MiB, MPICH 5 over UCX/TCP) the hierarchical all-reduce took
   # 522 ms with the ring on the node level and 674 ms with MPICH's MPI_Allreduce there.
   native_all_reduce_wins = False
+  # Without a profile, a lossless all-reduce over several levels runs the hierarchical plan from
+  # 1 MiB (planner.choose): calibrated there (bench cluster, MPI shape) MPI_Allreduce through
+  # mpi4jax took 10.6 / 12.7 / 27.2 / 920 ms at 1 KiB / 64 KiB / 1 MiB / 32 MiB per rank, the
+  # hierarchical plan 11.9 / 15.2 / 27.1 / 532, and the native row 1.12x MPICH's own (numpy
+  # buffers) at 32 MiB: a user's mpi4jax.allreduce is what the native plan runs.
+  native_all_reduce_loses_from = 1 << 20
   # mpi4jax has no MPI_Reduce_scatter; the ring moves (p-1)/p of the buffer, which is what MPICH's
   # own reduce-scatter moves for large messages, where all-reduce + slice would move twice that.
   has_reduce_scatter = False
