@@ -27,13 +27,18 @@ LAYOUT := $(shell find jaxring -name '*.py' -not -path '*/__pycache__/*' 2>/dev/
 # namespaces stay together): the whole suite in 14 to 16 minutes on 2 cores (docs/benchmarks.md).
 PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 
-.PHONY: demo test install clean bench doctor tcmalloc gpu-check docs FORCE
+.PHONY: demo test test-quick install clean bench doctor tcmalloc gpu-check docs FORCE
 FORCE:
 demo: install
 	$(PY) -m jaxring demo
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The quick loop: every test not marked `slow` (each slow test or module says why where it is
+# marked; multi-process and network-namespace tests are slow too): under 2 minutes on 2 cores.
+test-quick: install
+	$(PY) -m pytest -m "not slow" -n 2 --dist loadfile
 
 install: $(EXT_STAMP)
 

@@ -97,8 +97,9 @@ SHAPES = {"scalar": (), "empty": (0,), "empty_2d": (8, 0), "one": (1,), "prime":
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("plan", _quick_first(list(PLANS), {"ring", "hier_int8"}))
-@pytest.mark.parametrize("op", ["psum", "pmean", "all_gather", "psum_scatter"])
+@pytest.mark.parametrize("plan", _quick_first(list(PLANS), {"ring"}))
+@pytest.mark.parametrize("op", _quick_first(["psum", "pmean", "all_gather", "psum_scatter"],
+                                            {"psum", "all_gather"}))
 def test_empty_scalar_and_prime_shapes_behave_as_lax(op, plan, shape):
   ours, theirs = _ops(plan)[op]
   rng = np.random.RandomState(0)
@@ -115,8 +116,7 @@ DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfl
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("plan", _quick_first(["xla", "ring", "hierarchical"], {"ring"}))
-@pytest.mark.parametrize("op", _quick_first(["psum", "all_gather", "psum_scatter"],
-                                            {"psum", "psum_scatter"}))
+@pytest.mark.parametrize("op", _quick_first(["psum", "all_gather", "psum_scatter"], {"psum"}))
 def test_every_dtype_lax_takes_gives_lax_result_or_error(op, plan, dtype):
   ours, theirs = _ops(plan)[op]
   rng = np.random.RandomState(1)

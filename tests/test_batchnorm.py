@@ -31,7 +31,9 @@ def _numpy_bn(x, scale, bias, relu, eps=1e-5):
 
 
 @pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("shape", [(4, 5, 5, 6), (3, 7), (2, 3, 3, 3, 4)])
+@pytest.mark.parametrize("shape", [  # the quick loop keeps (3, 7); the others ~0.5 s each
+    pytest.param((4, 5, 5, 6), marks=pytest.mark.slow), (3, 7),
+    pytest.param((2, 3, 3, 3, 4), marks=pytest.mark.slow)])
 def test_values_and_gradients_match_float64(relu, shape):
   rng = np.random.default_rng(0)
   x = (rng.normal(size=shape) * 3 + 1).astype(np.float32)
@@ -53,6 +55,7 @@ def test_values_and_gradients_match_float64(relu, shape):
   np.testing.assert_allclose(got_dbias, dbias, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow   # differentiates through the statistics (~1 s)
 def test_gradient_flows_through_the_returned_statistics():
   """The returned mean and variance are differentiable too (their cotangents are not dropped)."""
   x = jax.random.normal(jax.random.PRNGKey(0), (8, 3, 5)) * 2 + 0.5
@@ -69,7 +72,7 @@ def test_gradient_flows_through_the_returned_statistics():
   np.testing.assert_allclose(jax.grad(ours)(x), jax.grad(reference)(x), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("train", [pytest.param(True, marks=pytest.mark.slow), False])  # ~3 s
 def test_module_matches_flax_batchnorm_and_relu(train):
   x = jax.random.normal(jax.random.PRNGKey(0), (6, 4, 4, 8)) * 2 + 1
   ref = models.FlaxBatchNorm(use_running_average=not train, momentum=0.9, relu=True)
@@ -110,6 +113,7 @@ def test_bfloat16_output_keeps_the_input_dtype_and_f32_statistics():
   assert dx.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow   # initializes and differentiates two ResNets (~6 s)
 def test_resnets_with_either_norm_share_parameters_and_gradients():
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 16, 16, 3))
   fused = models.resnet(18, num_classes=10, width=8, stem="cifar", norm="fused")

@@ -343,6 +343,7 @@ def test_calibration_waits_at_a_barrier_before_every_timed_call():
   assert len(waits) // 3 <= sum(len(t) for row in raw for t in row) <= len(waits)
 
 
+@pytest.mark.slow   # a calibration that times every plan (~6 s)
 def test_the_lossless_plans_timed_for_the_chunk_norms_are_the_first_timing_at_those_sizes():
   """Top-k's chunk norms need the lossless plans' small points before its programs are traced;
   the first timing at those sizes (lossless plans only) reuses those calls, not times them
@@ -360,6 +361,7 @@ def test_the_lossless_plans_timed_for_the_chunk_norms_are_the_first_timing_at_th
       assert tuple(row[:2]) == pytest.approx(by_norms[algorithm], abs=1e-6)   # stored in µs
 
 
+@pytest.mark.slow   # a calibration that times every plan (~7 s)
 def test_topk_is_timed_with_the_chunk_norms_plan_this_calibration_chooses_not_a_cached_one():
   """Top-k sums its chunk norms by the lossless plan ``auto`` picks from a profile; calibrating
   must not time it with an earlier (stale) profile's pick, nor with none on a fresh machine."""

@@ -41,6 +41,7 @@ def _run(body: str, devices: int = 1) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.slow   # each case in a fresh process (~1-2 s each)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_huge_chunk_size_raises_value_error(case):
   r = _run(f"""

@@ -106,7 +106,8 @@ EXACT = {
 }
 
 
-@pytest.mark.parametrize("place", list(PLACES))
+@pytest.mark.parametrize("place", [p if p == "ring" else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in PLACES])   # the quick loop keeps the ring (~0.3 s each)
 @pytest.mark.parametrize("name", list(EXACT))
 def test_exactly_representable_inputs_give_exact_sums(name, place):
   codec, make = EXACT[name]
@@ -140,7 +141,9 @@ def cast_bound(codec, parts, n):
   return (bound + F32_EPS * np.abs(parts).sum(0))[:n]
 
 
-@pytest.mark.parametrize("scale", [3.0, 1e-7, 1e-20, 1e20])
+@pytest.mark.parametrize("scale", [3.0, pytest.param(1e-7, marks=pytest.mark.slow),  # ~0.4 s each
+                                   pytest.param(1e-20, marks=pytest.mark.slow),
+                                   pytest.param(1e20, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("codec", [codecs.bf16(), codecs.fp16(), codecs.fp16(block_size=32)],
                          ids=["bf16", "fp16", "fp16_32"])
 def test_cast_codec_error_within_ring_bound(codec, scale):
@@ -164,7 +167,8 @@ def test_fp16_small_gradients_keep_fp16_relative_precision():
   assert rel.max() <= 9 * 2.0 ** -11, rel.max()
 
 
-@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("stochastic", [False,
+                                        pytest.param(True, marks=pytest.mark.slow)])  # ~0.4 s each
 @pytest.mark.parametrize("block", [256, 32])
 def test_int8_error_within_ring_bound(block, stochastic):
   codec = codecs.int8(block_size=block, stochastic=stochastic)
@@ -239,6 +243,7 @@ def test_fp16_scale_exponents_from_the_bits_equal_frexp_and_ldexp():
                                 np.asarray(jnp.ldexp(jnp.ones((), jnp.float32), k)))
 
 
+@pytest.mark.slow   # sums at many magnitudes (~2 s)
 def test_fp16_and_int8_flush_thresholds_as_documented():
   # fp16: relative to the block's largest magnitude (1.0 here), 2**-38 survives, 2**-41 is zero
   x = np.zeros((8, 512), np.float32)
@@ -282,7 +287,8 @@ def topk_reference(x, density, chunk):
 
 
 @pytest.mark.parametrize("place", ["ring", "hier2x4", "split"])
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("check_vma", [True,
+                                       pytest.param(False, marks=pytest.mark.slow)])  # ~0.3 s each
 def test_topk_chunks_sums_the_chunks_with_largest_summed_norm(place, check_vma):
   rng = np.random.RandomState(5)
   chunk, n = 64, 64 * 50 + 13
@@ -412,6 +418,7 @@ def test_wire_bytes_arithmetic():
   assert codecs.int8().compression_ratio() == pytest.approx(0.25 + 1 / 256)
 
 
+@pytest.mark.slow   # compiles a program per codec (~3-5 s)
 def test_wire_ratios_from_compiled_hlo():
   rows = {r["codec"]: r for r in wire_table(32 << 20, 8)}
   base = rows["f32 ring (none)"]

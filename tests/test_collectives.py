@@ -92,6 +92,7 @@ def _psum_vs_lax(algorithm, mesh_shape, names, check_vma, tree):
   np.testing.assert_allclose(np.asarray(got["float32(37,)"]), ref, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.slow   # every dtype and leaf shape in one tree, per algorithm (~1.5-5 s each)
 @pytest.mark.parametrize("algorithm", ALGOS)
 def test_psum_matches_lax_every_dtype_and_shape(algorithm):
   _psum_vs_lax(algorithm, (2, 4), ("node", "local"), True, make_tree(0, 8))
@@ -100,9 +101,12 @@ def test_psum_matches_lax_every_dtype_and_shape(algorithm):
 SMALL = ["float32(37,)", "bfloat16(5, 7)", "int32(3,)", "bool()", "float16(0,)", "uint8()"]
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
-@pytest.mark.parametrize("mesh_shape,names", MESHES)
-@pytest.mark.parametrize("check_vma", [True, False])
+# the quick loop keeps ring with check_vma on a flat and a two-level mesh (~0.5 s each)
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("hierarchical", marks=pytest.mark.slow),
+                                       pytest.param("auto", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh_shape,names", [m if m in MESHES[:2] else pytest.param(
+    *m, marks=pytest.mark.slow) for m in MESHES])
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_psum_matches_lax_on_meshes(algorithm, mesh_shape, names, check_vma):
   tree = {k: v for k, v in make_tree(0, 8).items() if k in SMALL}
   _psum_vs_lax(algorithm, mesh_shape, names, check_vma, tree)
@@ -193,7 +197,8 @@ def test_grad_matches_lax(algorithm, check_vma):
   np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+@pytest.mark.parametrize("algorithm", ["ring",  # hierarchical ~2 s
+                                       pytest.param("hierarchical", marks=pytest.mark.slow)])
 def test_check_grads(algorithm):
   mesh = mesh_of((8,), ("d",))
   f = jax.jit(jax.shard_map(lambda v: jnp.sin(jaxring.psum(v, "d", algorithm=algorithm)),
@@ -225,7 +230,8 @@ def test_float64_where_enabled():
       np.testing.assert_allclose(got, np.asarray(x).reshape(8, 9).sum(0), rtol=1e-14)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("hierarchical", marks=pytest.mark.slow),
+                                       pytest.param("auto", marks=pytest.mark.slow)])  # ~0.3 s each
 @pytest.mark.parametrize("tiled,dim,shape", [(False, 0, (8, 5)), (False, 1, (3, 8)),
                                              (True, 0, (24, 2)), (True, 1, (2, 16, 3)),
                                              (True, 1, (3, 8))])
@@ -241,7 +247,8 @@ def test_psum_scatter_matches_lax(algorithm, tiled, dim, shape):
   np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("hierarchical", marks=pytest.mark.slow),
+                                       pytest.param("auto", marks=pytest.mark.slow)])  # ~0.2 s each
 @pytest.mark.parametrize("tiled,axis,shape", [(False, 0, (5,)), (False, 1, (3, 2)), (True, 0, (4,)),
                                               (True, 1, (2, 3)), (False, 0, ())])
 def test_all_gather_matches_lax(algorithm, tiled, axis, shape):

@@ -62,8 +62,10 @@ CODECS = {
 }
 
 
-@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
-@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("nesterov", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["heavy-ball", "nesterov"])
+@pytest.mark.parametrize("name", [  # the quick loop keeps two (~0.5 s each)
+    n if n in ("none", "topk") else pytest.param(n, marks=pytest.mark.slow) for n in CODECS])
 def test_every_gradient_gets_momentum_sgds_total_weight(name, nesterov):
   m, steps, n = 0.9, 30, 1500
   g = gradients(0, steps, n)
@@ -93,6 +95,7 @@ def test_uncompressed_it_is_momentum_sgd(nesterov):
     np.testing.assert_allclose(applied[t], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow   # steps through the warm-up (~1.5 s)
 def test_density_warms_up_by_factors_of_4():
   n, cs = 6400, 16                       # 400 chunks: 100, 25, 7, then 4 (1%) sent
   codec = codecs.topk_chunks(0.01, cs)
@@ -201,7 +204,8 @@ def _two_tensors(seed):
   return {"a_big": rng.randn(8, 1600), "b_small": rng.randn(8, 800) * 1e-3}
 
 
-@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
+@pytest.mark.parametrize("nesterov", [False, pytest.param(True, marks=pytest.mark.slow)],  # ~0.5 s
+                         ids=["heavy-ball", "nesterov"])
 def test_per_tensor_top_k_sends_each_tensors_largest_chunks(nesterov):
   """One step of momentum correction from zero state: the chunks sent are, per pool of tensors,
   those with the largest sum over members of their norm (float64), so the tensor of small
@@ -259,6 +263,7 @@ def test_per_tensor_top_k_in_psum_and_reduce_gradients(where):
   assert (np.abs(got[want] * scale - total[want]) <= bound[want]).all()   # f32 rounding only
 
 
+@pytest.mark.slow   # trains, saves and resumes (~8 s)
 def test_state_resumes_bit_for_bit_from_an_orbax_checkpoint(tmp_path):
   n, steps = 2000, 8
   g = gradients(4, steps, n)
@@ -306,7 +311,7 @@ def _adam_reference(gmean, b1, b2, eps):
   return np.asarray(out), mu, nu
 
 
-@pytest.mark.parametrize("name", ["none", "topk"])
+@pytest.mark.parametrize("name", ["none", pytest.param("topk", marks=pytest.mark.slow)])  # ~0.8 s
 def test_compressed_adam_is_adam_then_keeps_the_frozen_preconditioned_total(name):
   b1, b2, eps, warm, steps, n = 0.9, 0.999, 1e-8, 5, 25, 1500
   g = gradients(5, steps, n)
@@ -397,7 +402,7 @@ def _trust_reference(updates, params, warm, bound, decay=0.98):
   return out
 
 
-@pytest.mark.parametrize("bound", [1.0, 1.5])
+@pytest.mark.parametrize("bound", [1.0, pytest.param(1.5, marks=pytest.mark.slow)])  # ~0.5 s
 def test_frozen_trust_ratio_is_lambs_then_held_near_its_mean(bound):
   from jaxring._src.optim.lamb import frozen_trust_ratio
   rng = np.random.RandomState(7)
@@ -426,6 +431,7 @@ def test_frozen_trust_ratio_is_lambs_then_held_near_its_mean(bound):
         np.testing.assert_allclose(np.asarray(got[t][k]), ref[k], rtol=1e-5)
 
 
+@pytest.mark.slow   # steps LAMB beside optax's (~1 s)
 def test_lamb_uncompressed_is_optax_lamb_on_the_mean_gradient():
   lr, steps, n = 1e-2, 6, 300
   g = gradients(8, steps, n)

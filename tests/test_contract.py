@@ -51,8 +51,10 @@ def _grad(collective, check_vma, u, w, out_len=None):
 # --- item 1: derivatives are lax's ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("algorithm", ALGOS)
+# the quick loop keeps ring and hierarchical with check_vma (~0.3 s each)
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algorithm", [a if a != "auto" else pytest.param(a, marks=pytest.mark.slow)
+                                       for a in ALGOS])
 @pytest.mark.parametrize("codec", list(CODECS))
 def test_psum_grad_is_lax_transpose_for_every_codec(codec, algorithm, check_vma):
   # psum is linear: the loss is linear in its result, so the gradient is lax's transpose applied
@@ -74,9 +76,10 @@ def test_pmean_grad_is_lax_transpose(codec, check_vma):
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("check_vma", [True,
+                                       pytest.param(False, marks=pytest.mark.slow)])  # ~0.5 s each
 @pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
-@pytest.mark.parametrize("codec", ["bf16", "int8", "none"])
+@pytest.mark.parametrize("codec", [pytest.param("bf16", marks=pytest.mark.slow), "int8", "none"])
 def test_psum_scatter_and_all_gather_grads_are_lax_transposes(codec, algorithm, check_vma):
   u, w = _inputs(2, 64)
   w = jnp.tile(w, 8)  # all_gather's result is 8 times longer
@@ -92,9 +95,12 @@ def test_psum_scatter_and_all_gather_grads_are_lax_transposes(codec, algorithm, 
                                rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8"])
-@pytest.mark.parametrize("algorithm", ALGOS)
+# the quick loop keeps int8 on ring and hierarchical with check_vma (~0.7 s each)
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("codec", ["int8", pytest.param("bf16", marks=pytest.mark.slow),
+                                   pytest.param("fp16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algorithm", [a if a != "auto" else pytest.param(a, marks=pytest.mark.slow)
+                                       for a in ALGOS])
 def test_grad_of_squared_sum_on_one_axis(algorithm, codec, check_vma):
   """The issue's case: d/du sum(psum(u)**2) = 2 psum(u) on every member, to within the codec's
   rounding of the forward sum (float64 reference), not off by the size of the gradient."""
@@ -114,6 +120,7 @@ def test_grad_of_squared_sum_on_one_axis(algorithm, codec, check_vma):
   np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(lax_loss))(u)), want, rtol=1e-5)
 
 
+@pytest.mark.slow   # forward- and reverse-mode of every codec (~14 s)
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("codec", ["bf16", "int8", "topk"])
 def test_jvp_and_linearize_are_lax_psum_of_the_tangent(codec, check_vma):
@@ -146,7 +153,7 @@ def test_second_derivative_through_a_codec():
 # --- item 2: dtypes ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.slow)])  # ~0.1 s
 @pytest.mark.parametrize("algorithm", ["xla", "ring", "hierarchical", "auto"])
 @pytest.mark.parametrize("codec", ["none", "bf16", "int8"])
 def test_all_gather_of_bool_is_bool(algorithm, codec, check_vma):

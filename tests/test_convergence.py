@@ -19,6 +19,9 @@ from jaxring import codecs
 pytest.importorskip("sklearn.datasets", reason="needs scikit-learn's digits")
 from jaxring._src.tools.bench import convergence as bench  # noqa: E402
 
+# `pytest -m "not slow"` leaves it out: trains three classifiers to convergence (~15 s)
+pytestmark = pytest.mark.slow
+
 STEPS, LR = 300, 0.5
 CONFIGS = {
     "uncompressed": (None, True),

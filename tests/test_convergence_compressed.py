@@ -16,6 +16,9 @@ from jaxring import codecs
 pytest.importorskip("sklearn.datasets", reason="needs scikit-learn's bundled digits")
 from jaxring._src.tools.bench import convergence as bench  # noqa: E402
 
+# `pytest -m "not slow"` leaves it out: digits with every optimizer and codec (~15 s)
+pytestmark = pytest.mark.slow
+
 STEPS = 300
 TOPK = codecs.topk_chunks(0.01, chunk_size=16)   # 301 chunks, 4 sent a step
 ADAM = dict(adam_warmup=100, adam_variance_every=5)

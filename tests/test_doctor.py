@@ -11,8 +11,14 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 import multiproc
 from jaxring._src import ext
+
+# `pytest -m "not slow"` leaves it out: `jaxring doctor` in fresh processes, one on a copied
+# package (~8 s)
+pytestmark = pytest.mark.slow
 
 # The editable install's finder would load the installed jaxring whatever sys.path says; drop it
 # so that the copy on sys.path is the package imported.

@@ -79,7 +79,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# the quick loop keeps one case per codec family and place (~1 s each)
+@pytest.mark.parametrize("case", [
+    c if c in ("int8-ring", "int8-split", "topk-split", "topk-hier2x4")
+    else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_applied_plus_residual_equals_true_mean(case):
   codec, place, check_vma = CASES[case]
   steps, n = 30, 1500
@@ -95,6 +98,7 @@ def test_applied_plus_residual_equals_true_mean(case):
   assert np.abs(applied[0].sum(0) - true).max() > 10 * np.abs(got - true).max()
 
 
+@pytest.mark.slow   # steps with and without feedback (~3 s)
 def test_without_error_feedback_the_left_out_part_is_lost():
   steps, n = 30, 1500
   g = gradients(1, steps, n)
@@ -128,6 +132,7 @@ def test_bf16_gradients_keep_f32_residuals():
 # unit normals (+ residuals): <= 8 * 6 / 254 < 0.2. top-k (2 of 16 chunks a step): a chunk's
 # residual grows until its norm wins a place; an unselected chunk left to drift would random-walk
 # to ~sqrt(1000) = 32 standard deviations (measured worst with feedback: ~12.5).
+@pytest.mark.slow   # 1000 steps per codec (~3 s)
 @pytest.mark.parametrize("codec,limit", [(codecs.topk_chunks(0.125, 16), 20.0),
                                          (codecs.int8(block_size=64), 0.2)],
                          ids=["topk", "int8"])
@@ -159,6 +164,7 @@ def test_residual_stays_bounded_over_1000_steps(codec, limit):
   assert sizes[:, 800:].max() <= 1.5 * sizes[:, 200:400].max()
 
 
+@pytest.mark.slow   # trains, checkpoints and restores (~6 s)
 def test_composes_with_optax_chain_and_checkpoints():
   n, steps = 300, 6
   g = gradients(3, steps, n)

@@ -194,6 +194,7 @@ def _reference_grads(f_ext, f_ref, args, argnums):
   return got, want
 
 
+@pytest.mark.slow   # compiles the gradient of every kernel (~3-5 s)
 def test_gradients_match_the_references():
   x, p = data(45), data(45, 1)
   q, s = ext.quantize_int8(x, BS)
@@ -284,6 +285,7 @@ def test_docstring_examples(module):
   assert result.attempted > 0 and result.failed == 0
 
 
+@pytest.mark.slow   # a fresh process (~1 s)
 def test_a_missing_extension_fails_on_kernel_import_but_not_on_reference_import():
   import subprocess
   import sys
@@ -348,7 +350,8 @@ CALLS = {
 
 
 @pytest.mark.parametrize("name", CALLS)
-@pytest.mark.parametrize("module", [ext, ref], ids=["ffi", "reference"])
+@pytest.mark.parametrize("module", [ext, pytest.param(ref, marks=pytest.mark.slow)],  # ~0.2 s each
+                         ids=["ffi", "reference"])
 def test_results_vary_over_the_manual_axes_their_inputs_vary_over(name, module):
   # Per-device inputs (varying over "i") next to invariant constants (seeds, indices): every
   # result is typed varying, so psum adds the 8 devices' results instead of taking one of them

@@ -10,6 +10,9 @@ from jaxring._src.ext import reference as ref
 
 BLOCK = 256
 SIZES = [0, 1, BLOCK - 1, BLOCK + 1, 3 * BLOCK, 10**6 + 3]
+# a jitted reference per size (~0.1-0.3 s each): the quick loop leaves out BLOCK - 1 and 3 * BLOCK
+SIZES_QUICK = [n if n in (0, 1, BLOCK + 1, 10**6 + 3) else pytest.param(n, marks=pytest.mark.slow)
+               for n in SIZES]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 # The references are jitted: under jit XLA fuses and rewrites arithmetic, the harder case.
@@ -55,9 +58,10 @@ def distinct_chunks(n, chunk):
   return jnp.asarray(np.concatenate([[nc - 1], rest]).astype(np.int32))
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES_QUICK)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("stochastic", [False,
+                                        pytest.param(True, marks=pytest.mark.slow)])  # ~0.1 s each
 def test_quantize_matches_reference(n, dtype, stochastic):
   x = data(n, dtype)
   q, s = ext.quantize_int8(x, BLOCK, stochastic=stochastic, seed=1234)
@@ -209,7 +213,7 @@ def test_zero_tiny_and_non_finite_blocks():
                     ref_quantize(x, BLOCK, False, 0)[1])
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES_QUICK)
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_ring_hop_int8_matches_reference(n, stochastic):
   q, s = ext.quantize_int8(data(n), BLOCK)
@@ -232,7 +236,7 @@ def test_ring_hop_int8_against_numpy():
   assert_bits_equal(s2, ext.quantize_int8(new, BLOCK)[1])
 
 
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("n", SIZES_QUICK)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ring_hop_cast_matches_reference(n, dtype):
   recv, partial = data(n, dtype), data(n, seed=3)
@@ -284,7 +288,9 @@ def test_chunk_norms_overflow_and_non_finite():
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 1), (10, 4), (4096 * 7 + 5, 4096), (10**6 + 3, 1000)])
-@pytest.mark.parametrize("dtype", DTYPES + [jnp.int8])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow),
+                                   pytest.param(jnp.float16, marks=pytest.mark.slow),  # ~0.1 s each
+                                   jnp.int8])
 def test_gather_chunks(n, chunk, dtype):
   x = (data(n) * 10).astype(dtype)
   idx = distinct_chunks(n, chunk)

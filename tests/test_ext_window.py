@@ -77,12 +77,15 @@ def _psum(mesh, algorithm, codec):
       mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical"])
+@pytest.mark.parametrize("algorithm", ["ring",  # ~0.3 s each
+                                       pytest.param("hierarchical", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("codec, targets", [
     ("int8", ("quantize_int8_at", "ring_hop_int8_at", "ring_hop_int8_last_at")),
     ("bf16", ("ring_hop_cast_at", "ring_hop_cast_last_at")),
-    ("int8:256:stochastic", ("ring_hop_int8_last_at",)),   # seeded from the chunk: sliced
-    ("none", ("ring_hop_cast_last_at",)),   # f32 as it is: the add in place, no fusion per hop
+    # seeded from the chunk: sliced
+    pytest.param("int8:256:stochastic", ("ring_hop_int8_last_at",), marks=pytest.mark.slow),
+    # f32 as it is: the add in place, no fusion per hop
+    pytest.param("none", ("ring_hop_cast_last_at",), marks=pytest.mark.slow),
 ])
 def test_the_ring_reads_its_chunks_in_place_with_the_same_result(monkeypatch, algorithm, codec,
                                                                  targets):

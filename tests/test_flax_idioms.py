@@ -109,7 +109,7 @@ def test_the_example_state_rebased_onto_jaxring_trains_with_residuals(trained):
   assert any(np.abs(r).max() > 0 for r in residuals)  # int8 left something out
 
 
-@pytest.mark.parametrize("how", ["in_axes_none", "replicate"])
+@pytest.mark.parametrize("how", ["in_axes_none", pytest.param("replicate", marks=pytest.mark.slow)])
 def test_pmap_evaluation_of_the_trained_state(trained, how):
   _, state = trained
   batch = _per_device(BATCH)
@@ -149,6 +149,7 @@ def test_the_one_line_residuals_field_on_a_users_own_flax_state():
                              rtol=1e-5)
 
 
+@pytest.mark.slow   # saves and restores (~0.7 s)
 def test_jaxring_checkpointer_keeps_every_replicas_residuals(trained, tmp_path):
   step, state = trained
   want = [np.asarray(r) for r in jax.tree_util.tree_leaves(state.residuals)]
@@ -164,7 +165,8 @@ def test_jaxring_checkpointer_keeps_every_replicas_residuals(trained, tmp_path):
     step(restored, BATCH)
 
 
-@pytest.mark.parametrize("idiom", ["flax", "orbax_util"])
+@pytest.mark.parametrize("idiom", ["flax",
+                                   pytest.param("orbax_util", marks=pytest.mark.slow)])  # ~0.5 s
 def test_a_checkpoint_without_the_residuals_is_restored_loudly(trained, tmp_path, idiom):
   """Flax's checkpoint idioms save the state's leaves: the per-replica residuals are not among
   them, the rest restores intact, and the next train step says what was lost."""

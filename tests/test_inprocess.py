@@ -43,7 +43,8 @@ def test_reduce_scatter_and_all_gather_match_lax(check_vma):
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("rows", [4, 8, 12])
+@pytest.mark.parametrize("rows", [4, pytest.param(8, marks=pytest.mark.slow),  # ~3 s, ~5 s
+                                  pytest.param(12, marks=pytest.mark.slow)])
 def test_row_orders_are_read_and_written_in_place(rows):
   """``order`` equals permuting a copy: before the reduce-scatter, after the all-gather."""
   from jaxring._src.algorithms.base import permute_flat
@@ -62,7 +63,8 @@ def test_row_orders_are_read_and_written_in_place(rows):
       np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("wire", ["int8", "bfloat16", "float16"])
+@pytest.mark.parametrize("wire", ["int8", pytest.param("bfloat16", marks=pytest.mark.slow),
+                                  pytest.param("float16", marks=pytest.mark.slow)])  # ~1 s each
 def test_gather_and_decode_in_one_pass_equals_decoding_the_gathered_payload(wire):
   from jaxring._src.algorithms.base import permute_flat
   rows, bs = 8, 32
@@ -84,6 +86,7 @@ def test_gather_and_decode_in_one_pass_equals_decoding_the_gathered_payload(wire
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow   # reduces outputs of 4 MiB and more (~15 s)
 def test_outputs_of_4_mib_and_more_are_streamed_with_the_same_values():
   """Past xla_ext/cpu_stream.h's threshold the copies and decodes go through L1 tiles and
   non-temporal stores; rows whose length is no multiple of the tile check the tails."""
@@ -119,6 +122,7 @@ def test_an_order_that_is_not_a_permutation_of_whole_rows_is_refused():
       _run(lambda v: inprocess.reduce_scatter(v, LOCAL, order=order), x)
 
 
+@pytest.mark.slow   # compiles and runs a loop of calls (~3 s)
 def test_a_call_inside_a_loop_meets_again_every_iteration():
   x = jnp.arange(8 * 64, dtype=jnp.float32) % 7
 
@@ -168,7 +172,8 @@ def test_a_member_that_never_arrives_is_named(monkeypatch):
                                 np.full(8 * 16, 4.0, np.float32))
 
 
-@pytest.mark.parametrize("codec", [jaxring.codecs.int8(block_size=64), jaxring.codecs.bf16()],
+@pytest.mark.parametrize("codec", [pytest.param(jaxring.codecs.int8(block_size=64),  # ~1.5 s
+                                                marks=pytest.mark.slow), jaxring.codecs.bf16()],
                          ids=["int8", "bf16"])
 def test_hierarchical_all_reduce_gathers_in_shared_memory_to_the_same_bits(codec):
   """The all-gather phase's local level runs in shared memory with check_vma False and True (where
@@ -189,7 +194,9 @@ def test_hierarchical_all_reduce_gathers_in_shared_memory_to_the_same_bits(codec
   assert 0 < err < 0.05 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("codec", [None, jaxring.codecs.int8(block_size=64)], ids=["none", "int8"])
+@pytest.mark.parametrize("codec", [None, pytest.param(jaxring.codecs.int8(block_size=64),  # ~2 s
+                                                      marks=pytest.mark.slow)],
+                         ids=["none", "int8"])
 def test_check_vma_all_reduce_returns_invariant_from_shared_memory(codec):
   """Under check_vma=True a hierarchical psum whose fast level is in-process ends in shared
   memory too, typed invariant: shard_map returns it with out_specs=P(), no all-gather over the
@@ -218,6 +225,7 @@ def test_check_vma_all_reduce_returns_invariant_from_shared_memory(codec):
     assert 0 < np.abs(got - exact).max() < 0.05 * np.abs(exact).max()
 
 
+@pytest.mark.slow   # runs programs that meet in opposite orders (~6 s)
 def test_members_that_reach_independent_calls_in_opposite_orders_all_complete():
   # Devices of one process may reach two independent collectives in different orders (XLA:CPU
   # runs each device's operations as they become ready). Here half the members have the gather's
@@ -250,6 +258,7 @@ def test_members_that_reach_independent_calls_in_opposite_orders_all_complete():
     np.testing.assert_allclose(_run(got, x), _run(ref, x), rtol=1e-6)
 
 
+@pytest.mark.slow   # compiles and calls several programs (~5 s)
 def test_a_jitted_function_called_twice_meets_once_per_call():
   # JAX traces and lowers a jitted function once, so its two calls in one program hold the same
   # custom call twice; XLA may run them at once, each device in its own order. Each call meets

@@ -53,9 +53,11 @@ def _second_derivatives(axes, mesh, check_vma):
   return [np.asarray(a) for a in f(w, x)]
 
 
-@pytest.mark.parametrize("check_vma", [True, False])
-@pytest.mark.parametrize("codec", ["none", "bf16"])
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
+# the quick loop keeps ring and hierarchical uncompressed with check_vma (~1 s each)
+@pytest.mark.parametrize("check_vma", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("codec", ["none", pytest.param("bf16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("algorithm", ["ring", "hierarchical",
+                                       pytest.param("auto", marks=pytest.mark.slow)])
 def test_second_derivatives_through_jaxring_in_lax_place(lax_is_jaxring, algorithm, codec,
                                                          check_vma):
   mesh = jax.make_mesh((4, 2), ("node", "local"), axis_types=(AUTO, AUTO))
@@ -69,7 +71,8 @@ def test_second_derivatives_through_jaxring_in_lax_place(lax_is_jaxring, algorit
     np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "auto"])
+@pytest.mark.parametrize("algorithm", ["ring", pytest.param("hierarchical", marks=pytest.mark.slow),
+                                       pytest.param("auto", marks=pytest.mark.slow)])  # ~0.5-1 s
 def test_jaxs_grad_of_psum_in_pmap(lax_is_jaxring, algorithm):
   """pmap_test.py's testGradOfPsum: second-order check_grads, forward and reverse."""
   lax_is_jaxring(algorithm=algorithm)

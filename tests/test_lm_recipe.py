@@ -24,7 +24,7 @@ def _params(model, context):
   return jax.jit(model.init)(jax.random.PRNGKey(0), jnp.zeros((1, context), jnp.int32))["params"]
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)])  # ~0.7 s
 def test_a_later_token_never_changes_earlier_logits(tied):
   config = _small(tied=tied)
   model = lm.create_model(config)
@@ -111,6 +111,7 @@ def _run_steps(config, steps):
   return state, metrics
 
 
+@pytest.mark.slow   # two LM train steps side by side (~4 s)
 @pytest.mark.timeout(600)  # ~20 s of CPU; 111-191 s of wall time at load 35-45 on 2 cores
 def test_fsdp_equals_the_replicated_step_on_the_lm():
   config = _small(num_steps=20)
@@ -131,6 +132,7 @@ def test_fsdp_equals_the_replicated_step_on_the_lm():
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow   # trains the small LM (~3 s)
 def test_small_lm_trains_fully_sharded_below_the_unigram_entropy():
   summary = lm.train_and_evaluate(_small(shard="params"))
   losses = summary["losses"]

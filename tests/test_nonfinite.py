@@ -14,6 +14,10 @@ import jaxring
 import jaxring.train as jt
 from jaxring import codecs
 
+# `pytest -m "not slow"` leaves it out: NaN/Inf through every codec, level and optimizer
+# transform (~15 s)
+pytestmark = pytest.mark.slow
+
 AUTO = jax.sharding.AxisType.Auto
 N = 4096
 CODECS = {

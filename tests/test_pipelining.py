@@ -43,9 +43,12 @@ CASES = [("mesh", "hierarchical", None), ("mesh", "hierarchical", codecs.int8())
          ("mesh", "ring", codecs.int8()), ("split", "ring", None)]
 
 
-@pytest.mark.parametrize("place,algorithm,codec", CASES,
-                         ids=[f"{p}-{a}-{c.name if c else 'none'}" for p, a, c in CASES])
-@pytest.mark.parametrize("pieces", [3, 4])
+# the quick loop keeps 3 pieces on the unquantized mesh and the hierarchical split (~1-2 s each)
+@pytest.mark.parametrize("place,algorithm,codec", [
+    pytest.param(p, a, c, id=f"{p}-{a}-{c.name if c else 'none'}",
+                 marks=pytest.mark.slow if (p, a) == ("split", "ring") or p == "mesh" and c else ())
+    for p, a, c in CASES])
+@pytest.mark.parametrize("pieces", [3, pytest.param(4, marks=pytest.mark.slow)])
 def test_pieces_change_the_schedule_not_the_sum(place, algorithm, codec, pieces):
   # a length whose padding is the same for every number of pieces (8 members x lcm(3, 4) x 256),
   # so that each element meets the same partners in the same order; odd lengths: below
@@ -62,8 +65,9 @@ def test_pieces_change_the_schedule_not_the_sum(place, algorithm, codec, pieces)
   assert np.all(np.abs(piecewise - exact) <= tol)
 
 
-@pytest.mark.parametrize("place,algorithm,codec", CASES[1:4],
-                         ids=[f"{p}-{a}-{c.name}" for p, a, c in CASES[1:4]])
+@pytest.mark.parametrize("place,algorithm,codec", [  # mesh: ~1.5 s, in the slow loop
+    pytest.param(p, a, c, id=f"{p}-{a}-{c.name}", marks=pytest.mark.slow if p == "mesh" else ())
+    for p, a, c in CASES[1:4]])
 def test_pieces_with_odd_lengths_stay_within_the_codec_bound(place, algorithm, codec):
   x = np.random.default_rng(1).standard_normal((8, 5003)).astype(np.float32)
   with jaxring.use_topology(topology(4)):

@@ -251,6 +251,7 @@ def test_a_registered_algorithm_runs_everywhere_algorithm_is_accepted():
     jaxring.psum(jnp.ones(3), "i", algorithm="backward_ring")
 
 
+@pytest.mark.slow   # times every candidate plan (~6 s)
 def test_calibrate_measures_every_candidate_and_auto_then_follows_it(tmp_path, monkeypatch):
   monkeypatch.setenv("JAXRING_CACHE_DIR", str(tmp_path))
   mesh = jax.make_mesh((2, 4), ("node", "local"))
@@ -283,6 +284,7 @@ def test_calibrate_measures_every_candidate_and_auto_then_follows_it(tmp_path, m
                                 run(lambda v: jax.lax.psum(v, ("node", "local"))))
 
 
+@pytest.mark.slow   # times the chunk norms' plans (~2 s)
 def test_topk_chunk_norms_take_the_lossless_plan_auto_measured_fastest():
   """The norms' all-reduce is ``auto``'s lossless choice: native over all 8 devices without a
   profile; the hierarchical plan (groups of 2 across the node level) where it measured faster.

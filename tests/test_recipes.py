@@ -86,6 +86,7 @@ def test_weight_decay_mask_excludes_exactly_batchnorm_and_biases():
   assert decayed_size == 25_557_032 - 1000 - 2 * _bn_channels_resnet50()
 
 
+@pytest.mark.slow   # initializes and compiles a ResNet (~8 s)
 def test_sgd_decays_only_kernels_with_nesterov_momentum():
   model = models.resnet(18, num_classes=10, width=4, stem="cifar")
   params = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8, 8, 3)), train=False))(
@@ -156,6 +157,7 @@ def tiny_config(tmp_path_factory):
       compression="none", log_every=1, checkpoint_every=4, progress=False)
 
 
+@pytest.mark.slow   # trains the small config twice (~14 s)
 def test_small_config_trains_on_8_devices_and_resumes(tiny_config, tmp_path):
   config = dataclasses.replace(tiny_config, workdir=str(tmp_path))
   summary = train.train_and_evaluate(config)
@@ -177,6 +179,7 @@ def test_small_config_trains_on_8_devices_and_resumes(tiny_config, tmp_path):
   assert resumed["final"]["eval_top1"] == summary["final"]["eval_top1"]
 
 
+@pytest.mark.slow   # a short fully sharded recipe run (~9 s)
 @pytest.mark.timeout(600)
 def test_small_config_trains_fully_sharded_with_int8_weights(tiny_config, tmp_path):
   """--config.shard=params --config.param_compression=int8: parameters and momentum live split
@@ -201,6 +204,7 @@ def test_small_config_trains_fully_sharded_with_int8_weights(tiny_config, tmp_pa
     train.make_train_step(dataclasses.replace(hpz, mesh="flat"), lambda s: 0.1)
 
 
+@pytest.mark.slow   # trains and compiles the demo (~12 s)
 def test_demo_report_has_its_fields(tiny_config):
   from recipes import demo
   config = dataclasses.replace(tiny_config, compression="int8", num_steps=3)
@@ -228,6 +232,7 @@ def test_demo_report_describes_one_gpu_without_nan():
   assert "emulated" not in text
 
 
+@pytest.mark.slow   # a short recipe run (~9 s)
 def test_a_short_run_clips_the_warm_up_instead_of_refusing(tiny_config):
   from recipes import train
   config = dataclasses.replace(tiny_config, num_steps=2, warmup_epochs=50.0)

@@ -72,6 +72,7 @@ def test_scaling_orders_as_the_source_works_say():
   assert eff["flat"] < eff["none"] < eff["int8"] < eff["topk"] <= 1.0
 
 
+@pytest.mark.slow   # the simulator CLI in fresh processes (~2 s)
 def test_cli_runs_to_1024_gpus_in_seconds_and_reproduces_baidus_400_ms(tmp_path):
   out = subprocess.run([sys.executable, "-m", "jaxring", "simulate", "--out-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)

@@ -93,6 +93,7 @@ def _first_layer_kernel_grad(lines):
   return hits[0]
 
 
+@pytest.mark.slow   # compiles whole train steps (~3-5 s each)
 @pytest.mark.parametrize("overlap", [True, False])
 def test_one_reduction_per_bucket_scheduled_inside_backprop(overlap):
   lines = _compiled_hlo(overlap)

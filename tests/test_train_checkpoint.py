@@ -63,6 +63,7 @@ def _leaves(state):
       (state.step, state.params, state.opt_state, state.rng, state.residuals))]
 
 
+@pytest.mark.slow   # three training runs (~4 s)
 def test_resume_is_bit_identical_to_an_uninterrupted_run(step, tmp_path):
   straight = jt.fit(step, _fresh_state(), _batches(), num_steps=7, progress=False)
 
@@ -142,6 +143,7 @@ def test_residuals_of_another_replica_count_need_the_prepared_template(step, tmp
     step(state, next(_batches()))
 
 
+@pytest.mark.slow   # a fresh process killed mid-save (~2 s)
 def test_sigkill_in_the_middle_of_a_save_keeps_the_last_commit(tmp_path):
   directory, expected = tmp_path / "ckpt", tmp_path / "expected.npz"
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
@@ -292,6 +294,7 @@ def test_a_different_template_is_a_value_error_not_corruption(saved):
   assert not isinstance(info.value, jt.CheckpointCorruptError)
 
 
+@pytest.mark.slow   # trains, corrupts and resumes (~8 s)
 def test_fit_skips_a_corrupt_checkpoint_and_resumes_from_the_previous(step, tmp_path, caplog):
   straight = jt.fit(step, _fresh_state(), _batches(), num_steps=7, progress=False)
   first = jt.Checkpointer(tmp_path / "ckpt", max_to_keep=3)

@@ -69,7 +69,8 @@ def test_per_tensor_top_k_gives_a_bucket_tensor_of_small_gradients_its_share(per
   assert (moved["b_small"] >= 5) if per_tensor else (moved["b_small"] == 0)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", [  # the quick loop keeps one (~0.5-1 s each)
+    n if n == "topk-ring" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(CONFIGS)])
 def test_applied_plus_residuals_equals_exact_mean_gradient(name):
   cfg = dict(CONFIGS[name])
   shape = cfg.pop("mesh_shape")
@@ -109,7 +110,8 @@ def test_applied_plus_residuals_equals_exact_mean_gradient(name):
   assert any(np.abs(r[0] - r[1]).max() > 0 for r in jax.tree.leaves(residuals))
 
 
-@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
+@pytest.mark.parametrize("nesterov", [False, pytest.param(True, marks=pytest.mark.slow)],  # ~0.7 s
+                         ids=["heavy-ball", "nesterov"])
 def test_momentum_in_the_step_gives_every_gradient_momentum_sgds_weight(nesterov):
   """train_step(momentum=m) with top-k: sum of applied updates + mean_i (r_i + c u_i) equals the
   sum of exact mean gradients / (1 - m) (c = m / (1 - m), Nesterov m^2 / (1 - m))."""
@@ -150,6 +152,7 @@ def test_momentum_in_the_step_gives_every_gradient_momentum_sgds_weight(nesterov
   assert held
 
 
+@pytest.mark.slow   # steps until the running norm settles (~0.5 s)
 def test_momentum_step_clips_each_bucket_to_twice_its_running_norm():
   """clip_norm="auto" (the default) per bucket and replica, against float64: momentum SGD on
   the clipped local gradients (no codec: the mean is exact), and the running norm every leaf of
@@ -224,6 +227,7 @@ def test_momentum_in_the_step_refuses_a_second_momentum_and_topk_refuses_statefu
       jt.TrainState.create(apply_fn=model.apply, params=p0, tx=optax.adam(1e-3)))  # dense: fine
 
 
+@pytest.mark.slow   # trains, saves and resumes (~8 s)
 def test_topk_momentum_step_resumes_bit_for_bit_from_a_checkpoint(tmp_path):
   """The velocity travels with the residuals: a run resumed from jt.Checkpointer (orbax) at step 3
   ends exactly where the uninterrupted one does."""
@@ -265,6 +269,7 @@ def test_topk_momentum_step_resumes_bit_for_bit_from_a_checkpoint(tmp_path):
   assert (leaf[:, 2 * size] > 0).all()                   # the running gradient norm
 
 
+@pytest.mark.slow   # compiles a step on one device (~0.5 s)
 def test_one_replica_with_a_codec_is_exact_and_keeps_its_placement(monkeypatch):
   """One device: nothing travels, so int8 must not perturb the gradient; and the state the step
   returns is used as is (no re-placement per call: on one GPU that doubled the step time)."""

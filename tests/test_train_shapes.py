@@ -45,6 +45,7 @@ def scanned(tx, data, init, logits_fn):
   return f(init(jax.random.key(0)), xtr, ytr)
 
 
+@pytest.mark.slow   # compiles a scan of train steps (~5 s)
 def test_step_by_step_equals_one_scan():
   data = hard_shapes(8 * 3 * BATCH, 32)
   tx = bench.supported_optimizer("adamw", 3e-3, "d", codecs.topk_chunks(0.05, chunk_size=16),

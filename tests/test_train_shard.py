@@ -28,8 +28,10 @@ def _replicated(tx: str, steps: int):
   return jax.device_get(state)
 
 
-@pytest.mark.parametrize("tx", sorted(TXS))
-@pytest.mark.parametrize("shard", ["optimizer", "params"])
+# the quick loop keeps params-sgd_momentum; each of the others ~7 s
+@pytest.mark.parametrize("tx", [
+    t if t == "sgd_momentum" else pytest.param(t, marks=pytest.mark.slow) for t in sorted(TXS)])
+@pytest.mark.parametrize("shard", [pytest.param("optimizer", marks=pytest.mark.slow), "params"])
 def test_sharded_step_equals_the_replicated_step_after_10_steps(shard, tx):
   batches = _data(10)
   want = _replicated(tx, 10)
@@ -65,6 +67,7 @@ MASKED_TXS = {
 }
 
 
+@pytest.mark.slow   # 10 steps side by side with the replicated step, per case (~6-10 s each)
 @pytest.mark.parametrize("tx", sorted(MASKED_TXS))
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_masked_optimizer_state_is_split_like_the_parameters_it_owns(shard, tx):
@@ -84,6 +87,7 @@ def test_masked_optimizer_state_is_split_like_the_parameters_it_owns(shard, tx):
     _assert_trees_close(got.params["Dense_0"], start, rtol=0, atol=0)
 
 
+@pytest.mark.slow   # 10 steps side by side on a two-level mesh (~7 s each)
 @pytest.mark.parametrize("hpz", [False, True], ids=["flat-blocks", "hpz"])
 def test_hierarchical_mesh_with_a_ring_per_level_equals_the_replicated_step(hpz):
   mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
@@ -109,6 +113,7 @@ def _per_replica_grads(state, batch, p):
   return jax.tree.map(lambda *g: np.sum([np.asarray(x, np.float64) for x in g], axis=0), *per)
 
 
+@pytest.mark.slow   # steps side by side with an exact reduction (~1.5-5 s each)
 @pytest.mark.parametrize("algorithm", ["ring", "hierarchical", "hierarchical-hpz"])
 def test_error_feedback_of_the_compressed_reduce_scatter_loses_nothing(algorithm):
   """With SGD(lr=1): p * (-update) + the sum of every replica's new residual equals the sum of
@@ -143,6 +148,7 @@ def _at(tree, path):
   return tree
 
 
+@pytest.mark.slow   # trains three ways side by side (~10 s)
 def test_compressed_parameters_and_gradients_train_like_uncompressed():
   batches = _data(30, shape=(16,), classes=8)
   plain, m_plain = _run(_mlp_step(shard="params"), _mlp_state(optax.sgd(0.1, momentum=0.9)),
@@ -172,6 +178,7 @@ def test_the_backward_pass_gathers_again_the_parameters_it_needs():
   assert counts["optimizer"] == 6  # each updated block, once, after the update
 
 
+@pytest.mark.slow   # 10 steps side by side with the replicated step (~1-2 s each)
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_full_params_inside_the_step_is_the_whole_updated_model(shard):
   """A metric of the updated model computed in the step (jt.full_params gathers the blocks)
@@ -210,6 +217,7 @@ def test_fp16_loss_scaling_skips_the_same_steps_sharded():
   assert float(out["none"][0].loss_scale.scale) < 2.0 ** 15  # the overflow was seen
 
 
+@pytest.mark.slow   # compiles the bench's model three ways (~5 s)
 def test_bench_fsdp_memory_part_writes_its_table(tmp_path, capsys):
   from jaxring._src.tools.bench import fsdp
   assert fsdp.main(["--parts", "memory", "--width", "64", "--layers", "2", "--out-dir",

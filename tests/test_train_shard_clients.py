@@ -13,6 +13,7 @@ from sharded_models import (_assert_trees_close, _data, _mlp_loss, _mlp_side_by_
                             _mlp_step, _run)
 
 
+@pytest.mark.slow   # steps side by side with the replicated step (~0.5 s each)
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_a_parameter_tree_holding_none_trains_like_the_replicated_step(shard):
   """None in the parameters (a layer without a bias) is no leaf: it has no block and no dim."""
@@ -35,6 +36,7 @@ def test_a_parameter_tree_holding_none_trains_like_the_replicated_step(shard):
   _assert_trees_close((got.params, got.opt_state), (want.params, want.opt_state))
 
 
+@pytest.mark.slow   # steps side by side with the replicated step (~0.5 s each)
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_a_subtree_of_the_parameters_is_differentiated_and_updated_like_replicated(shard):
   """optax.lookahead as optax documents it: gradients of ``state.params.fast``, updates for the
@@ -59,6 +61,7 @@ def test_a_subtree_of_the_parameters_is_differentiated_and_updated_like_replicat
   _assert_trees_close((got.params, got.opt_state), (want.params, want.opt_state))
 
 
+@pytest.mark.slow   # compiles the creation under several shardings (~1.5 s)
 def test_a_sharded_state_is_created_in_place_from_its_shardings():
   """jit(create, out_shardings=step.state_shardings(eval_shape(create))): each device creates
   only its blocks, and the step trains from it like from a prepared whole state."""
@@ -88,7 +91,8 @@ def _perturbed_step(shard):
   return step
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "params"])
+@pytest.mark.parametrize("shard", [pytest.param("optimizer", marks=pytest.mark.slow),  # ~0.5 s
+                                   "params"])
 def test_the_gradient_is_taken_at_the_parameters_the_step_passes(shard):
   (want_state, want), (got_state, got) = _mlp_side_by_side(_perturbed_step, shard, 3)
   np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5)

@@ -25,8 +25,10 @@ WHOLE_LEAF_TXS = {  # optimizers that reduce over leaves or the tree: run with t
 }
 
 
-@pytest.mark.parametrize("tx", sorted(WHOLE_LEAF_TXS))
-@pytest.mark.parametrize("shard", ["optimizer", "params"])
+# the quick loop keeps clip_by_global_norm+adamw on sharded parameters; each other case ~1-5 s
+@pytest.mark.parametrize("tx", [t if t == "clip_by_global_norm+adamw" else pytest.param(
+    t, marks=pytest.mark.slow) for t in sorted(WHOLE_LEAF_TXS)])
+@pytest.mark.parametrize("shard", [pytest.param("optimizer", marks=pytest.mark.slow), "params"])
 def test_an_optimizer_that_reduces_over_leaves_equals_the_replicated_step(shard, tx):
   batches = _data(4)
   want, _ = _run(_cnn_step(), _cnn_state(WHOLE_LEAF_TXS[tx]()), batches)
@@ -47,6 +49,7 @@ def _collectives(step, state, batch) -> tuple[int, int]:
           lowered.as_text().count("stablehlo.all_reduce"))
 
 
+@pytest.mark.slow   # lowers and compiles the sharded step (~2 s)
 def test_global_norm_clipping_costs_one_scalar_all_reduce_and_gathers_nothing():
   batch = _data(1, shape=(16,), classes=8)[0]
   adamw = lambda: optax.adamw(1e-3)  # noqa: E731
@@ -72,6 +75,7 @@ def _norm_step(shard):
   return step
 
 
+@pytest.mark.slow   # steps side by side with the replicated step (~1.5 s each)
 @pytest.mark.parametrize("shard", ["optimizer", "params"])
 def test_whole_computes_a_metric_of_the_whole_gradient_from_the_blocks(shard):
   (want_state, want), (got_state, got) = _mlp_side_by_side(_norm_step, shard, 2)

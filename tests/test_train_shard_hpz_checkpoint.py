@@ -2,6 +2,7 @@
 import jax
 import numpy as np
 import optax
+import pytest
 from jax.sharding import Mesh
 
 import jaxring
@@ -32,6 +33,7 @@ def test_hpz_gathers_across_nodes_once_and_within_the_node_in_the_backward_pass(
   assert groups[True] == {"4x2": 6, "2x4": 6 + 2}
 
 
+@pytest.mark.slow   # trains twice side by side (~1.5 s)
 def test_hpz_with_int8_parameters_across_nodes_trains_like_uncompressed():
   mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("node", "local"))
   batches = _data(30, shape=(16,), classes=8)
@@ -48,6 +50,7 @@ def test_hpz_with_int8_parameters_across_nodes_trains_like_uncompressed():
   assert diff > 0  # the weights travelled quantized
 
 
+@pytest.mark.slow   # trains, saves and restores twice (~5 s)
 def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_devices(tmp_path):
   step = _mlp_step(shard="params", algorithm="ring",
                    compression={"grads": jaxring.codecs.int8(block_size=32)})
@@ -83,6 +86,7 @@ def test_checkpoint_of_a_sharded_state_resumes_exactly_and_restores_on_fewer_dev
   _run(step4, on4, batches[3:4])  # and it trains there
 
 
+@pytest.mark.slow   # trains, saves and restores under two meshes (~1.5 s)
 def test_an_hpz_checkpoint_restores_into_a_flat_step_and_back(tmp_path):
   """hpZ orders the blocks local-major (spec ("local", "node")); a checkpoint holds the global
   arrays, so a step without hpZ on a flat 8-device mesh restores them as saved, trains, and its

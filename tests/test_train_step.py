@@ -85,6 +85,7 @@ def _data_parallel(**kwargs):
   return state, np.array(losses), step
 
 
+@pytest.mark.slow   # compiles whole train steps (~3-5 s each)
 @pytest.mark.parametrize("overlap", [True, False])
 def test_eight_replicas_match_single_device(reference, overlap):
   ref_state, ref_losses = reference
@@ -122,6 +123,7 @@ def test_grad_with_several_argnums_is_the_global_batch_gradient():
   assert len(step.buckets) == 2
 
 
+@pytest.mark.slow   # fresh processes (~2 s each)
 def test_a_loop_without_host_sync_does_not_deadlock_xla_cpu():
   # XLA:CPU deadlocks (and aborts after 40 s) once ~32 steps with collectives are queued; the step
   # paces itself. 300 steps dispatched back to back, nothing read until the end, in a fresh process.
