@@ -131,6 +131,7 @@ def test_relative_links_resolve_to_files(page):
   assert not broken, f"{page.relative_to(REPO)}: links to missing files: {broken}"
 
 
+@pytest.mark.slow   # each README/docs block in a fresh process, some under mpirun (~3-5 s each)
 @pytest.mark.parametrize("where,code", [(f"{f}:{line}", code) for f, line, code in BLOCKS],
                          ids=[f"{f}:{line}" for f, line, _ in BLOCKS])
 def test_block_runs_as_written(where, code, tmp_path, imagenet_dir):

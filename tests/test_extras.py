@@ -100,12 +100,14 @@ def _run(blocked: tuple[str, ...], checks: str) -> str:
   return p.stdout
 
 
+@pytest.mark.slow   # a fresh interpreter per extra (~3 s each)
 @pytest.mark.parametrize("extra", sorted(MODULES))
 def test_core_works_and_the_feature_names_its_extra(extra):
   out = _run(MODULES[extra], _CHECKS[extra])
   assert out.count("RAISED") == _CHECKS[extra].count("expect("), out
 
 
+@pytest.mark.slow   # a fresh interpreter with every extra blocked (~3 s)
 def test_nothing_but_the_core_installed():
   """A plain ``pip install jaxring``: every extra missing at once."""
   out = _run(sum(MODULES.values(), ()), "".join(_CHECKS.values()))
