@@ -42,3 +42,33 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if any(item.get_closest_marker(name) for name in SLOW_BECAUSE):
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+  """A codec registered for one test (and removed after): a nibble per value, in the sweep;
+  what a new codec file adds (test_codec_parse.py, test_simulate.py)."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from jaxring._src.codecs import base
+  from jaxring._src.tools.simulate import calibrated  # noqa: F401 (its NAMES: the sweep before)
+  monkeypatch.setattr(base, "_SPELLINGS", dict(base._SPELLINGS))
+  monkeypatch.setattr(base, "_CLASSES", dict(base._CLASSES))
+
+  @dataclasses.dataclass(frozen=True)
+  class Toy(base.Codec):
+    __qualname__ = "Toy"
+    name = "toy"
+    lossy = True
+    bits: int = 4
+
+    def wire_bytes(self, n, dtype=jnp.float32):
+      return -(-int(n) * self.bits // 8)
+
+  @base.spelling("toy[:bits]", "toy", sweep=True)
+  def _read(args, inner):
+    base.no_inner("toy", inner)
+    return Toy(*map(int, args))
+  return Toy

@@ -77,33 +77,6 @@ def test_from_repr_refuses_what_is_no_codecs_repr(text):
     base.from_repr(text)
 
 
-@pytest.fixture
-def toy(monkeypatch):
-  """A codec registered for one test (and removed after): a nibble per value, swept."""
-  import dataclasses
-
-  from jaxring._src.codecs import base
-  from jaxring._src.tools.simulate import calibrated  # noqa: F401 (its NAMES: the sweep before)
-  monkeypatch.setattr(base, "_SPELLINGS", dict(base._SPELLINGS))
-  monkeypatch.setattr(base, "_CLASSES", dict(base._CLASSES))
-
-  @dataclasses.dataclass(frozen=True)
-  class Toy(base.Codec):
-    __qualname__ = "Toy"
-    name = "toy"
-    lossy = True
-    bits: int = 4
-
-    def wire_bytes(self, n, dtype=jnp.float32):
-      return -(-int(n) * self.bits // 8)
-
-  @base.spelling("toy[:bits]", "toy", sweep=True)
-  def _read(args, inner):
-    base.no_inner("toy", inner)
-    return Toy(*map(int, args))
-  return Toy
-
-
 def test_a_registered_codec_is_parsed_swept_and_read_back(toy):
   from jaxring._src.codecs import base
   assert codecs.parse("toy:2") == toy(2)
