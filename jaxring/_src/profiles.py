@@ -124,10 +124,16 @@ def profile_key(axes, sizes, transport: str, processes: int, platform: str) -> d
     version = importlib.metadata.version("jaxring")
   except importlib.metadata.PackageNotFoundError:
     version = "unknown"
-  pairs = sorted(zip((str(a) for a in axes), (int(s) for s in sizes)))
-  return {"axes": [a for a, _ in pairs], "sizes": [s for _, s in pairs],
+  axes, sizes = _sorted_axes(axes, sizes)
+  return {"axes": axes, "sizes": sizes,
           "transport": transport, "processes": int(processes), "platform": platform,
           "jaxring": version}
+
+
+def _sorted_axes(axes, sizes) -> tuple[list[str], list[int]]:
+  """The axis names sorted, each with its size."""
+  pairs = sorted(zip(map(str, axes), map(int, sizes)))
+  return [a for a, _ in pairs], [s for _, s in pairs]
 
 
 def _comparable(key: dict) -> dict:
@@ -135,8 +141,7 @@ def _comparable(key: dict) -> dict:
   is found for the axes in any order)."""
   out = {k: v for k, v in key.items() if k != "jaxring"}
   if "axes" in out and "sizes" in out:
-    pairs = sorted(zip(map(str, out["axes"]), map(int, out["sizes"])))
-    out["axes"], out["sizes"] = [a for a, _ in pairs], [s for _, s in pairs]
+    out["axes"], out["sizes"] = _sorted_axes(out["axes"], out["sizes"])
   return out
 
 
