@@ -28,7 +28,7 @@ import importlib as _importlib
 from jaxring._src.train.grad import grad as grad
 from jaxring._src.train.grad import value_and_grad as value_and_grad
 from jaxring._src.train.state import TrainState as TrainState
-from jaxring._src.train.step import train_step as train_step
+from jaxring._src.train.decorator import train_step as train_step
 
 # Submodules with heavier imports (MPI, the input pipeline, benchmarks) load on first attribute
 # access, so that `import jaxring as jr; jr.distributed.initialize()` works as written.

@@ -22,4 +22,4 @@ from jaxring._src.train.precision import Policy as Policy
 from jaxring._src.train.sharding import default_mesh as default_mesh
 from jaxring._src.train.state import TrainState as TrainState
 from jaxring._src.train.step import TrainStep as TrainStep
-from jaxring._src.train.step import train_step as train_step
+from jaxring._src.train.decorator import train_step as train_step
