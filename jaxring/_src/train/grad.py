@@ -42,6 +42,7 @@ from jaxring._src.train.context import (
   replica_count,
 )
 from jaxring._src.train.fsdp import gather_params, regather_policy, sharded_identity
+from jaxring._src.train import nnx_graph
 from jaxring._src.train.loss_check import check_output
 from jaxring._src.train.precision import Policy
 
@@ -383,6 +384,13 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
   def wrapped(*args, **kwargs):
     ctx = current_context()
+    if nnx_graph.uses_nnx(args, argnums):
+      if ctx is None:
+        return nnx_graph.nnx_module().value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+            *args, **kwargs)
+      reduced = lambda f, nums, aux: lambda *a: _reduced_value_and_grad(  # noqa: E731
+          ctx, f, nums, aux, a, {})
+      return nnx_graph.value_and_grad(reduced, fun, argnums, has_aux, args, kwargs)
     if ctx is None:
       return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
     return _reduced_value_and_grad(ctx, fun, argnums, has_aux, args, kwargs)

@@ -28,7 +28,8 @@ UNREDUCED = (
     "replicas: it calls neither jaxring.value_and_grad (or jaxring.grad) nor any collective. "
     "Gradients from jax.grad / jax.value_and_grad are each replica's own inside the step, so the "
     "replicas would silently drift apart. Use `loss, grads = jaxring.value_and_grad(loss_fn)"
-    "(state.params, batch)`.")
+    "(state.params, batch)`; in an NNX step, jaxring.value_and_grad in place of "
+    "nnx.value_and_grad: `loss, grads = jaxring.value_and_grad(loss_fn)(model, batch)`.")
 
 BLOCKS_HINT = (
     "train_step(shard='optimizer'|'params'): inside the step, state.params are this replica's "

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
-from jaxring._src.train import global_view, guards, sharding
+from jaxring._src.train import global_view, guards, nnx_step, sharding
 from jaxring._src.train.context import (
   ReduceConfig,
   ShardedParams,
@@ -37,6 +37,7 @@ from jaxring._src.train.context import (
 )
 from jaxring._src.train.fsdp import gather_params
 from jaxring._src.train.grad import momentum_leaf_size, replica_mean
+from jaxring._src.train.nnx_graph import is_graph_node
 from jaxring._src.train.precision import DynamicLossScale, select_tree
 from jaxring._src.train.state import Residuals, residual_tree, with_residual_tree
 
@@ -62,7 +63,7 @@ class TrainStep:
     self.config = config
     self.buckets = None
     self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
-    self._calls = 0
+    self._donate, self._calls, self._nnx = donate, 0, None
     self._view = None  # a sharded step's optimizer as the replicas run it (train/global_view.py)
 
   @property
@@ -219,6 +220,13 @@ class TrainStep:
                                  and leaves[0].sharding.mesh == self.mesh)
 
   def __call__(self, state, batch, *args):
+    if self._nnx is not None or is_graph_node(state):   # step(model, optimizer, batch, ...)
+      if self._nnx is None:
+        self._nnx = nnx_step.Runner(self._fn, lambda f: TrainStep(f, self.mesh, self.config,
+                                                                  self._donate), self.config.axes)
+      metrics = self._nnx((state, batch, *args))
+      self.buckets = self._nnx.inner.buckets
+      return metrics
     if self._needs_prepare(state):
       state = self.prepare(state)
     residuals = residual_tree(state)

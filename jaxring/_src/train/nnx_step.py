@@ -1,0 +1,308 @@
+"""``@jaxring.train_step`` on a Flax NNX step: ``step(model, optimizer, batch, *args) -> metrics``.
+
+NNX users write a step that updates its objects in place (as under ``nnx.jit``). The decorator
+runs it as the functional step it already knows: the NNX objects among the arguments (the model,
+its ``nnx.Optimizer``, metrics) are read once into an :class:`NnxState` — the model's
+parameters (the optimizer's ``wrt``), the optimizer's state, the averaged variables and the rest,
+each a plain nested dict, the layout a Linen ``TrainState`` has — the step traced once through
+:func:`adapter`, which merges the objects back from that state inside each replica, calls the
+user's function and splits them again; the results are written back into the objects' own
+Variables. The first non-NNX argument is the batch (split over the replicas), the others reach
+every replica whole.
+
+The walk of the object graph is done once (:class:`Binding`, kept while the objects keep their
+structure, as ``nnx.cached_partial`` keeps its cache): a call reads and writes the Variables it
+found then, nothing more.
+
+What differs from a ``TrainState`` step:
+- error-feedback residuals live in the optimizer, ``optimizer.residuals`` (:class:`Residual`
+  Variables shaped ``(replicas, *param.shape)``, one row per replica), so ``nnx.state``,
+  ``nnx.split`` and checkpoints of the optimizer hold them;
+- float variables of the model and of other NNX objects that are neither parameters nor
+  optimizer state (``nnx.BatchStat``, ``nnx.metrics`` totals) are averaged over the replicas
+  after the step; integer ones (counts) are each replica's, equal on all of them;
+- every ``nnx.RngKey`` is folded with the replica's index inside the step (dropout masks differ
+  per replica, as their batches do) and kept as it was outside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax import lax
+
+from jaxring._src.train.nnx_graph import is_graph_node, nnx_module
+from jaxring._src.train.precision import DynamicLossScale
+from jaxring._src.train.state import residual_tree, with_residual_tree
+
+FIELDS = ("params", "opt_state", "batch_stats", "model_rest")
+
+
+def residual_type():
+  """The Variable type of ``optimizer.residuals`` (defined on first use: flax is imported)."""
+  global _RESIDUAL
+  if _RESIDUAL is None:
+    nnx = nnx_module()
+
+    class Residual(nnx.Variable):
+      """One replica row per replica of a parameter's error-feedback residual (jaxring)."""
+
+    Residual.__module__ = "jaxring.train"
+    _RESIDUAL = Residual
+  return _RESIDUAL
+
+
+_RESIDUAL = None
+_LOSS_SCALE = None
+
+
+def loss_scale_type():
+  """The Variable type of ``optimizer.loss_scale`` (fp16's dynamic loss scale: its ``scale`` and
+  ``good_steps``)."""
+  global _LOSS_SCALE
+  if _LOSS_SCALE is None:
+    class LossScale(nnx_module().Variable):
+      """A field of the dynamic loss scale of an fp16 train step (jaxring)."""
+
+    LossScale.__module__ = "jaxring.train"
+    _LOSS_SCALE = LossScale
+  return _LOSS_SCALE
+
+
+@struct.dataclass
+class NnxState:
+  """An NNX step's objects as the functional step sees them (plain nested dicts)."""
+
+  params: Any
+  opt_state: Any
+  batch_stats: Any
+  model_rest: Any
+  tx: Any = struct.field(pytree_node=False, default=None)
+  residuals: Any = struct.field(pytree_node=False, default=None)
+  loss_scale: Any = None
+
+  @property
+  def step(self):
+    return self.opt_state.get("step", 0) if isinstance(self.opt_state, dict) else 0
+
+
+def _nest(items) -> dict:
+  """``{path: value}`` as nested dicts."""
+  out: dict = {}
+  for path, value in items:
+    d = out
+    for k in path[:-1]:
+      d = d.setdefault(k, {})
+    d[path[-1]] = value
+  return out
+
+
+@dataclasses.dataclass(eq=False)
+class Binding:
+  """The object graph of one call's NNX arguments, walked once."""
+
+  positions: tuple        # the call's arguments that are NNX objects
+  nodes: tuple            # those objects
+  model: int              # index among them of the model, and of the optimizer (or None)
+  optimizer: int | None
+  graphdef: Any
+  treedef: Any            # of the joint nnx.State, leaves in ``variables`` order
+  variables: list         # the live Variables
+  kinds: list             # per variable: a FIELDS name, "residuals" or "key"
+  orders: dict            # field -> (indices into variables in its pure dict's leaf order, treedef)
+  keys: tuple             # indices of the nnx.RngKey variables
+  tx: Any                 # the optimizer's own optax transformation
+
+  @classmethod
+  def of(cls, args: tuple) -> Binding:
+    nnx = nnx_module()
+    positions = tuple(i for i, a in enumerate(args) if is_graph_node(a))
+    nodes = tuple(args[i] for i in positions)
+    opts = [k for k, n in enumerate(nodes) if isinstance(n, nnx.Optimizer)]
+    if len(opts) > 1:
+      raise ValueError("train_step: the step takes several nnx.Optimizer objects; one optimizer "
+                       "updates the model's parameters (combine them with optax.multi_transform)")
+    models = [k for k, n in enumerate(nodes) if isinstance(n, nnx.Module)
+              and not isinstance(n, nnx.Optimizer)]
+    if not models:
+      raise TypeError("train_step: an NNX step takes the model (an nnx.Module) among its "
+                      "arguments, e.g. step(model, optimizer, batch)")
+    opt = opts[0] if opts else None
+    wrt = nnx.Param if opt is None else getattr(nodes[opt], "wrt", None)
+    if wrt is None:
+      raise TypeError("train_step: the nnx.Optimizer has no `wrt`: build it as "
+                      "nnx.Optimizer(model, tx, wrt=nnx.Param) (flax >= 0.11)")
+    is_param = nnx.filterlib.to_predicate(wrt)
+    graphdef, state = nnx.split(nodes)
+    entries = list(state.flat_state())
+    variables = [v for _, v in entries]
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    if len(leaves) != len(variables) or any(
+        x is not v.get_value() for x, v in zip(leaves, variables)):
+      raise RuntimeError("train_step: this flax's nnx.State flattens in another order than its "
+                         "flat_state(); please report the flax version")
+    model = models[0]
+    kinds, keyed = [], {f: [] for f in FIELDS + ("residuals", "loss_scale")}
+    for k, (path, v) in enumerate(entries):
+      node, rest = path[0], path[1:]
+      if node == opt and rest[:1] in (("residuals",), ("loss_scale",)):
+        kind, key = rest[0], rest[1:]
+      elif node == opt:
+        kind, key = "opt_state", rest
+      elif node == model and is_param(rest, v):
+        kind, key = "params", rest
+      elif isinstance(v, nnx.RngKey):
+        kind, key = "model_rest", path   # folded with the replica's index inside the step
+      elif jnp.issubdtype(jnp.result_type(v.get_value()), jnp.floating):
+        kind, key = "batch_stats", path   # averaged over the replicas
+      else:
+        kind, key = "model_rest", path
+      kinds.append(kind)
+      if key is not None:
+        keyed[kind].append((key, k))
+    orders = {}
+    for f, items in keyed.items():
+      idx, tdef = jax.tree_util.tree_flatten(_nest(items))
+      orders[f] = (idx, tdef)
+    keys = tuple(k for k, v in enumerate(variables) if isinstance(v, nnx.RngKey))
+    return cls(positions, nodes, model, opt, graphdef, treedef, variables, kinds, orders, keys,
+               None if opt is None else nodes[opt].tx)
+
+  def matches(self, args: tuple) -> bool:
+    """Whether ``args`` hold the very objects this binding walked, at the same places."""
+    return (len(args) > max(self.positions) and
+            all(args[p] is n for p, n in zip(self.positions, self.nodes)) and
+            sum(is_graph_node(a) for a in args) == len(self.positions))
+
+  def tree(self, field: str, values: list):
+    idx, tdef = self.orders[field]
+    return jax.tree_util.tree_unflatten(tdef, [values[k] for k in idx]) if idx else None
+
+  def read(self) -> NnxState:
+    """The objects' current values as an :class:`NnxState` (no graph walk), and the residuals
+    (a tree like the parameters, or None)."""
+    values = [v.get_value() for v in self.variables]
+    fields = {f: self.tree(f, values) for f in FIELDS}
+    fields["params"] = fields["params"] or {}
+    fields["opt_state"] = fields["opt_state"] or {}
+    fields["model_rest"] = fields["model_rest"] or {}
+    scale = self.tree("loss_scale", values)
+    if scale is not None:
+      scale = DynamicLossScale(scale=scale["scale"], good_steps=scale["good_steps"])
+    return NnxState(**fields, tx=self.tx, loss_scale=scale), self.tree("residuals", values)
+
+  def write(self, state: NnxState, residuals) -> None:
+    """Sets the objects' Variables to ``state``'s values (and the residuals')."""
+    scale = state.loss_scale
+    for f in FIELDS + ("residuals", "loss_scale"):
+      tree = {"residuals": residuals, "loss_scale": scale and {
+          "scale": scale.scale, "good_steps": scale.good_steps}}.get(f, getattr(state, f, None))
+      if tree is not None and self.orders[f][0]:
+        for k, x in zip(self.orders[f][0], jax.tree_util.tree_leaves(tree)):
+          self.variables[k].set_value(x)
+
+  def attach(self, state: NnxState, residuals) -> bool:
+    """Gives the optimizer what the step keeps beside the objects' own variables and they do
+    not hold yet (the first step's error-feedback residuals, fp16's loss scale): a change of
+    the graph, so the caller walks it again (True)."""
+    nnx = nnx_module()
+    missing = {}
+    if residuals is not None and not self.orders["residuals"][0]:
+      missing["residuals"] = (residual_type(), residuals)
+    if state.loss_scale is not None and not self.orders["loss_scale"][0]:
+      missing["loss_scale"] = (loss_scale_type(), {"scale": state.loss_scale.scale,
+                                                   "good_steps": state.loss_scale.good_steps})
+    if missing and self.optimizer is None:
+      raise TypeError(f"train_step: the step keeps its {' and '.join(missing)} in the "
+                      "nnx.Optimizer, and this step takes none: pass the optimizer to the step, "
+                      "step(model, optimizer, batch)")
+    for name, (kind, tree) in missing.items():
+      setattr(self.nodes[self.optimizer], name, nnx.data(nnx.State(
+          jax.tree_util.tree_map(kind, tree))))
+    return bool(missing)
+
+
+def adapter(fn: Callable, binding: Binding, axes: tuple, batch_at: int, nargs: int) -> Callable:
+  """The user's in-place NNX step as ``f(state: NnxState, batch, *whole) -> (state, metrics)``,
+  traced inside each replica."""
+  nnx = nnx_module()
+
+  def step(state: NnxState, batch, *whole):
+    values: list = [None] * len(binding.variables)
+    for f in FIELDS:
+      idx, tree = binding.orders[f][0], getattr(state, f)
+      if tree is not None:
+        for k, x in zip(idx, jax.tree_util.tree_leaves(tree)):
+          values[k] = x
+    keys = {k: values[k] for k in binding.keys}
+    replica = lax.axis_index(axes if len(axes) > 1 else axes[0])
+    for k, key in keys.items():   # a key of this replica's own; replicated again after the step
+      values[k] = jax.random.fold_in(key, replica)
+    for k, kind in enumerate(binding.kinds):
+      if kind not in FIELDS:   # residuals, loss scale: the state's own fields; placeholders here
+        values[k] = jnp.zeros((), binding.variables[k].get_value().dtype)
+    nodes = nnx.merge(binding.graphdef, jax.tree_util.tree_unflatten(binding.treedef, values))
+    swap = binding.optimizer is not None and state.tx not in (None, binding.tx)
+    if swap:
+      nodes[binding.optimizer].tx = state.tx    # a sharded step's whole-leaf view of tx
+    args, it = [None] * nargs, iter(whole)
+    for p, node in zip(binding.positions, nodes):
+      args[p] = node
+    for i in range(nargs):
+      if i == batch_at:
+        args[i] = batch
+      elif args[i] is None:
+        args[i] = next(it)
+    metrics = fn(*args)
+    if swap:
+      nodes[binding.optimizer].tx = binding.tx
+    graphdef, out = nnx.split(nodes)
+    if graphdef != binding.graphdef:
+      raise ValueError(
+          "train_step: the NNX step changed the structure of its objects (a Variable or "
+          "submodule added, removed or replaced); a step may change values only. Create "
+          "every Variable before the first step (as nnx.cached_partial requires)")
+    leaves = jax.tree_util.tree_leaves(out)
+    for k, key in keys.items():
+      leaves[k] = key
+    return state.replace(**{f: binding.tree(f, leaves) if binding.orders[f][0]
+                            else getattr(state, f) for f in FIELDS}), metrics
+
+  return step
+
+
+class Runner:
+  """What a :class:`~jaxring._src.train.step.TrainStep` does with NNX arguments: the functional
+  step made by ``make_step(fn)`` (a TrainStep of the same settings) on the objects' state."""
+
+  def __init__(self, fn: Callable, make_step: Callable, axes: tuple):
+    self.fn, self.make_step, self.axes = fn, make_step, axes
+    self.binding: Binding | None = None
+    self.inner = None
+
+  def _bind(self, args: tuple) -> None:
+    self.binding = b = Binding.of(args)
+    plain = [i for i in range(len(args)) if i not in b.positions]
+    if not plain:
+      raise TypeError("train_step: an NNX step takes a batch after its NNX objects, e.g. "
+                      "step(model, optimizer, batch); the batch is split over the replicas")
+    self.batch_at = plain[0]
+    self.inner = self.make_step(adapter(self.fn, b, self.axes, self.batch_at, len(args)))
+
+  def __call__(self, args: tuple):
+    if self.binding is None or not self.binding.matches(args):
+      self._bind(args)
+    b = self.binding
+    state, residuals = b.read()
+    if residuals is not None:
+      state = with_residual_tree(state, residuals)
+    whole = [a for i, a in enumerate(args) if i not in b.positions and i != self.batch_at]
+    new_state, metrics = self.inner(state, args[self.batch_at], *whole)
+    new_residuals = residual_tree(new_state)
+    b.write(new_state, new_residuals)
+    if b.attach(new_state, new_residuals):
+      self.binding = None     # the optimizer's graph changed: walked again on the next call
+    return metrics
