@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxring._src.train import checksums
+from jaxring._src.train import checksums, nnx_step
 from jaxring._src.train.state import residual_tree, with_residual_tree
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,8 @@ class Checkpointer:
     Returns:
       Whether a save was started (``save_every`` may skip it).
     """
+    if (objs := nnx_step.objects(state)) is not None:   # NNX: (model, optimizer)
+      state = nnx_step.snapshot(objs)[0]
     if step is None:
       step = int(jax.device_get(state.step))
     if not force and not self._manager.should_save(step):
@@ -238,6 +240,10 @@ class Checkpointer:
         missing or unreadable.
       ValueError: ``template`` does not have the leaves (paths, shapes, dtypes) that were saved.
     """
+    if (objs := nnx_step.objects(template)) is not None:   # NNX: restored in place
+      snap, binding = nnx_step.snapshot(objs)
+      state, data = self.restore(snap, step=step)
+      return nnx_step.restore_into(objs, binding, state), data
     if step is None:
       step = self.latest_step
     if step is None:

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+from jaxring._src.train import nnx_step
 from jaxring._src.train.checkpoint import CheckpointCorruptError, Checkpointer
 from jaxring._src.train.metrics import JsonlWriter, Progress, Throughput, to_python
 
@@ -65,7 +66,9 @@ def fit(step: Callable, state: Any, batches: Iterator, *, num_steps: int,
 
   Args:
     step: a :func:`jaxring.train_step` (or any ``(state, batch) -> (state, metrics)``).
-    state: the initial state; also the template a checkpoint is restored into.
+    state: the initial state; also the template a checkpoint is restored into. NNX: the
+      objects, e.g. ``(model, optimizer)``, stepped in place as ``step(model, optimizer, batch)``
+      (which returns the metrics) and returned.
     batches: an iterator of batches; with ``get_state``/``set_state`` (as
       :class:`~jaxring.train.BatchIterator`) its position is checkpointed and restored.
     num_steps: the step count to reach (not the number of steps to run).
@@ -97,13 +100,15 @@ def fit(step: Callable, state: Any, batches: Iterator, *, num_steps: int,
     ...                           checkpoint_every=100, metrics_path="/tmp/run1/metrics.jsonl")
   """
   summary = FitSummary() if summary is None else summary
+  objs = nnx_step.objects(state)   # NNX: (model, optimizer), stepped in place
   if hasattr(step, "prepare"):
-    state = step.prepare(state)
+    state = step.prepare(*objs) if objs else step.prepare(state)
   if checkpointer is not None and checkpointer.latest_step is not None:
     state, data_state = _resume(checkpointer, state)
     if data_state and hasattr(batches, "set_state"):
       batches.set_state(data_state)
-  start = summary.start_step = int(jax.device_get(state.step))
+  start = summary.start_step = (nnx_step.step_count(objs) if objs else
+                                int(jax.device_get(state.step)))
   writer = JsonlWriter(metrics_path)
   bar = Progress(total=num_steps, initial=start, enabled=progress)
   pending: list[tuple[int, Any, int]] = []
@@ -112,7 +117,7 @@ def fit(step: Callable, state: Any, batches: Iterator, *, num_steps: int,
   try:
     for done in range(start + 1, num_steps + 1):
       batch = next(batches)
-      state, metrics = step(state, batch)
+      state, metrics = (state, step(*objs, batch)) if objs else step(state, batch)
       pending.append((done, metrics, _global_batch_size(batch)))
       if steady_state and done == start + 1:  # the compiling step: timed and dropped
         jax.block_until_ready(metrics)

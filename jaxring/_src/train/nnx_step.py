@@ -292,13 +292,33 @@ class Runner:
     self.batch_at = plain[0]
     self.inner = self.make_step(adapter(self.fn, b, self.axes, self.batch_at, len(args)))
 
+  def prepare(self, objs: tuple) -> tuple:
+    """``TrainStep.prepare`` of NNX objects: residuals (and fp16's loss scale) given to the
+    optimizer, every Variable placed on the mesh, so that a checkpoint can be restored into
+    them (``nnx.state(optimizer)`` then has the residuals' shapes)."""
+    state, binding = snapshot(objs)
+    return restore_into(objs, binding, self.make_step(lambda *a: None).prepare(
+        self._remapped(state, None)))
+
+  def _remapped(self, state: NnxState, inner) -> NnxState:
+    """``state`` whose residuals, saved by another replica count, are remapped to this one's:
+    each replica carries their mean (the rule of ``jaxring.train.Checkpointer``)."""
+    residuals = residual_tree(state)
+    replicas = (inner or self.make_step(lambda *a: None)).num_replicas
+    rows = {getattr(r, "shape", (replicas,))[:1] for r in jax.tree_util.tree_leaves(residuals)}
+    if residuals is None or rows <= {(replicas,)}:
+      return state
+    remap = jax.jit(lambda r: jnp.broadcast_to(jnp.mean(r, axis=0, keepdims=True),
+                                               (replicas,) + r.shape[1:]))
+    return with_residual_tree(state, jax.tree_util.tree_map(remap, residuals))
+
   def __call__(self, args: tuple):
     if self.binding is None or not self.binding.matches(args):
       self._bind(args)
     b = self.binding
     state, residuals = b.read()
     if residuals is not None:
-      state = with_residual_tree(state, residuals)
+      state = self._remapped(with_residual_tree(state, residuals), self.inner)
     whole = [a for i, a in enumerate(args) if i not in b.positions and i != self.batch_at]
     new_state, metrics = self.inner(state, args[self.batch_at], *whole)
     new_residuals = residual_tree(new_state)
@@ -306,3 +326,35 @@ class Runner:
     if b.attach(new_state, new_residuals):
       self.binding = None     # the optimizer's graph changed: walked again on the next call
     return metrics
+
+
+def objects(x) -> tuple | None:
+  """The NNX objects a train loop or checkpoint was handed for its state (one object or a
+  tuple/list of them, e.g. ``(model, optimizer)``), or None for a functional state."""
+  items = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  return items if items and all(is_graph_node(a) for a in items) else None
+
+
+def snapshot(objs: tuple) -> tuple[NnxState, Binding]:
+  """``objs``' values as the functional state a checkpoint saves (residuals included)."""
+  binding = Binding.of(objs)
+  state, residuals = binding.read()
+  return (state if residuals is None else with_residual_tree(state, residuals)), binding
+
+
+def restore_into(objs: tuple, binding: Binding, state: NnxState) -> tuple:
+  """Writes a restored functional state back into ``objs`` (giving the optimizer residuals or a
+  loss scale it did not hold yet); returns ``objs``."""
+  residuals = residual_tree(state)
+  binding.write(state, residuals)
+  binding.attach(state, residuals)
+  return objs
+
+
+def step_count(objs: tuple) -> int:
+  """The optimizer's step count (0 where the objects hold no optimizer)."""
+  nnx = nnx_module()
+  for o in objs:
+    if isinstance(o, nnx.Optimizer):
+      return int(jax.device_get(o.step.get_value()))
+  return 0

@@ -80,12 +80,15 @@ class TrainStep:
   def _residual_sharding(self) -> NamedSharding:
     return NamedSharding(self.mesh, P(self.config.axis_name))
 
-  def prepare(self, state):
+  def prepare(self, state, *objects):
     """Puts ``state`` on the mesh: residuals and loss scale created if needed, the rest replicated.
+    NNX: ``step.prepare(model, optimizer)`` gives the optimizer its residuals, in place.
 
     Example:
       >>> state = step.prepare(state)  # optional: the first call does it
     """
+    if is_graph_node(state):
+      return self._nnx_runner().prepare((state, *objects))
     cfg = self.config
     self._check_optimizer(state)
     residuals = residual_tree(state)
@@ -221,10 +224,7 @@ class TrainStep:
 
   def __call__(self, state, batch, *args):
     if self._nnx is not None or is_graph_node(state):   # step(model, optimizer, batch, ...)
-      if self._nnx is None:
-        self._nnx = nnx_step.Runner(self._fn, lambda f: TrainStep(f, self.mesh, self.config,
-                                                                  self._donate), self.config.axes)
-      metrics = self._nnx((state, batch, *args))
+      metrics = self._nnx_runner()((state, batch, *args))
       self.buckets = self._nnx.inner.buckets
       return metrics
     if self._needs_prepare(state):
@@ -236,6 +236,12 @@ class TrainStep:
                                                  self.shard_batch(batch), args)
     self._pace((metrics, new_state))
     return with_residual_tree(new_state, residuals), metrics
+
+  def _nnx_runner(self) -> nnx_step.Runner:
+    if self._nnx is None:
+      self._nnx = nnx_step.Runner(self._fn, lambda f: TrainStep(f, self.mesh, self.config,
+                                                                self._donate), self.config.axes)
+    return self._nnx
 
   def _pace(self, outputs) -> None:
     """Bounds the steps in flight on XLA:CPU. With several devices in one process, XLA:CPU
