@@ -264,7 +264,7 @@ def test_a_jitted_function_called_twice_meets_once_per_call():
   # custom call twice; XLA may run them at once, each device in its own order. Each call meets
   # its own members (the call site is the instruction, not the trace), with its own operands.
   x = jnp.asarray(np.random.default_rng(3).standard_normal(8 * 2048), jnp.float32)
-  inner = jax.jit(lambda u: jaxring.psum(u, AXES, algorithm={"local": "shm", "node": "ring"}))
+  inner = jax.jit(lambda u: jaxring.psum(u, AXES, algorithm={"local": "inprocess", "node": "ring"}))
   mesh = _mesh()
   hlo = jax.jit(jax.shard_map(inner, mesh=mesh, in_specs=P(AXES), out_specs=P())).lower(
       jax.device_put(x, jax.NamedSharding(mesh, P(AXES)))).as_text()

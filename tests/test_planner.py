@@ -10,6 +10,8 @@ from jax.sharding import PartitionSpec as P
 import jaxring
 from jaxring._src import cost_model, profiles
 from jaxring._src.algorithms.planner import MARGIN, make_plan
+from jaxring._src.transport.inprocess import INPROCESS
+from jaxring._src.transport.xla import XLA
 
 LOCAL = jaxring.Level("local", 4, 100e9, 5e-6)
 NODE = jaxring.Level("node", 2, 1.25e8, 1e-4)
@@ -124,14 +126,44 @@ def test_auto_with_lossy_codec_never_picks_native():
   topo = jaxring.Topology((LOCAL, NODE))
   plan = _plan(("node", "local"), (2, 4), 1 << 20, compression={"node": Lossy()}, topo=topo)
   # one process: the fast level reduce-scatters in shared memory (transport/inprocess.py)
-  assert plan.kind == "hierarchical" and plan.algos == ("shm", "ring")
+  assert plan.kind == "hierarchical" and plan.algos == ("xla", "ring")
+  assert plan.transports == (INPROCESS, XLA)
+
+
+@pytest.mark.skipif(not INPROCESS.available(), reason="needs the CPU extension")
+def test_one_process_hierarchical_runs_the_fast_level_on_the_in_process_transport():
+  # the in-process level is a transport: per-level "xla" there is its native collective
+  plan = _plan(("node", "local"), (2, 4), 1 << 20, algorithm="hierarchical")
+  assert [g.name for g in plan.groups] == ["local", "node"]
+  assert plan.algos == ("xla", "xla") and plan.transports == (INPROCESS, XLA)
+  spelled = _plan(("local", "node"), (4, 2), 1 << 20, algorithm={"local": "inprocess",
+                                                                 "node": "auto"})
+  assert spelled.transports == plan.transports and spelled.algos == plan.algos
+  with pytest.warns(DeprecationWarning, match="in-process level is a transport.*'inprocess'"):
+    old = _plan(("local", "node"), (4, 2), 1 << 20, algorithm={"local": "shm", "node": "auto"})
+  assert old == spelled
+  # "xla" on a level keeps meaning lax's collective through XLA, not the in-process one
+  lax_level = _plan(("local", "node"), (4, 2), 1 << 20, algorithm={"local": "xla", "node": "ring"})
+  assert lax_level.algos == ("xla", "ring") and lax_level.transports == (XLA, XLA)
+
+
+def test_a_level_the_in_process_transport_cannot_serve_is_refused_with_the_fix():
+  want = r"level 'node' cannot use 'inprocess'.*CPU backend.*level below the slowest.*'ring'"
+  with pytest.raises(ValueError, match=want):
+    _plan(("local", "node"), (4, 2), 1 << 20, algorithm={"local": "ring", "node": "inprocess"})
+  topo = jaxring.Topology((LOCAL, NODE))   # a local level of devices in several processes
+  with pytest.raises(ValueError, match="level 'local' cannot use 'inprocess'.*one process"):
+    _plan(("local", "node"), (4, 2), 1 << 20, algorithm={"local": "inprocess", "node": "ring"},
+          mp=True, topo=topo)
+  with pytest.raises(ValueError, match=r"one of \('auto', 'xla', 'ring', 'inprocess'\)"):
+    jaxring.psum(jnp.ones(8), ("local", "node"), algorithm={"local": "shared", "node": "ring"})
 
 
 def test_cross_process_levels_never_use_native_reduce_scatter():
   # lax.psum_scatter over gloo returned corrupt results across processes (ENVIRONMENT.md)
   topo = jaxring.Topology((LOCAL, NODE))   # a local level of devices in several processes
   plan = _plan(("node", "local"), (2, 4), 1 << 20, algorithm="hierarchical", mp=True, topo=topo)
-  assert plan.algos == ("ring", "xla")
+  assert plan.algos == ("ring", "xla") and plan.transports == (XLA, XLA)
 
 
 def test_mpi_slow_level_uses_the_ring_not_mpi_allreduce():
@@ -143,7 +175,7 @@ def test_mpi_slow_level_uses_the_ring_not_mpi_allreduce():
   for transport, slow in ((MPI_TRANSPORT, "ring"), (XLA, "xla")):
     h = Hierarchy(groups, (LOCAL, NODE), (1, 4), Group((), 8, 1, 8, "d"), transport)
     plan = make_plan(("d",), (8,), 32 << 20, jnp.float32, "hierarchical", None, hierarchy=h)
-    assert plan.algos == ("ring", slow), transport
+    assert plan.algos == ("ring", slow) and plan.transports == (transport,) * 2, transport
 
 
 def test_without_a_profile_mpi_runs_the_hierarchical_plan_from_1_mib():

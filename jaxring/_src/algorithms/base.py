@@ -23,15 +23,23 @@ class Plan:
   kind: str                       # "xla" or a registered algorithm's name
   groups: tuple[Group, ...] = ()  # fast -> slow
   codecs: tuple[Codec, ...] = ()
-  algos: tuple[str, ...] = ()     # per level: "xla" | "ring" | "shm" (shared memory)
+  algos: tuple[str, ...] = ()     # per level: "xla" (its transport's native collective) | "ring"
   strides: tuple[int, ...] = ()   # each level's weight in the member's linear index
   # ring over several axes: the ring runs in mesh axis order (ppermute over axes named out of mesh
   # order transposes wrongly in jax 0.10); member_order[k] is the lax-numbered index (axes as the
   # caller named them) of the member at ring position k. None when the orders agree.
   member_order: tuple[int, ...] | None = None
-  transport: Any = XLA            # moves the bytes of every group above
+  transport: Any = XLA            # moves the bytes of `whole` and of every level without its own
   whole: Any = None               # every member as one group; None: the axes (lax collectives)
   pieces: tuple[int, ...] = ()    # per level: sub-chunk transfers per ring hop (Level.pieces)
+  # per level: what moves that level's bytes (hierarchical: the in-process transport on a level
+  # of devices in this process); () is `transport` on every level
+  level_transports: tuple[Any, ...] = ()
+
+  @property
+  def transports(self) -> tuple:
+    """Each level's transport, fast -> slow."""
+    return self.level_transports or (self.transport,) * len(self.groups)
 
   @property
   def align(self) -> int:
@@ -54,7 +62,8 @@ class PlanRequest:
   codecs: tuple[Codec, ...]       # per level
   whole: Any                      # every member as one group
   transport: Any
-  algorithm: Any                  # the caller's argument: a name or a dict level -> "xla"|"ring"
+  algorithm: Any                  # the caller's argument: a name or a dict level ->
+                                  # planner.LEVEL_ALGORITHMS (old spellings already replaced)
   multi_process: bool
   dtype: Any = None               # the values' dtype
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +29,16 @@ from jaxring._src.transport.groups import (
   check_factorization,
   whole_group,
 )
+from jaxring._src.transport.inprocess import INPROCESS
 from jaxring._src.transport.xla import XLA
 
-LEVEL_ALGORITHMS = ("auto", "xla", "ring", "shm")
+#: What a level of a per-level ``algorithm=`` dict may run: ``xla`` the native collective of the
+#: job's transport (lax's over a mesh), ``ring`` jaxring's ring over it, ``inprocess`` the
+#: in-process transport's collectives (members of this process read each other's buffers).
+LEVEL_ALGORITHMS = ("auto", "xla", "ring", INPROCESS.name)
+#: Old per-level spellings still accepted, with a DeprecationWarning: old -> new.
+DEPRECATED_LEVEL_ALGORITHMS = {"shm": INPROCESS.name}
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def algorithms() -> tuple[str, ...]:
@@ -38,13 +48,40 @@ def algorithms() -> tuple[str, ...]:
 
 def validate_algorithm(algorithm) -> None:
   if isinstance(algorithm, dict):
-    bad = {k: v for k, v in algorithm.items() if v not in LEVEL_ALGORITHMS}
+    bad = {k: v for k, v in algorithm.items()
+           if v not in LEVEL_ALGORITHMS and v not in DEPRECATED_LEVEL_ALGORITHMS}
     if bad:
       raise ValueError(f"per-level algorithm must be one of {LEVEL_ALGORITHMS}, got {bad}")
     return
   if algorithm not in algorithms():
     raise ValueError(f"algorithm must be one of {algorithms()} or a dict level->algorithm, "
                      f"got {algorithm!r}")
+
+
+def _respelled(algorithm):
+  """A per-level dict with its deprecated spellings replaced (in the same key order), warning
+  where it had any; anything else as it is."""
+  if not isinstance(algorithm, dict):
+    return algorithm
+  old = {k: v for k, v in algorithm.items()
+         if isinstance(v, str) and v in DEPRECATED_LEVEL_ALGORITHMS}
+  if not old:
+    return algorithm
+  new = {k: DEPRECATED_LEVEL_ALGORITHMS[v] for k, v in old.items()}
+  warnings.warn(f"per-level algorithm {old} is deprecated: the in-process level is a transport "
+                f"now, not an algorithm; write {new} (the in-process transport's collectives, "
+                f"the same plan)", DeprecationWarning, stacklevel=_caller_stacklevel())
+  return {k: new.get(k, v) for k, v in algorithm.items()}
+
+
+def _caller_stacklevel() -> int:
+  """The ``stacklevel`` that attributes a warning raised by this function's caller to the first
+  frame outside jaxring: the user's line, and Python shows a DeprecationWarning by default only
+  where it is attributed to ``__main__``."""
+  frame, level = sys._getframe(2), 2
+  while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _level_params(names: tuple[str, ...], sizes: tuple[int, ...]) -> list[topo_mod.Level]:
@@ -161,6 +198,7 @@ def make_plan(axes: tuple, sizes: tuple[int, ...], nbytes: int, dtype, algorithm
 
 def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, groups, levels,
           strides, whole, transport) -> Plan:
+  algorithm = _respelled(algorithm)
   for what, arg in (("compression", compression), ("algorithm", algorithm)):
     # a size-1 axis is no level, yet a per-level dict over several axes may name it
     unknown = set(arg) - {g.name for g in groups} - set(axes) if isinstance(arg, dict) else ()

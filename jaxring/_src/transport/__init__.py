@@ -2,7 +2,8 @@
 
 ``binding.bind`` says which transport an axis name is bound to: XLA collectives (``xla.py``, names
 bound by ``shard_map``/``pmap``) or MPI (``mpi.py``; the binding of a name to a communicator in
-``mpi_axis.py``). The watchdog, heartbeats and start-up roll call that keep a multi-process job
+``mpi_axis.py``). A level whose members are devices of one process may instead meet in shared
+memory (``inprocess.py``), the transport the hierarchical plan puts on such a level. The watchdog, heartbeats and start-up roll call that keep a multi-process job
 from hanging live in jaxring._src.reliability, below this folder.
 """
 from jaxring._src.transport.groups import Group as Group

@@ -145,3 +145,56 @@ def all_gather_decode(payload: tuple, group: Group, *, block_size: int = 0,
   result = jax.ShapeDtypeStruct((values.shape[0] * group.size,), jnp.float32)
   return _call("local_all_gather_decode", result, values, group, invariant, order,
                more=(scales,), block_size=int(block_size))
+
+
+class InProcessTransport:
+  """The members of a level that lives in this process, meeting in shared memory: a transport
+  whose native collectives are the custom calls above (``hierarchical`` puts it on such a level;
+  per-level ``algorithm={"local": "inprocess"}`` asks for it).
+
+  It reads and writes rows where they lie, so an algorithm hands it the row ``order`` instead of
+  permuting a copy first (``takes_order``). It has no ring step and no all-reduce: its members
+  meet in one call, and the slowest level, whose all-reduce is one step, is never in-process.
+  """
+
+  name = "inprocess"
+  #: reduce-scatter and all-gathers take ``order`` (rows read or written in place, no copy)
+  takes_order = True
+  #: every member is a device of this process (its reduce-scatter is sound in a multi-process job)
+  spans_processes = False
+  has_reduce_scatter = True
+
+  def available(self) -> bool:
+    """Whether it can run here (:func:`available`)."""
+    return available()
+
+  def reduce_scatter(self, x, group: Group, order=None):
+    """:func:`reduce_scatter`: member ``i`` gets the sum of chunk ``i`` of ``x``'s rows in
+    ``order``."""
+    return reduce_scatter(x, group, order=order)
+
+  def all_gather(self, payload: tuple, group: Group, order=None, invariant: tuple = ()) -> tuple:
+    """:func:`all_gather`: every member's arrays, rows placed in ``order``, typed invariant over
+    ``invariant``."""
+    return all_gather(payload, group, invariant=invariant, order=order)
+
+  def all_gather_decode(self, payload: tuple, group: Group, *, block_size: int = 0,
+                        invariant: tuple = (), order=None):
+    """:func:`all_gather_decode`: the gathered payload decoded to f32 as it is copied."""
+    return all_gather_decode(payload, group, block_size=block_size, invariant=invariant,
+                             order=order)
+
+  def shift(self, payload: tuple, group: Group, offset: int = 1) -> tuple:
+    """Not offered: the members meet in one call, there is no ring step to take."""
+    raise NotImplementedError(f"jaxring in-process transport: no ring step over level "
+                              f"{group.name!r} (its members read each other's buffers in one "
+                              f"call); a ring on that level runs over XLA (algorithm 'ring')")
+
+  def all_reduce(self, x, group: Group):
+    """Not offered: the in-process level is never the slowest, whose all-reduce is one step."""
+    raise NotImplementedError(f"jaxring in-process transport: no all-reduce over level "
+                              f"{group.name!r}; it reduce-scatters and all-gathers a level below "
+                              f"the slowest (hierarchical)")
+
+
+INPROCESS = InProcessTransport()

@@ -103,6 +103,8 @@ class MpiTransport:
   # mpi4jax has no MPI_Reduce_scatter; the ring moves (p-1)/p of the buffer, which is what MPICH's
   # own reduce-scatter moves for large messages, where all-reduce + slice would move twice that.
   has_reduce_scatter = False
+  takes_order = False      # rows travel as they lie: an algorithm permutes them itself
+  spans_processes = True   # one process per rank
 
   def shift(self, payload: tuple, group: MpiGroup, offset: int = 1) -> tuple:
     """Sends ``payload``'s arrays to the member ``offset`` ahead (several as one message of

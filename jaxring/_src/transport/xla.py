@@ -37,6 +37,8 @@ class XlaTransport:
   native_all_reduce_wins = True
   native_all_reduce_loses_from = None   # without a profile, lossless all-reduces stay native
   has_reduce_scatter = True
+  takes_order = False      # rows travel as they lie: an algorithm permutes them itself
+  spans_processes = True   # gloo/NCCL between processes (psum_scatter there: docs/design.md)
 
   def shift(self, payload: tuple, group: Group, offset: int = 1) -> tuple:
     """Sends ``payload``'s arrays to the member ``offset`` ahead (several as one message of
