@@ -28,6 +28,7 @@ from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.error_feedback import next_residual
 from jaxring._src.optim.momentum import auto_clip, corrected_mean
+from jaxring._src.train import nnx_graph
 from jaxring._src.train.buckets import (
   Bucket,
   auto_bucket_bytes,
@@ -42,7 +43,6 @@ from jaxring._src.train.context import (
   replica_count,
 )
 from jaxring._src.train.fsdp import gather_params, regather_policy, sharded_identity
-from jaxring._src.train import nnx_graph
 from jaxring._src.train.loss_check import check_output
 from jaxring._src.train.precision import Policy
 

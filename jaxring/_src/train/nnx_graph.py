@@ -3,9 +3,9 @@
 ``nnx.value_and_grad(loss_fn)(model, x, y)`` differentiates ``loss_fn`` with respect to the
 model's ``nnx.Param`` variables (or the filter of an ``nnx.DiffState``) and writes the other
 variables the call changed (``nnx.BatchStat``, ``nnx.RngCount``) back into ``model``. The same
-call through jaxring splits each graph-node argument into its differentiated variables, as a
-plain nested dict (``nnx.to_pure_dict``'s form: the tree a train step's parameters, residuals and
-buckets are laid out by), and the rest; differentiates a pure function of those dicts with the
+call through jaxring splits each graph-node argument into its differentiated variables, as
+arrays (``nnx.pure``: the tree a train step's parameters, residuals and buckets are laid out by,
+and the one ``nnx.Optimizer`` hands its optax transformation), and the rest; differentiates a pure function of those dicts with the
 pytree path (buckets reduced inside the backward pass); and hands back the gradients as the
 ``nnx.State`` ``nnx.value_and_grad`` returns. Outside a train step it is ``nnx.value_and_grad``.
 """
@@ -60,17 +60,17 @@ def uses_nnx(args, argnums) -> bool:
 
 def _key(path) -> str:
   """A leaf's path without the attribute keys of Variable nodes (``.value``): the same string
-  for a leaf of an ``nnx.State`` and of its pure dict."""
+  for a leaf of an ``nnx.State`` of Variables and of its ``nnx.pure`` arrays."""
   return jax.tree_util.keystr(tuple(k for k in path if not isinstance(k, jax.tree_util.GetAttrKey)))
 
 
 def values_by_path(tree) -> dict:
-  """``{key path: leaf}`` of a pytree (an ``nnx.State`` or its pure dict)."""
+  """``{key path: leaf}`` of a pytree (an ``nnx.State`` of Variables or of arrays)."""
   return {_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def with_values(state, pure: dict):
-  """A new ``nnx.State`` shaped like ``state`` holding the arrays of ``pure`` (its pure dict,
+  """A new ``nnx.State`` shaped like ``state`` holding the arrays of ``pure`` (its arrays,
   possibly traced); ``state``'s own Variables are left alone."""
   new = values_by_path(pure)
   paths, treedef = jax.tree_util.tree_flatten_with_path(state)
@@ -101,7 +101,7 @@ def value_and_grad(pytree_value_and_grad: Callable, fun: Callable, argnums, has_
       graphs[i], rests[i] = nnx.split(node)
   order = [i for i, _ in specs]
   single = not isinstance(argnums, (tuple, list))
-  pure = tuple(nnx.to_pure_dict(diffs[i]) for i in order)
+  pure = tuple(nnx.pure(diffs[i]) for i in order)   # laid out as a step's state.params
   plain_at = [i for i in range(len(args)) if i not in nodes]
 
   def pure_fun(pure_diffs, *plain):

@@ -2,9 +2,10 @@
 
 NNX users write a step that updates its objects in place (as under ``nnx.jit``). The decorator
 runs it as the functional step it already knows: the NNX objects among the arguments (the model,
-its ``nnx.Optimizer``, metrics) are read once into an :class:`NnxState` — the model's
-parameters (the optimizer's ``wrt``), the optimizer's state, the averaged variables and the rest,
-each a plain nested dict, the layout a Linen ``TrainState`` has — the step traced once through
+its ``nnx.Optimizer``, metrics) are read into an :class:`NnxState` — the model's parameters
+(the optimizer's ``wrt``) and the optimizer's state as its optax transformation sees them, the
+averaged variables and the rest: the layout of a Linen ``TrainState``, so that sharding, error
+feedback, loss scaling and checkpoints serve both alike — the step traced once through
 :func:`adapter`, which merges the objects back from that state inside each replica, calls the
 user's function and splits them again; the results are written back into the objects' own
 Variables. The first non-NNX argument is the batch (split over the replicas), the others reach
@@ -38,7 +39,7 @@ from jaxring._src.train.nnx_graph import is_graph_node, nnx_module
 from jaxring._src.train.precision import DynamicLossScale
 from jaxring._src.train.state import residual_tree, with_residual_tree
 
-FIELDS = ("params", "opt_state", "batch_stats", "model_rest")
+FIELDS = ("params", "opt_state", "batch_stats", "model_rest", "step")
 
 
 def residual_type():
@@ -74,19 +75,18 @@ def loss_scale_type():
 
 @struct.dataclass
 class NnxState:
-  """An NNX step's objects as the functional step sees them (plain nested dicts)."""
+  """An NNX step's objects as the functional step sees them: the model's parameters and the
+  optimizer's state as its optax transformation sees them (``nnx.pure``), the other variables
+  as nested dicts by path (``batch_stats``: the float ones, averaged over the replicas)."""
 
   params: Any
   opt_state: Any
   batch_stats: Any
   model_rest: Any
+  step: Any = 0
   tx: Any = struct.field(pytree_node=False, default=None)
   residuals: Any = struct.field(pytree_node=False, default=None)
   loss_scale: Any = None
-
-  @property
-  def step(self):
-    return self.opt_state.get("step", 0) if isinstance(self.opt_state, dict) else 0
 
 
 def _nest(items) -> dict:
@@ -111,8 +111,8 @@ class Binding:
   graphdef: Any
   treedef: Any            # of the joint nnx.State, leaves in ``variables`` order
   variables: list         # the live Variables
-  kinds: list             # per variable: a FIELDS name, "residuals" or "key"
-  orders: dict            # field -> (indices into variables in its pure dict's leaf order, treedef)
+  kinds: list             # per variable: a FIELDS name, "residuals" or "loss_scale"
+  orders: dict            # field -> (indices into variables in its tree's leaf order, treedef)
   keys: tuple             # indices of the nnx.RngKey variables
   tx: Any                 # the optimizer's own optax transformation
 
@@ -135,7 +135,6 @@ class Binding:
     if wrt is None:
       raise TypeError("train_step: the nnx.Optimizer has no `wrt`: build it as "
                       "nnx.Optimizer(model, tx, wrt=nnx.Param) (flax >= 0.11)")
-    is_param = nnx.filterlib.to_predicate(wrt)
     graphdef, state = nnx.split(nodes)
     entries = list(state.flat_state())
     variables = [v for _, v in entries]
@@ -145,28 +144,53 @@ class Binding:
       raise RuntimeError("train_step: this flax's nnx.State flattens in another order than its "
                          "flat_state(); please report the flax version")
     model = models[0]
-    kinds, keyed = [], {f: [] for f in FIELDS + ("residuals", "loss_scale")}
+    where = {id(v): k for k, v in enumerate(variables)}
+    kinds: list = [None] * len(variables)
+    orders = {}
+
+    def take(field: str, tree) -> None:
+      """``field`` is ``tree`` (of live Variables), laid out as ``nnx.pure(tree)``."""
+      vs = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+      idx = [where[id(v)] for v in vs]
+      for k in idx:
+        kinds[k] = field
+      orders[field] = (idx, jax.tree_util.tree_structure(nnx.pure(tree)) if idx else None)
+
+    # the parameters and the optimizer state as the optimizer's tx sees them (Optimizer.update
+    # hands it nnx.pure of both), so a sharded step's whole-leaf view of tx recognises them
+    params = nnx.state(nodes[model], wrt)
+    take("params", params)
+    if opt is not None:
+      take("opt_state", nodes[opt].opt_state)
+      held = getattr(nodes[opt], "residuals", None)
+      if held is not None:    # laid out like the parameters (their paths under "residuals")
+        by_path = {p: v for p, v in held.flat_state()}
+        take("residuals", jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(params, is_leaf=lambda x: isinstance(x, nnx.Variable)),
+            [by_path[p] for p, _ in params.flat_state()]))
+    keyed = {"batch_stats": [], "model_rest": [], "step": [], "loss_scale": []}
     for k, (path, v) in enumerate(entries):
-      node, rest = path[0], path[1:]
-      if node == opt and rest[:1] in (("residuals",), ("loss_scale",)):
-        kind, key = rest[0], rest[1:]
-      elif node == opt:
-        kind, key = "opt_state", rest
-      elif node == model and is_param(rest, v):
-        kind, key = "params", rest
-      elif isinstance(v, nnx.RngKey):
-        kind, key = "model_rest", path   # folded with the replica's index inside the step
-      elif jnp.issubdtype(jnp.result_type(v.get_value()), jnp.floating):
+      if kinds[k] is not None:
+        continue
+      if path[0] == opt and path[1:] == ("step",):
+        kind, key = "step", ("step",)
+      elif path[0] == opt and path[1] == "loss_scale":
+        kind, key = "loss_scale", path[2:]
+      elif path[0] == opt and path[1] == "residuals":
+        raise ValueError("train_step: optimizer.residuals does not match the model's parameters "
+                         "(restored from another model?): delete it (del optimizer.residuals)")
+      elif (jnp.issubdtype(jnp.result_type(v.get_value()), jnp.floating)
+            and not isinstance(v, nnx.RngKey)):
         kind, key = "batch_stats", path   # averaged over the replicas
       else:
-        kind, key = "model_rest", path
-      kinds.append(kind)
-      if key is not None:
-        keyed[kind].append((key, k))
-    orders = {}
+        kind, key = "model_rest", path    # RNG keys (folded inside the step), counts
+      kinds[k] = kind
+      keyed[kind].append((key, k))
     for f, items in keyed.items():
       idx, tdef = jax.tree_util.tree_flatten(_nest(items))
       orders[f] = (idx, tdef)
+    orders.setdefault("opt_state", ([], None))
+    orders.setdefault("residuals", ([], None))
     keys = tuple(k for k, v in enumerate(variables) if isinstance(v, nnx.RngKey))
     return cls(positions, nodes, model, opt, graphdef, treedef, variables, kinds, orders, keys,
                None if opt is None else nodes[opt].tx)
@@ -178,8 +202,12 @@ class Binding:
             sum(is_graph_node(a) for a in args) == len(self.positions))
 
   def tree(self, field: str, values: list):
+    """``field``'s tree of ``values`` (indexed like ``variables``); None where it has none."""
     idx, tdef = self.orders[field]
-    return jax.tree_util.tree_unflatten(tdef, [values[k] for k in idx]) if idx else None
+    if not idx:
+      return None
+    tree = jax.tree_util.tree_unflatten(tdef, [values[k] for k in idx])
+    return tree["step"] if field == "step" else tree
 
   def read(self) -> NnxState:
     """The objects' current values as an :class:`NnxState` (no graph walk), and the residuals
@@ -189,6 +217,7 @@ class Binding:
     fields["params"] = fields["params"] or {}
     fields["opt_state"] = fields["opt_state"] or {}
     fields["model_rest"] = fields["model_rest"] or {}
+    fields["step"] = 0 if fields["step"] is None else fields["step"]
     scale = self.tree("loss_scale", values)
     if scale is not None:
       scale = DynamicLossScale(scale=scale["scale"], good_steps=scale["good_steps"])
@@ -220,8 +249,9 @@ class Binding:
                       "nnx.Optimizer, and this step takes none: pass the optimizer to the step, "
                       "step(model, optimizer, batch)")
     for name, (kind, tree) in missing.items():
-      setattr(self.nodes[self.optimizer], name, nnx.data(nnx.State(
-          jax.tree_util.tree_map(kind, tree))))
+      held = jax.tree_util.tree_map(kind, tree)
+      setattr(self.nodes[self.optimizer], name,
+              nnx.data(held if isinstance(held, nnx.State) else nnx.State(held)))
     return bool(missing)
 
 
