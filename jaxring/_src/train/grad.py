@@ -28,7 +28,7 @@ from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.error_feedback import next_residual
 from jaxring._src.optim.momentum import auto_clip, corrected_mean
-from jaxring._src.train import nnx_graph
+from jaxring._src.train import nnx_graph, partition
 from jaxring._src.train.buckets import (
   Bucket,
   auto_bucket_bytes,
@@ -367,9 +367,15 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
   replica, ``jax.lax.pmean(loss, "data")`` (the step's ``axis_name``), or the replicas drift
   apart. Outside a train step, this is ``jax.value_and_grad``. Call it once per step.
 
+  The differentiated argument may be a Flax NNX Module: then this is ``nnx.value_and_grad``
+  (``argnums`` may be ``nnx.DiffState``; the gradients are an ``nnx.State``; the other variables
+  the call changes, ``nnx.BatchStat`` say, are written back). An argument holding leaves that are
+  not numbers (an ``eqx.Module``'s functions) is differentiated in its arrays, as
+  ``eqx.filter_value_and_grad`` does (None gradients for the rest).
+
   Args:
     fun: the loss function; returns a scalar (or ``(scalar, aux)`` with ``has_aux``).
-    argnums: which positional argument(s) to differentiate.
+    argnums: which positional argument(s) to differentiate (or ``nnx.DiffState``).
     has_aux: as in ``jax.value_and_grad``.
 
   Returns:
@@ -380,6 +386,11 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     ... def step(state, batch):
     ...   loss, grads = jaxring.value_and_grad(loss_fn)(state.params, batch)
     ...   return state.apply_gradients(grads=grads), {"loss": loss}
+    >>> @jaxring.train_step()              # Flax NNX: the objects updated in place
+    ... def nnx_step(model, optimizer, batch):
+    ...   loss, grads = jaxring.value_and_grad(loss_fn)(model, batch)
+    ...   optimizer.update(model, grads)
+    ...   return {"loss": loss}
   """
 
   def wrapped(*args, **kwargs):
@@ -392,8 +403,13 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
           ctx, f, nums, aux, a, {})
       return nnx_graph.value_and_grad(reduced, fun, argnums, has_aux, args, kwargs)
     if ctx is None:
-      return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args, **kwargs)
-    return _reduced_value_and_grad(ctx, fun, argnums, has_aux, args, kwargs)
+      plain = lambda f, nums, aux: jax.value_and_grad(f, argnums=nums, has_aux=aux)  # noqa: E731
+    else:
+      plain = lambda f, nums, aux: lambda *a, **k: _reduced_value_and_grad(  # noqa: E731
+          ctx, f, nums, aux, a, k)
+    if partition.has_static_leaves(args, argnums):   # an Equinox Module: its arrays only
+      return partition.value_and_grad(plain, fun, argnums, has_aux, args, kwargs)
+    return plain(fun, argnums, has_aux)(*args, **kwargs)
 
   return wrapped
 

@@ -37,7 +37,7 @@ from jax import lax
 
 from jaxring._src.train.nnx_graph import is_graph_node, nnx_module
 from jaxring._src.train.precision import DynamicLossScale
-from jaxring._src.train.state import residual_tree, with_residual_tree
+from jaxring._src.train.state import remapped, residual_tree, with_residual_tree
 
 FIELDS = ("params", "opt_state", "batch_stats", "model_rest", "step")
 
@@ -331,16 +331,12 @@ class Runner:
         self._remapped(state, None)))
 
   def _remapped(self, state: NnxState, inner) -> NnxState:
-    """``state`` whose residuals, saved by another replica count, are remapped to this one's:
-    each replica carries their mean (the rule of ``jaxring.train.Checkpointer``)."""
+    """``state`` with residuals saved by another replica count remapped to this one's."""
     residuals = residual_tree(state)
-    replicas = (inner or self.make_step(lambda *a: None)).num_replicas
-    rows = {getattr(r, "shape", (replicas,))[:1] for r in jax.tree_util.tree_leaves(residuals)}
-    if residuals is None or rows <= {(replicas,)}:
+    if residuals is None:
       return state
-    remap = jax.jit(lambda r: jnp.broadcast_to(jnp.mean(r, axis=0, keepdims=True),
-                                               (replicas,) + r.shape[1:]))
-    return with_residual_tree(state, jax.tree_util.tree_map(remap, residuals))
+    replicas = (inner or self.make_step(lambda *a: None)).num_replicas
+    return with_residual_tree(state, remapped(residuals, replicas))
 
   def __call__(self, args: tuple):
     if self.binding is None or not self.binding.matches(args):

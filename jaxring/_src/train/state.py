@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 from flax.training import train_state
 from jax import lax
@@ -100,6 +101,19 @@ def with_residual_tree(state, tree: Any, *, fresh: bool = False):
   if tree is None:
     return state
   return state.replace(residuals=Residuals(tree, fresh=fresh))
+
+
+def remapped(tree: Any, replicas: int) -> Any:
+  """Residuals saved by another replica count (``tree``'s leaves ``(p_old, ...)``) for
+  ``replicas``: each new replica carries the mean of the old rows, so the error all replicas
+  add back to the next mean, ``sum(r) / p``, is the same. ``tree`` itself where the counts agree.
+  """
+  rows = {tuple(getattr(r, "shape", (replicas,))[:1]) for r in jax.tree_util.tree_leaves(tree)}
+  if tree is None or rows <= {(replicas,)}:
+    return tree
+  remap = jax.jit(lambda r: jnp.broadcast_to(jnp.mean(r, axis=0, keepdims=True),
+                                             (replicas,) + r.shape[1:]))
+  return jax.tree_util.tree_map(remap, tree)
 
 
 def _optional(pytree_node: bool = True):

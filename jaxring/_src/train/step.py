@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
-from jaxring._src.train import global_view, guards, nnx_step, sharding
+from jaxring._src.train import functional, global_view, guards, nnx_step, sharding
 from jaxring._src.train.context import (
   ReduceConfig,
   ShardedParams,
@@ -63,7 +63,7 @@ class TrainStep:
     self.config = config
     self.buckets = None
     self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
-    self._donate, self._calls, self._nnx = donate, 0, None
+    self._donate, self._calls, self._nnx, self._functional = donate, 0, None, None
     self._view = None  # a sharded step's optimizer as the replicas run it (train/global_view.py)
 
   @property
@@ -171,10 +171,11 @@ class TrainStep:
         return (r, momentum_leaf_size(int(np.size(p))))
       return (r, *np.shape(p))
 
-    shapes = jax.tree_util.tree_map(lambda p: (shape(p), accum_dtype(p.dtype)), params,
-                                    is_leaf=lambda x: hasattr(x, "dtype"))
-    make = jax.jit(lambda: jax.tree_util.tree_map(lambda sd: jnp.zeros(*sd), shapes,
-                                                  is_leaf=lambda x: isinstance(x, tuple)),
+    shapes = jax.tree_util.tree_map(
+        lambda p: jax.ShapeDtypeStruct(shape(p), accum_dtype(p.dtype)), params,
+        is_leaf=lambda x: hasattr(x, "dtype"))
+    make = jax.jit(lambda: jax.tree_util.tree_map(lambda sd: jnp.zeros(sd.shape, sd.dtype),
+                                                  shapes),
                    out_shardings=jax.tree_util.tree_map(lambda _: self._residual_sharding, params))
     return make()
 
@@ -227,6 +228,13 @@ class TrainStep:
       metrics = self._nnx_runner()((state, batch, *args))
       self.buckets = self._nnx.inner.buckets
       return metrics
+    if functional.is_functional_call((state, batch, *args)):   # step(params, opt_state, batch)
+      if self._functional is None:
+        self._functional = functional.Runner(self._fn, lambda f: TrainStep(
+            f, self.mesh, self.config, self._donate))
+      out = self._functional((state, batch, *args))
+      self.buckets = self._functional.inner.buckets
+      return out
     if self._needs_prepare(state):
       state = self.prepare(state)
     residuals = residual_tree(state)
