@@ -9,6 +9,7 @@ from jaxring._src.train.checkpoint import (
 )
 from jaxring._src.train.checkpoint import Checkpointer as Checkpointer
 from jaxring._src.train.data import BatchIterator as BatchIterator
+from jaxring._src.train.functional import OptState as OptState
 from jaxring._src.train.global_view import whole as whole
 from jaxring._src.train.grad import full_params as full_params
 from jaxring._src.train.grad import grad as grad
