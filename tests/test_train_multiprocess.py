@@ -21,10 +21,13 @@ STEPS = 4
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("shard", ["none", "params", "params-hpz"])
-def test_two_processes_match_one_process_with_the_same_devices(tmp_path, shard):
+@pytest.mark.parametrize("shard,api", [("none", "linen"), ("params", "linen"),
+                                       ("params-hpz", "linen"), ("none", "nnx"),
+                                       ("params", "nnx")])
+def test_two_processes_match_one_process_with_the_same_devices(tmp_path, shard, api):
   """Also fully sharded: the parameters split over both processes' devices, gathered and
-  reduce-scattered across processes, give the one-process replicated result."""
+  reduce-scattered across processes, give the one-process replicated result; and a Flax NNX
+  model stepped in place through jaxring.train.fit gives the same."""
   port, metrics, out = ports.free_port(), tmp_path / "metrics.jsonl", tmp_path / "params.npz"
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "JAXRING_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
@@ -34,7 +37,8 @@ def test_two_processes_match_one_process_with_the_same_devices(tmp_path, shard):
     logs.append(open(tmp_path / f"worker{pid}.log", "w"))
     procs.append(subprocess.Popen(
         [sys.executable, WORKER, "--port", str(port), "--process-id", str(pid),
-         "--steps", str(STEPS), "--metrics", str(metrics), "--out", str(out), "--shard", shard],
+         "--steps", str(STEPS), "--metrics", str(metrics), "--out", str(out), "--shard", shard,
+         "--api", api],
         stdout=logs[-1], stderr=subprocess.STDOUT, env=env, start_new_session=True))
   try:
     deadline = time.time() + 240
@@ -56,8 +60,11 @@ def test_two_processes_match_one_process_with_the_same_devices(tmp_path, shard):
 
   import jax
   assert jax.device_count() == 8
-  _, reference = train_dist.run(STEPS, None)  # this process: 8 devices, whole batches
+  if api == "nnx":   # this process: 8 devices, whole batches
+    _, reference = train_dist.run_nnx(STEPS, None)
+  else:
+    reference = train_dist.run(STEPS, None)[1].params
   got = np.load(out)
-  for path, want in jax.tree_util.tree_flatten_with_path(reference.params)[0]:
+  for path, want in jax.tree_util.tree_flatten_with_path(reference)[0]:
     key = "/".join(k.key for k in path)
     np.testing.assert_allclose(got[key], np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -36,6 +36,40 @@ def problem():
   return MLP(), tx, data, loss_fn
 
 
+def run_nnx(num_steps: int, metrics_path: str | None, shard: str = "none"):
+  """The same problem as a Flax NNX model and nnx.Optimizer, stepped in place; returns the
+  step and the parameters (a plain nested dict, as run's state.params)."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  import jaxring.train as jt
+  _, tx, data, _ = problem()
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden, self.out = nnx.Linear(5, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  model = MLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  def loss_fn(model, batch):
+    import optax
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+  @jt.train_step(bucket_bytes=256, shard=shard)
+  def step(model, optimizer, batch):
+    loss, grads = jt.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  jt.fit(step, (model, optimizer), jt.BatchIterator(data, 32, seed=1), num_steps=num_steps,
+         log_every=1, metrics_path=metrics_path, progress=False)
+  return step, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
 def run(num_steps: int, metrics_path: str | None, shard: str = "none"):
   import jax
   import jax.numpy as jnp
@@ -73,6 +107,7 @@ def main() -> int:
   ap.add_argument("--metrics", required=True)
   ap.add_argument("--out", required=True)
   ap.add_argument("--shard", default="none")
+  ap.add_argument("--api", default="linen", choices=["linen", "nnx"])
   args = ap.parse_args()
 
   import jax
@@ -85,11 +120,15 @@ def main() -> int:
   else:
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
                                process_id=args.process_id)
-  step, state = run(args.steps, args.metrics, args.shard)
+  if args.api == "nnx":
+    step, params = run_nnx(args.steps, args.metrics, args.shard)
+  else:
+    step, state = run(args.steps, args.metrics, args.shard)
+    params = state.params
   assert step.num_replicas == args.num_processes * args.local_devices
   from jax.experimental import multihost_utils
   params = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
-                        state.params)  # split leaves: every process's blocks
+                        params)  # split leaves: every process's blocks
   if jax.process_index() == 0:
     np.savez(args.out, **{"/".join(k): v for k, v in _flat(params)})
   print("DONE", flush=True)

@@ -4,10 +4,10 @@
 model's ``nnx.Param`` variables (or the filter of an ``nnx.DiffState``) and writes the other
 variables the call changed (``nnx.BatchStat``, ``nnx.RngCount``) back into ``model``. The same
 call through jaxring splits each graph-node argument into its differentiated variables, as
-arrays (``nnx.pure``: the tree a train step's parameters, residuals and buckets are laid out by,
-and the one ``nnx.Optimizer`` hands its optax transformation), and the rest; differentiates a pure function of those dicts with the
-pytree path (buckets reduced inside the backward pass); and hands back the gradients as the
-``nnx.State`` ``nnx.value_and_grad`` returns. Outside a train step it is ``nnx.value_and_grad``.
+arrays (:func:`pure`: the tree a train step's parameters, residuals and buckets are laid out by,
+and the one ``nnx.Optimizer`` hands its optax transformation), and the rest; differentiates a
+pure function of those arrays with the pytree path (buckets reduced inside the backward pass);
+and hands back the gradients as the ``nnx.State`` ``nnx.value_and_grad`` returns. Outside a train step it is ``nnx.value_and_grad``.
 """
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ def nnx_module():
   except ImportError:  # pragma: no cover - flax < 0.8
     return None
   return nnx
+
+
+def pure(tree):
+  """``tree`` with every NNX Variable replaced by its value (``nnx.as_pure``; ``nnx.pure`` in
+  flax 0.11): the tree ``nnx.Optimizer.update`` hands its optax transformation."""
+  nnx = nnx_module()
+  return nnx.as_pure(tree) if hasattr(nnx, "as_pure") else nnx.pure(tree)
 
 
 def is_graph_node(x) -> bool:
@@ -69,10 +76,10 @@ def values_by_path(tree) -> dict:
   return {_key(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def with_values(state, pure: dict):
-  """A new ``nnx.State`` shaped like ``state`` holding the arrays of ``pure`` (its arrays,
+def with_values(state, arrays):
+  """A new ``nnx.State`` shaped like ``state`` holding the arrays of ``arrays`` (its arrays,
   possibly traced); ``state``'s own Variables are left alone."""
-  new = values_by_path(pure)
+  new = values_by_path(arrays)
   paths, treedef = jax.tree_util.tree_flatten_with_path(state)
   return jax.tree_util.tree_unflatten(treedef, [new[_key(p)] for p, _ in paths])
 
@@ -101,7 +108,7 @@ def value_and_grad(pytree_value_and_grad: Callable, fun: Callable, argnums, has_
       graphs[i], rests[i] = nnx.split(node)
   order = [i for i, _ in specs]
   single = not isinstance(argnums, (tuple, list))
-  pure = tuple(nnx.pure(diffs[i]) for i in order)   # laid out as a step's state.params
+  pure_diffs = tuple(pure(diffs[i]) for i in order)   # laid out as a step's state.params
   plain_at = [i for i in range(len(args)) if i not in nodes]
 
   def pure_fun(pure_diffs, *plain):
@@ -125,7 +132,7 @@ def value_and_grad(pytree_value_and_grad: Callable, fun: Callable, argnums, has_
     return loss, (aux, updates)
 
   (loss, (aux, updates)), g = pytree_value_and_grad(pure_fun, 0, True)(
-      pure[0] if single else pure, *(args[i] for i in plain_at))
+      pure_diffs[0] if single else pure_diffs, *(args[i] for i in plain_at))
   for i, node in nodes.items():
     nnx.update(node, updates[i])
   g = (g,) if single else g

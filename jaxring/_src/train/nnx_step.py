@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxring._src.train.nnx_graph import is_graph_node, nnx_module
+from jaxring._src.train.nnx_graph import is_graph_node, nnx_module, pure
 from jaxring._src.train.precision import DynamicLossScale
 from jaxring._src.train.state import remapped, residual_tree, with_residual_tree
 
@@ -154,7 +154,7 @@ class Binding:
       idx = [where[id(v)] for v in vs]
       for k in idx:
         kinds[k] = field
-      orders[field] = (idx, jax.tree_util.tree_structure(nnx.pure(tree)) if idx else None)
+      orders[field] = (idx, jax.tree_util.tree_structure(pure(tree)) if idx else None)
 
     # the parameters and the optimizer state as the optimizer's tx sees them (Optimizer.update
     # hands it nnx.pure of both), so a sharded step's whole-leaf view of tx recognises them
