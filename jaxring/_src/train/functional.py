@@ -20,6 +20,7 @@ from typing import Any, Callable
 import jax
 from flax import struct
 
+from jaxring._src.train import guards
 from jaxring._src.train.partition import is_array
 from jaxring._src.train.state import remapped, residual_tree, with_residual_tree
 
@@ -110,9 +111,12 @@ class Runner:
   """What a TrainStep does with a functional call: ``make_step(adapter(fn))`` on the state."""
 
   def __init__(self, fn: Callable, make_step: Callable):
-    self.inner = make_step(adapter(fn))
+    self.fn, self.inner, self.checked = fn, make_step(adapter(fn)), False
 
   def __call__(self, args: tuple):
+    if not self.checked:
+      guards.check_call(self.fn, args, "functional (params, opt_state, batch)")
+      self.checked = True
     params, opt_state, batch, *rest = args
     held = opt_state if isinstance(opt_state, OptState) else OptState(opt_state)
     arrays, static = split_params(params)

@@ -267,7 +267,9 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     if res_def != treedef:
       raise ValueError("jaxring.value_and_grad: with error feedback the differentiated argument "
                        "must have the structure of state.params (the residuals are shaped like "
-                       f"it); got {treedef} vs residuals {res_def}")
+                       "it; NNX: the model's variables that the nnx.Optimizer's `wrt` selects, "
+                       f"so differentiate the model with that filter); got {treedef} vs "
+                       f"residuals {res_def}")
   policy = cfg.policy
   scale = ctx.loss_scale if policy is not None and policy.loss_scaling else None
   call = _caller(fun, args, kwargs, argnums, treedef, policy)

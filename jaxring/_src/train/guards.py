@@ -165,3 +165,26 @@ def validate_bucket_bytes(bucket_bytes) -> int | str:
     raise ValueError(f"train_step: bucket_bytes must be a positive number of bytes, got "
                      f"{bucket_bytes!r}")
   return int(bucket_bytes)
+
+
+FORMS = ("A train step is one of: `def step(state, batch, *args) -> (state, metrics)` with a "
+         "TrainState (Linen); `def step(model, optimizer, batch, *args) -> metrics` with Flax "
+         "NNX objects, updated in place; `def step(params, opt_state, batch, *args) -> (params, "
+         "opt_state, metrics)` with an optax state (plain JAX, Equinox)")
+
+
+def check_call(fn, args: tuple, form: str) -> None:
+  """Raises TypeError, naming the three forms, where ``fn`` cannot take ``args`` (the step was
+  written for one form and called with another's arguments)."""
+  import inspect
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):   # a builtin or C callable: let the call say
+    return
+  try:
+    signature.bind(*args)
+  except TypeError as e:
+    kinds = ", ".join(type(a).__name__ for a in args)
+    raise TypeError(f"train_step: the step {getattr(fn, '__name__', fn)!r}{signature} cannot "
+                    f"take the arguments it was called with ({kinds}: the {form} form): {e}. "
+                    f"{FORMS}") from None

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from jaxring._src.train import guards
 from jaxring._src.train.nnx_graph import is_graph_node, nnx_module, pure
 from jaxring._src.train.precision import DynamicLossScale
 from jaxring._src.train.state import remapped, residual_tree, with_residual_tree
@@ -314,6 +315,7 @@ class Runner:
     self.inner = None
 
   def _bind(self, args: tuple) -> None:
+    guards.check_call(self.fn, args, "NNX")
     self.binding = b = Binding.of(args)
     plain = [i for i in range(len(args)) if i not in b.positions]
     if not plain:

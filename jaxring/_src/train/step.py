@@ -64,6 +64,7 @@ class TrainStep:
     self.buckets = None
     self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
     self._donate, self._calls, self._nnx, self._functional = donate, 0, None, None
+    self._checked = False  # the step's signature takes the first call's arguments
     self._view = None  # a sharded step's optimizer as the replicas run it (train/global_view.py)
 
   @property
@@ -235,6 +236,9 @@ class TrainStep:
       out = self._functional((state, batch, *args))
       self.buckets = self._functional.inner.buckets
       return out
+    if not self._checked:
+      guards.check_call(self._fn, (state, batch, *args), "TrainState")
+      self._checked = True
     if self._needs_prepare(state):
       state = self.prepare(state)
     residuals = residual_tree(state)
