@@ -266,10 +266,9 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
     res_leaves, res_def = jax.tree_util.tree_flatten(ctx.residuals)
     if res_def != treedef:
       raise ValueError("jaxring.value_and_grad: with error feedback the differentiated argument "
-                       "must have the structure of state.params (the residuals are shaped like "
-                       "it; NNX: the model's variables that the nnx.Optimizer's `wrt` selects, "
-                       f"so differentiate the model with that filter); got {treedef} vs "
-                       f"residuals {res_def}")
+                       "must have the structure of state.params (the residuals are shaped like it;"
+                       " NNX: the model's variables that the nnx.Optimizer's `wrt` selects); got "
+                       f"{treedef} vs residuals {res_def}")
   policy = cfg.policy
   scale = ctx.loss_scale if policy is not None and policy.loss_scaling else None
   call = _caller(fun, args, kwargs, argnums, treedef, policy)
