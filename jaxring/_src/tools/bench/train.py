@@ -16,6 +16,9 @@ repetitions after ``--warmup`` warm-up steps; the comparison is the median over 
 each repetition's time ratio to the hand-written step. On emulated CPU devices the "network" is a memory
 copy: this measures the decorator's overhead, not what overlap buys on a real network.
 
+``--api nnx`` runs the same comparison on the network written in Flax NNX
+(:mod:`jaxring._src.tools.bench.train_nnx`) and writes ``train-nnx.json``.
+
 Example:
   $ XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m jaxring._src.tools.bench.train
 """
@@ -163,11 +166,15 @@ def run(args) -> dict:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m jaxring._src.tools.bench.train", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--api", choices=("linen", "nnx"), default="linen",
+                  help="the network and its steps in Flax Linen (TrainState) or Flax NNX "
+                  "(nnx.Optimizer, updated in place); nnx writes train-nnx.json")
   ap.add_argument("--devices", type=int, default=8, help="emulated CPU devices")
   ap.add_argument("--width", type=int, default=16, help="channels of the first stage")
   ap.add_argument("--batch-per-device", type=int, default=8)
   ap.add_argument("--bucket-mib", type=float, default=0.5,
-                  help="also time this bucket size, with and without overlap (0: skip)")
+                  help="also time this bucket size, with and without overlap (nnx: with "
+                  "overlap only; 0: skip)")
   ap.add_argument("--reps", type=int, default=7)
   ap.add_argument("--steps", type=int, default=2, help="steps timed per repetition")
   ap.add_argument("--warmup", type=int, default=2)
@@ -183,6 +190,12 @@ def main(argv=None) -> int:
                                             module="jaxring._src.tools.bench.train")
   common.set_cpu_devices(args.devices)
 
+  if args.api == "nnx":
+    from jaxring._src.tools.bench import train_nnx
+    result = train_nnx.run(args)
+    train_nnx.print_result(result)
+    print(f"\nwrote {common.write_json('train-nnx', result, args.out_dir)}")
+    return 0
   result = run(args)
   print(f"\n{result['model']}, {result['params']:,} params "
         f"({common.fmt_bytes(4 * result['params'])} of f32 gradients), global batch "
