@@ -21,12 +21,18 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
                overlap: bool = True, donate: bool = True, precision: Any = None,
                momentum: float | None = None, nesterov: bool = False,
                clip_norm: str | None = "auto", shard: str = "none", hpz: bool = False):
-  """Turns a per-replica ``step(state, batch) -> (state, metrics)`` into a data-parallel step.
+  """Turns a per-replica train step into a data-parallel step.
 
-  The batch is split over the replicas along its leading axis; arguments after it
-  (``step(state, batch, key)``) reach every replica whole. Gradients must come from
-  :func:`jaxring.value_and_grad` (or a collective of your own): a step that updates the
-  parameters with unreduced ``jax.grad`` gradients is refused.
+  The step is written for one device in one of three forms: ``step(state, batch) -> (state,
+  metrics)`` with a ``TrainState`` (Linen); ``step(model, optimizer, batch) -> metrics`` with
+  Flax NNX objects, updated in place as under ``nnx.jit`` (the NNX objects first; the float
+  variables that are neither parameters nor optimizer state, ``nnx.BatchStat``, averaged over the
+  replicas; residuals in ``optimizer.residuals``); ``step(params, opt_state, batch) -> (params,
+  opt_state, metrics)`` with an optax state (plain JAX, Equinox; residuals returned in
+  :class:`jaxring.train.OptState`). The batch is split over the replicas along its leading axis;
+  arguments after it (``step(state, batch, key)``) reach every replica whole. Gradients must
+  come from :func:`jaxring.value_and_grad` (or a collective of your own): a step that updates
+  the parameters with unreduced ``jax.grad`` (or ``nnx.value_and_grad``) gradients is refused.
 
   Args:
     mesh: device mesh with axis/axes ``axis_name`` (default: all devices of all processes).

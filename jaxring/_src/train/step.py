@@ -46,9 +46,10 @@ MAX_STEPS_IN_FLIGHT = 8
 
 
 class TrainStep:
-  """A data-parallel train step; made by :func:`train_step`. Call it as ``step(state, batch)``
-  (or ``step(state, batch, *args)``: each of ``args``, e.g. a PRNG key, reaches every replica
-  whole).
+  """A data-parallel train step; made by :func:`train_step`. Call it as the step was written:
+  ``step(state, batch)`` with a TrainState, ``step(model, optimizer, batch)`` with Flax NNX
+  objects (updated in place; returns the metrics), ``step(params, opt_state, batch)`` with an
+  optax state. Arguments after the batch (a PRNG key, ...) reach every replica whole.
 
   Attributes:
     mesh: the device mesh (built on first use when none was given).
