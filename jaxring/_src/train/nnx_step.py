@@ -85,7 +85,8 @@ class NnxState:
   batch_stats: Any
   model_rest: Any
   step: Any = 0
-  tx: Any = struct.field(pytree_node=False, default=None)
+  tx: Any = struct.field(pytree_node=False, default=None)       # what the step's optimizer runs
+  own_tx: Any = struct.field(pytree_node=False, default=None)   # the optimizer's own
   residuals: Any = struct.field(pytree_node=False, default=None)
   loss_scale: Any = None
 
@@ -137,13 +138,13 @@ class Binding:
       raise TypeError("train_step: the nnx.Optimizer has no `wrt`: build it as "
                       "nnx.Optimizer(model, tx, wrt=nnx.Param) (flax >= 0.11)")
     graphdef, state = nnx.split(nodes)
-    entries = list(state.flat_state())
+    entries = list(nnx.to_flat_state(state))
     variables = [v for _, v in entries]
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if len(leaves) != len(variables) or any(
         x is not v.get_value() for x, v in zip(leaves, variables)):
       raise RuntimeError("train_step: this flax's nnx.State flattens in another order than its "
-                         "flat_state(); please report the flax version")
+                         "flat state; please report the flax version")
     model = models[0]
     where = {id(v): k for k, v in enumerate(variables)}
     kinds: list = [None] * len(variables)
@@ -165,10 +166,10 @@ class Binding:
       take("opt_state", nodes[opt].opt_state)
       held = getattr(nodes[opt], "residuals", None)
       if held is not None:    # laid out like the parameters (their paths under "residuals")
-        by_path = {p: v for p, v in held.flat_state()}
+        by_path = dict(nnx.to_flat_state(held))
         take("residuals", jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(params, is_leaf=lambda x: isinstance(x, nnx.Variable)),
-            [by_path[p] for p, _ in params.flat_state()]))
+            [by_path[p] for p, _ in nnx.to_flat_state(params)]))
     keyed = {"batch_stats": [], "model_rest": [], "step": [], "loss_scale": []}
     for k, (path, v) in enumerate(entries):
       if kinds[k] is not None:
@@ -181,10 +182,10 @@ class Binding:
         raise ValueError("train_step: optimizer.residuals does not match the model's parameters "
                          "(restored from another model?): delete it (del optimizer.residuals)")
       elif (jnp.issubdtype(jnp.result_type(v.get_value()), jnp.floating)
-            and not isinstance(v, nnx.RngKey)):
+            and not isinstance(v, (nnx.RngKey, nnx.Param))):
         kind, key = "batch_stats", path   # averaged over the replicas
-      else:
-        kind, key = "model_rest", path    # RNG keys (folded inside the step), counts
+      else:   # RNG keys (folded inside the step), counts, parameters the optimizer leaves alone
+        kind, key = "model_rest", path
       kinds[k] = kind
       keyed[kind].append((key, k))
     for f, items in keyed.items():
@@ -222,7 +223,8 @@ class Binding:
     scale = self.tree("loss_scale", values)
     if scale is not None:
       scale = DynamicLossScale(scale=scale["scale"], good_steps=scale["good_steps"])
-    return NnxState(**fields, tx=self.tx, loss_scale=scale), self.tree("residuals", values)
+    return (NnxState(**fields, tx=self.tx, own_tx=self.tx, loss_scale=scale),
+            self.tree("residuals", values))
 
   def write(self, state: NnxState, residuals) -> None:
     """Sets the objects' Variables to ``state``'s values (and the residuals')."""
@@ -260,9 +262,13 @@ def adapter(fn: Callable, binding: Binding, axes: tuple, batch_at: int, nargs: i
   """The user's in-place NNX step as ``f(state: NnxState, batch, *whole) -> (state, metrics)``,
   traced inside each replica."""
   nnx = nnx_module()
+  count = len(binding.variables)
+  placeholders = {k: binding.variables[k].get_value().dtype
+                  for k, kind in enumerate(binding.kinds) if kind not in FIELDS}
+  binding = dataclasses.replace(binding, nodes=(), variables=[])   # no objects held
 
   def step(state: NnxState, batch, *whole):
-    values: list = [None] * len(binding.variables)
+    values: list = [None] * count
     for f in FIELDS:
       idx, tree = binding.orders[f][0], getattr(state, f)
       if tree is not None:
@@ -272,11 +278,10 @@ def adapter(fn: Callable, binding: Binding, axes: tuple, batch_at: int, nargs: i
     replica = lax.axis_index(axes if len(axes) > 1 else axes[0])
     for k, key in keys.items():   # a key of this replica's own; replicated again after the step
       values[k] = jax.random.fold_in(key, replica)
-    for k, kind in enumerate(binding.kinds):
-      if kind not in FIELDS:   # residuals, loss scale: the state's own fields; placeholders here
-        values[k] = jnp.zeros((), binding.variables[k].get_value().dtype)
+    for k, dtype in placeholders.items():   # residuals, loss scale: the state's own fields
+      values[k] = jnp.zeros((), dtype)
     nodes = nnx.merge(binding.graphdef, jax.tree_util.tree_unflatten(binding.treedef, values))
-    swap = binding.optimizer is not None and state.tx not in (None, binding.tx)
+    swap = binding.optimizer is not None and state.tx is not state.own_tx
     if swap:
       nodes[binding.optimizer].tx = state.tx    # a sharded step's whole-leaf view of tx
     args, it = [None] * nargs, iter(whole)
@@ -289,7 +294,7 @@ def adapter(fn: Callable, binding: Binding, axes: tuple, batch_at: int, nargs: i
         args[i] = next(it)
     metrics = fn(*args)
     if swap:
-      nodes[binding.optimizer].tx = binding.tx
+      nodes[binding.optimizer].tx = state.own_tx
     graphdef, out = nnx.split(nodes)
     if graphdef != binding.graphdef:
       raise ValueError(
@@ -309,20 +314,37 @@ class Runner:
   """What a :class:`~jaxring._src.train.step.TrainStep` does with NNX arguments: the functional
   step made by ``make_step(fn)`` (a TrainStep of the same settings) on the objects' state."""
 
+  #: bindings kept for objects met last (each holds its objects alive: a few, not all)
+  KEEP = 8
+
   def __init__(self, fn: Callable, make_step: Callable, axes: tuple):
     self.fn, self.make_step, self.axes = fn, make_step, axes
     self.binding: Binding | None = None
     self.inner = None
+    self.bindings: dict = {}   # the objects' ids -> their Binding, the newest last
+    self.steps: dict = {}      # (graph, kinds, call layout) -> its functional TrainStep
 
   def _bind(self, args: tuple) -> None:
-    guards.check_call(self.fn, args, "NNX")
-    self.binding = b = Binding.of(args)
+    """The binding of these objects (walked once while they keep their structure) and the
+    functional step of their structure: objects used in turn each keep theirs, so a step
+    alternating between two models compiles once per model (as ``nnx.jit`` does)."""
+    ids = tuple(id(a) for a in args if is_graph_node(a))
+    b = self.bindings.pop(ids, None)
+    if b is None or not b.matches(args):
+      guards.check_call(self.fn, args, "NNX")
+      b = Binding.of(args)
+    self.bindings[ids] = b
+    while len(self.bindings) > self.KEEP:
+      self.bindings.pop(next(iter(self.bindings)))
     plain = [i for i in range(len(args)) if i not in b.positions]
     if not plain:
       raise TypeError("train_step: an NNX step takes a batch after its NNX objects, e.g. "
                       "step(model, optimizer, batch); the batch is split over the replicas")
     self.batch_at = plain[0]
-    self.inner = self.make_step(adapter(self.fn, b, self.axes, self.batch_at, len(args)))
+    key = (b.graphdef, tuple(b.kinds), b.positions, self.batch_at, len(args))
+    if key not in self.steps:
+      self.steps[key] = self.make_step(adapter(self.fn, b, self.axes, self.batch_at, len(args)))
+    self.binding, self.inner = b, self.steps[key]
 
   def prepare(self, objs: tuple) -> tuple:
     """``TrainStep.prepare`` of NNX objects: residuals (and fp16's loss scale) given to the
@@ -351,8 +373,9 @@ class Runner:
     new_state, metrics = self.inner(state, args[self.batch_at], *whole)
     new_residuals = residual_tree(new_state)
     b.write(new_state, new_residuals)
-    if b.attach(new_state, new_residuals):
-      self.binding = None     # the optimizer's graph changed: walked again on the next call
+    if b.attach(new_state, new_residuals):   # the optimizer's graph changed: walked again
+      self.binding = None
+      self.bindings.pop(tuple(id(a) for a in args if is_graph_node(a)), None)
     return metrics
 
 
