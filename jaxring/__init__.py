@@ -13,6 +13,8 @@ from jaxring._src.error_feedback import reduce_gradients as reduce_gradients
 from jaxring._src.optim.adam import CompressedAdamState as CompressedAdamState
 from jaxring._src.optim.adam import compressed_adam as compressed_adam
 from jaxring._src.optim.compose import compressed_optimizer as compressed_optimizer
+from jaxring._src.optim.diloco import DiLoCoState as DiLoCoState
+from jaxring._src.optim.diloco import diloco as diloco
 from jaxring._src.optim.momentum import MomentumCorrectionState as MomentumCorrectionState
 from jaxring._src.optim.momentum import momentum_correction as momentum_correction
 from jaxring._src.topology import Level as Level

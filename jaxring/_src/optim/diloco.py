@@ -1,0 +1,227 @@
+"""DiLoCo-class training: the slow level synchronized every H steps, not every step.
+
+Each member of the slow axis (``node``) trains on its own for ``every`` inner steps, its gradients
+reduced over the fast levels only, with the inner optimizer. At a sync it averages over the slow
+axis its pseudo-gradient, what the outer parameters lost since the last sync (``outer - local``),
+compressed and with error feedback if asked; the outer optimizer (SGD with Nesterov momentum by
+default) steps the outer parameters with it, and every member restarts from them, keeping its
+inner optimizer state (Douillard et al. 2023, DiLoCo). With ``every=1``, ``outer=optax.sgd(1.0)``
+and no codec this is synchronous data parallel: the pseudo-gradient is the inner update.
+
+Streaming (Douillard et al. 2025): with ``fragments=P`` the parameters are cut into ``P``
+fragments of about equal bytes (whole leaves, in tree order); fragment ``p`` syncs at the inner
+steps ``t`` (counted from the end of the warm-up, from 1) where ``(t - p * every // P) % every ==
+0``, so the syncs are spread over the interval. With ``delay=τ`` a fragment's averaged
+pseudo-gradient is applied ``τ`` inner steps after it was taken: the member keeps the inner
+progress it made meanwhile, ``local <- outer_new + (local_now - local_at_send)``.
+
+``warmup_steps``: synchronous data parallel first (gradients averaged over the slow axis too,
+the outer parameters following the model), as post-local SGD starts (Lin et al. 2020).
+
+The transform is an ``optax.GradientTransformation`` over one member's values: call it inside a
+``shard_map`` (or ``pmap``) whose axes include ``axis``, where its state is each member's own
+(the residuals and, between syncs, the parameters differ between members of the slow axis).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxring._src import vma
+from jaxring._src.collectives import axis_names, pmean, validate_compression
+from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
+
+
+class DiLoCoState(NamedTuple):
+  """State of :func:`diloco`.
+
+  Attributes:
+    count: inner steps taken (int32).
+    inner: the inner optimizer's state.
+    outer_params: the parameters as of the last sync (the same on every member).
+    outer: the outer optimizer's state, one per fragment.
+    residual: this member's error-feedback residual of the pseudo-gradient (None without a codec
+      or without error feedback).
+    pending: with ``delay``: per fragment, the outer parameters waiting to be applied and the
+      local parameters at the time they were sent (None without a delay).
+  """
+
+  count: Any
+  inner: Any
+  outer_params: Any
+  outer: Any
+  residual: Any = None
+  pending: Any = None
+
+
+def fragment_of(params, fragments: int) -> list[int]:
+  """Each leaf's fragment: whole leaves in tree order, a leaf in the fragment its bytes' middle
+  falls in (``fragments`` equal shares of the total)."""
+  leaves = jax.tree_util.tree_leaves(params)
+  sizes = [int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in leaves]
+  total, done, out = max(sum(sizes), 1), 0, []
+  for s in sizes:
+    out.append(min(fragments - 1, int((done + s / 2) * fragments / total)))
+    done += s
+  return out
+
+
+def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: int,
+           outer: optax.GradientTransformation | None = None, compression: Any = None,
+           error_feedback: bool = True, fragments: int = 1, delay: int = 0,
+           warmup_steps: int = 0, algorithm: Any = "auto") -> optax.GradientTransformation:
+  """An optax transformation that syncs the slow axis every ``every`` steps (see the module
+  docstring).
+
+  Args:
+    inner: the optimizer of the inner steps (e.g. ``optax.adamw(lr)``), on gradients already
+      reduced over the fast levels.
+    axis: the slow axis name(s) the pseudo-gradients are averaged over.
+    every: inner steps between two syncs of a fragment (H).
+    outer: the outer optimizer; default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
+    compression: the pseudo-gradients' codec (as :func:`jaxring.psum`; a dict per level too).
+    error_feedback: with a lossy codec, carry each member's compression error to its next sync.
+    fragments: streaming syncs: the parameters in this many fragments, synced in turn.
+    delay: inner steps between taking a fragment's pseudo-gradient and applying its result.
+    warmup_steps: synchronous data-parallel steps first.
+    algorithm: the pseudo-gradients' reduction (as :func:`jaxring.psum`).
+
+  Returns:
+    An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
+
+  Example:
+    >>> tx = jaxring.diloco(optax.adamw(3e-4), axis="node", every=100,
+    ...                     compression=jaxring.codecs.int8())
+  """
+  if int(every) < 1:
+    raise ValueError(f"diloco: every must be >= 1 inner step, got {every!r}")
+  if int(fragments) < 1 or int(delay) < 0 or int(warmup_steps) < 0:
+    raise ValueError(f"diloco: fragments >= 1, delay >= 0 and warmup_steps >= 0; got "
+                     f"fragments={fragments!r}, delay={delay!r}, warmup_steps={warmup_steps!r}")
+  if int(delay) >= int(every):
+    raise ValueError(f"diloco: delay={delay} must be below every={every}: a fragment's result "
+                     "is applied before its next sync is taken")
+  validate_compression(compression)
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
+  axes = axis_names(axis)
+  every, fragments, delay, warmup = int(every), int(fragments), int(delay), int(warmup_steps)
+  lossy = compression is not None and getattr(compression, "lossy", True)
+  keeps_residual = bool(error_feedback) and lossy
+
+  def _pending(pieces):
+    """Per fragment: (the outer parameters waiting to be applied, the local ones when sent)."""
+    return tuple((tuple(p), tuple(p)) for p in pieces)
+
+  def parts(tree, frag_of):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return [[x for x, f in zip(leaves, frag_of) if f == p] for p in range(fragments)], treedef
+
+  def join(pieces, frag_of, treedef):
+    its = [iter(p) for p in pieces]
+    return jax.tree_util.tree_unflatten(treedef, [next(its[f]) for f in frag_of])
+
+  def init(params):
+    frag_of = fragment_of(params, fragments)
+    pieces, _ = parts(params, frag_of)
+    residual = zeros_per_member(params, axes) if keeps_residual else None
+    pending = _pending(pieces) if delay else None
+    state = DiLoCoState(jnp.zeros((), jnp.int32), inner.init(params), params,
+                        tuple(outer.init(p) for p in pieces), residual, pending)
+    # each member's own (update's results are typed so; a scan over steps needs both alike)
+    varying = set(axes if bound(axes) else ()).union(
+        *(vma.varying_axes(x) for x in jax.tree_util.tree_leaves(params)))
+    varying = tuple(sorted(varying, key=str))
+    return jax.tree_util.tree_map(lambda x: vma.pvary(x, varying), state)
+
+  def sync(pseudo, residual):
+    """The pseudo-gradient averaged over the slow axis (and the residual carried)."""
+    if compression is None:
+      return pmean(pseudo, axes, algorithm=algorithm), residual
+    if residual is None:
+      return pmean(pseudo, axes, algorithm=algorithm, compression=compression), None
+    return mean_with_error(pseudo, residual, axes, algorithm=algorithm, compression=compression)
+
+  def update(grads, state: DiLoCoState, params=None):
+    if params is None:
+      raise ValueError("diloco: update(grads, state, params) needs the parameters")
+    frag_of = fragment_of(params, fragments)
+    count = state.count
+    # every value here is this member's: typed varying over every axis anything varies over, so
+    # that the branches of a sync and of no sync have one type (shard_map(check_vma=True))
+    varying = tuple(sorted(set(axes).union(*(vma.varying_axes(x) for x in jax.tree_util.tree_leaves(
+        (grads, params, state)))), key=str))
+
+    def cond(pred, on_true, on_false, operand):
+      vary = lambda f: lambda op: jax.tree_util.tree_map(  # noqa: E731
+          lambda x: vma.pvary(x, varying), f(op))
+      return lax.cond(pred, vary(on_true), vary(on_false), operand)
+
+    def warm(_):   # synchronous data parallel over the slow axis too; the outer follows
+      g = pmean(grads, axes, algorithm=algorithm)
+      updates, inner_state = inner.update(g, state.inner, params)
+      new = optax.apply_updates(params, updates)
+      return updates, state._replace(count=count + 1, inner=inner_state, outer_params=new,
+                                     pending=_pending(parts(new, frag_of)[0]) if delay else None)
+
+    def local(_):
+      updates, inner_state = inner.update(grads, state.inner, params)
+      new = optax.apply_updates(params, updates)
+      t = count - warmup + 1                     # this inner step's number after the warm-up
+      pieces, treedef = parts(new, frag_of)
+      outer_pieces = parts(state.outer_params, frag_of)[0]
+      res_pieces = None if state.residual is None else parts(state.residual, frag_of)[0]
+      outer_states, residuals = list(state.outer), res_pieces
+      pending = None if state.pending is None else list(state.pending)
+      for p in range(fragments):
+        offset = p * every // fragments
+        if delay:   # a result sent ``delay`` steps ago arrives: apply it, keep the progress since
+          arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
+          waiting, sent_from = pending[p]
+          pieces[p] = [jnp.where(arrives, w + (x - s), x).astype(x.dtype)
+                       for x, w, s in zip(pieces[p], waiting, sent_from)]
+        due = ((t - offset) % every == 0) & (t - offset > 0)
+
+        def do_sync(args, p=p):
+          local_p, outer_p, ostate, res_p = args
+          pseudo = [o.astype(jnp.float32) - x.astype(jnp.float32)
+                    for o, x in zip(outer_p, local_p)]
+          avg, res_p = sync(pseudo, res_p)
+          upd, ostate = outer.update([a.astype(o.dtype) for a, o in zip(avg, outer_p)], ostate,
+                                     outer_p)
+          new_outer = optax.apply_updates(outer_p, upd)
+          return new_outer, ostate, res_p
+
+        def no_sync(args):
+          _, outer_p, ostate, res_p = args
+          return outer_p, ostate, res_p
+
+        res_p = None if residuals is None else residuals[p]
+        new_outer, ostate, res_p = cond(due, do_sync, no_sync,
+                                        (pieces[p], outer_pieces[p], outer_states[p], res_p))
+        outer_states[p] = ostate
+        if residuals is not None:
+          residuals[p] = res_p
+        if delay:   # applied later; until then the member goes on from its own parameters
+          pending[p] = (tuple(jnp.where(due, n, w) for n, w in zip(new_outer, pending[p][0])),
+                        tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], pending[p][1])))
+        else:
+          pieces[p] = [jnp.where(due, n, x).astype(x.dtype) for n, x in zip(new_outer, pieces[p])]
+        outer_pieces[p] = new_outer
+      new_params = join(pieces, frag_of, treedef)
+      updates = jax.tree_util.tree_map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
+      residual = None if residuals is None else join(residuals, frag_of, treedef)
+      return updates, state._replace(
+          count=count + 1, inner=inner_state, outer_params=join(outer_pieces, frag_of, treedef),
+          outer=tuple(outer_states), residual=residual,
+          pending=None if pending is None else tuple(pending))
+
+    if not warmup:
+      return local(None)
+    return cond(count < warmup, warm, local, None)
+
+  return optax.GradientTransformation(init, update)
