@@ -9,8 +9,11 @@ import argparse
 
 import jax
 import numpy as np
+import pytest
 
 from jaxring._src.tools.bench import train_nnx
+
+pytestmark = pytest.mark.slow   # compiles two ResNet-18 steps (~15 s on 2 cores)
 
 
 def test_nnx_contenders_train_alike():

@@ -24,6 +24,8 @@ from flax import nnx
 import jaxring as jr
 import jaxring.train as jt
 
+pytestmark = pytest.mark.slow   # orbax writes and restores of several trained NNX runs (~40 s on 2 cores); the quick loop keeps test_nnx*'s step checks
+
 MOMENTUM = 0.5   # BatchNorm's: the statistics of one step weigh as much as those before it
 
 
