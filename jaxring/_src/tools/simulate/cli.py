@@ -6,6 +6,8 @@ Examples:
   jaxring simulate --reproduce baidu                 # the ring all-reduce arithmetic of Baidu (2017)
   jaxring simulate --reproduce gradientflow          # lazy all-reduce + 1% chunks, 512 GPUs, 56 Gbit/s
   jaxring simulate --reproduce blueconnect           # hierarchical vs flat ring, ResNet-50, 192 GPUs
+  jaxring simulate --reproduce intellect1            # DiLoCo's and INTELLECT-1's traffic, utilization
+  jaxring simulate --model llama2-7b --gpus 1024 --every 100 --fragments 4 --delay 1  # DiLoCo
   jaxring simulate --validate benchmarks/results/cluster.json         # vs measured
   jaxring simulate --validate RUN.json --calibration OTHER_RUN.json  # model fitted elsewhere
   jaxring simulate --validate-steps TTA_OR_TRAIN_CLUSTER.json --calibration CLUSTER.json  # steps
@@ -45,16 +47,30 @@ def _parser():
                   help=f"the hierarchical plan's codecs, comma-separated (default %(default)s); "
                   f"spellings: {grammar()}")
   ap.add_argument("--model", default="resnet50",
-                  help="resnet50 (built in) or MODULE:FUNCTION, a callable of no arguments that "
-                       "returns the parameter pytree (arrays or jax.ShapeDtypeStruct, e.g. "
-                       "jax.eval_shape of a Flax module's init); one layer per leaf")
+                  help=f"resnet50 or a decoder of {sorted(model.DECODERS)} (built in; an example "
+                       f"is a sequence of {model.SEQ_LEN} tokens) or MODULE:FUNCTION, a callable "
+                       "of no arguments that returns the parameter pytree (arrays or "
+                       "jax.ShapeDtypeStruct, e.g. jax.eval_shape of a Flax module's init); one "
+                       "layer per leaf; with --every a comma list")
   ap.add_argument("--flops-per-example", type=float, default=None,
                   help="with --model MODULE:FUNCTION: forward FLOPs per example (default 2 per "
                        "parameter, a dense layer's)")
   ap.add_argument("--batch-per-gpu", type=int, default=256)
   ap.add_argument("--bucket-mib", type=float, default=25.0)
   ap.add_argument("--no-overlap", action="store_true")
-  ap.add_argument("--reproduce", choices=("baidu", "gradientflow", "blueconnect"), default=None)
+  ap.add_argument("--every", default=None, metavar="H[,H...]",
+                  help="DiLoCo (jaxring.diloco): sync the slow level every H inner steps, the "
+                       "fast level every step; one table row per H, P and TAU against "
+                       "synchronous data parallel (writes simulate-diloco.json)")
+  ap.add_argument("--fragments", default="1", metavar="P[,P...]",
+                  help="with --every: streaming syncs, P fragments of the layers in turn, one "
+                       "every H/P steps (default %(default)s)")
+  ap.add_argument("--delay", default="0", metavar="TAU[,TAU...]",
+                  help="with --every: a sync's result applied TAU inner steps later, its "
+                       "transfer run in those steps' free link time; 0: the sync is exposed "
+                       "(default %(default)s; TAU < H)")
+  ap.add_argument("--reproduce", choices=("baidu", "gradientflow", "blueconnect", "intellect1"),
+                  default=None)
   ap.add_argument("--validate", default=None, metavar="CLUSTER_JSON",
                   help="predict every row of a `jaxring bench cluster` result and compare")
   ap.add_argument("--validate-steps", default=None, metavar="RUN_JSON",
@@ -76,6 +92,8 @@ def load_model(spec: str, flops_per_example: float | None = None) -> list:
   """
   if spec == "resnet50":
     return model.resnet50()
+  if spec in model.DECODERS:
+    return model.decoder(*model.DECODERS[spec])
   import importlib
   module, sep, name = spec.partition(":")
   if not sep:
@@ -167,6 +185,7 @@ def blueconnect(gpus: int = 192, batch_per_gpu: int = 32) -> dict:
                    "flat_exposed_ms": exposed["flat"] * 1e3,
                    "hierarchical_exposed_ms": exposed["hierarchical"] * 1e3,
                    "reduction": 1 - exposed["hierarchical"] / max(exposed["flat"], 1e-12)})
+      rows[-1]["ratio"] = rows[-1]["reduction"] / BLUECONNECT_REDUCTION
   return {"source_reduction": BLUECONNECT_REDUCTION, "gpus": gpus,
           "cluster": _blueconnect_cluster(0.0).about, "batch_per_gpu": batch_per_gpu,
           "rows": rows}
@@ -193,6 +212,11 @@ def main(argv=None) -> int:
       return _validate(args.validate, result, args.out_dir, args.calibration, calibration)
     return _validate_steps(args.validate_steps, result, args.calibration, calibration,
                            args.out_dir)
+  if args.every:
+    from jaxring._src.tools.simulate import diloco
+    return diloco.run_cli(args, load_model, sys.argv[1:] if argv is None else argv)
+  if args.reproduce == "intellect1":
+    return _intellect1(args.out_dir)
   if args.reproduce == "baidu":
     result = baidu()
     print("# Baidu ring all-reduce: 1.2 GB over 6 GB/s links, alpha ignored (source: ~400 ms "
@@ -221,7 +245,11 @@ def main(argv=None) -> int:
                                         ("flat_exposed_ms", "flat ring exposed ms", ".1f"),
                                         ("hierarchical_exposed_ms", "hierarchical exposed ms",
                                          ".1f"),
-                                        ("reduction", "less overhead", ".1%")])
+                                        ("reduction", "less overhead", ".1%"),
+                                        ("ratio", "model / paper", ".2f")])
+    per_blob = [r["ratio"] for r in result["rows"] if r["reductions"] == "every blob by itself"]
+    print(f"every blob by itself, as Caffe2 reduces: model / paper {min(per_blob):.2f} to "
+          f"{max(per_blob):.2f} (paper: {BLUECONNECT_REDUCTION:.0%} less overhead)")
     print(f"wrote {common.write_json('simulate-blueconnect', result, args.out_dir)}")
     return 0
   layers = load_model(args.model, args.flops_per_example)
@@ -259,6 +287,25 @@ def main(argv=None) -> int:
   path = common.write_json("simulate", out, args.out_dir)
   print(f"wrote {path} ({time.perf_counter() - t0:.2f} s)")
   _plot(out, path)
+  return 0
+
+
+def _intellect1(out_dir) -> int:
+  from jaxring._src.tools.bench import common
+  from jaxring._src.tools.simulate import diloco
+  result = diloco.published()
+  cfg = result["intellect1"]
+  print("# DiLoCo and INTELLECT-1: bytes over a node's slow link per inner step, synchronous "
+        "data parallel (f32) over DiLoCo")
+  common.print_table(result["rows"], [("source", "source", ""), ("figure", "figure", ""),
+                                      ("paper", "paper", ".0f"), ("model", "model", ".1f"),
+                                      ("ratio", "model / paper", ".3f")])
+  print(f"INTELLECT-1's setup ({cfg['params'] / 1e9:.0f} B parameters, {cfg['nodes']} nodes x "
+        f"{cfg['gpus_per_node']} GPUs, H={cfg['every']}, blocking int8 syncs of "
+        f"{result['sync_gb_per_node']:.1f} GB a node, {cfg['inner_s']:.1f} s an inner step): "
+        + ", ".join(f"{u} compute utilization at {mbit:.0f} Mbit/s a node"
+                    for u, mbit in result["link_mbit_per_s_for_utilization"].items()))
+  print(f"wrote {common.write_json('simulate-intellect1', result, out_dir)}")
   return 0
 
 

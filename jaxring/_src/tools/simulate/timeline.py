@@ -25,10 +25,14 @@ class Plan:
   codec: str = "none"
 
 
+def shape(gpus: int, cluster: Cluster) -> tuple[int, int]:
+  """(GPUs per node, nodes) of ``gpus`` GPUs of ``cluster``."""
+  return min(gpus, cluster.gpus_per_node), max(1, gpus // cluster.gpus_per_node)
+
+
 def all_reduce_seconds(nbytes: float, gpus: int, cluster: Cluster, plan: Plan) -> float:
   """Seconds to all-reduce ``nbytes`` per GPU over ``gpus`` GPUs of ``cluster`` by ``plan``."""
-  local = min(gpus, cluster.gpus_per_node)
-  nodes = max(1, gpus // cluster.gpus_per_node)
+  local, nodes = shape(gpus, cluster)
   if gpus <= 1:
     return 0.0
   if nodes == 1:
@@ -38,11 +42,22 @@ def all_reduce_seconds(nbytes: float, gpus: int, cluster: Cluster, plan: Plan) -
     # a ring through every GPU, node by node: each node's NIC carries one ring link
     return cost_model.ring_all_reduce(nbytes, gpus, cluster.inter_latency,
                                       cluster.inter_bandwidth, plan.wire_ratio)
-  levels = [Level("local", local, cluster.intra_bandwidth, cluster.intra_latency),
-            # the node's GPUs run their node-level rings side by side and share its NICs
-            Level("node", nodes, cluster.inter_bandwidth / local, cluster.inter_latency)]
-  t = cost_model.hierarchical_all_reduce(nbytes, levels, [1.0, plan.wire_ratio])
-  if plan.codec != "none":   # encode + decode of every hop's chunk on the node level
+  return (cost_model.ring_all_reduce(nbytes, local, cluster.intra_latency,
+                                     cluster.intra_bandwidth)
+          + node_level_seconds(nbytes, gpus, cluster, plan))
+
+
+def node_level_seconds(nbytes: float, gpus: int, cluster: Cluster, plan: Plan) -> float:
+  """The node level of the hierarchical all-reduce of ``nbytes`` per GPU: each GPU all-reduces
+  its ``1/local`` share over the nodes, with the codec's encode and decode of every hop's chunk.
+  What a DiLoCo sync sends (``simulate.diloco``); the fast level is the rest of the all-reduce."""
+  local, nodes = shape(gpus, cluster)
+  if nodes == 1:
+    return 0.0
+  # the node's GPUs run their node-level rings side by side and share its NICs
+  level = Level("node", nodes, cluster.inter_bandwidth / local, cluster.inter_latency)
+  t = cost_model.hierarchical_all_reduce(nbytes / local, [level], [plan.wire_ratio])
+  if plan.codec != "none":
     t += 2 * (nodes - 1) / nodes * (nbytes / local) / cluster.codec_bandwidth
   return t
 
@@ -65,10 +80,10 @@ class Step:
     return self.compute_s / self.step_s
 
 
-def step(layers: Sequence[Layer], cluster: Cluster, gpus: int, plan: Plan, *,
-         batch_per_gpu: int, flops_per_s: float, bucket_bytes: float = 25 << 20,
-         grad_bytes: int = 4, overlap: bool = True) -> Step:
-  """The timeline of one step (see the module docstring)."""
+def backward(layers: Sequence[Layer], *, batch_per_gpu: int, flops_per_s: float,
+             bucket_bytes: float = 25 << 20, grad_bytes: int = 4):
+  """The forward pass's seconds, the backward pass's end, and each bucket as (the time its last
+  gradient is ready, its bytes), in backward order."""
   forward = sum(lay.flops for lay in layers) * batch_per_gpu / flops_per_s
   t, fill, ready = forward, 0.0, []
   for lay in reversed(layers):
@@ -79,7 +94,15 @@ def step(layers: Sequence[Layer], cluster: Cluster, gpus: int, plan: Plan, *,
       fill = 0.0
   if fill:
     ready.append((t, fill))
-  compute = t
+  return forward, t, ready
+
+
+def step(layers: Sequence[Layer], cluster: Cluster, gpus: int, plan: Plan, *,
+         batch_per_gpu: int, flops_per_s: float, bucket_bytes: float = 25 << 20,
+         grad_bytes: int = 4, overlap: bool = True) -> Step:
+  """The timeline of one step (see the module docstring)."""
+  forward, compute, ready = backward(layers, batch_per_gpu=batch_per_gpu, flops_per_s=flops_per_s,
+                                     bucket_bytes=bucket_bytes, grad_bytes=grad_bytes)
   net_free, comm = (forward if overlap else compute), 0.0
   for when, nbytes in ready:
     cost = all_reduce_seconds(nbytes, gpus, cluster, plan)
