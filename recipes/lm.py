@@ -22,6 +22,7 @@ Launch:
   python -m recipes.lm --config=tiny_cpu --config.shard=params       # FSDP
   python -m recipes.lm --config=tiny_cpu --config.shard=params --config.algorithm=ring \
       --config.compression=int8 --config.param_compression=int8     # int8 weights and gradients
+  python -m recipes.lm --config=tiny_cpu --config.api=nnx            # the GPT in NNX: lm_nnx.py
   jaxring train lm --config=gpt2_small --config.batch_size=64        # on GPUs
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -84,6 +85,7 @@ class LMConfig:
   checkpoint_every: int = 1000
   progress: bool = True
   cpu_devices: int = 0
+  api: str = "linen"                 # "linen" (this module's GPT) or "nnx" (recipes.lm_nnx)
 
 
 CONFIGS = {
@@ -211,6 +213,16 @@ def create_train_state(config: LMConfig, model: GPT, tx) -> jt.TrainState:
   return jax.jit(create)(jax.random.key(config.seed, impl="rbg"))
 
 
+def train_step_decorator(config: LMConfig, mesh=None) -> Callable:
+  """``@jaxring.train_step`` with the config's reduction, for the Linen and the NNX step."""
+  axis = train.axis_name(config)
+  return jt.train_step(mesh if mesh is not None else jt.default_mesh(axis), axis_name=axis,
+                       algorithm=config.algorithm, compression=train.step_compression(config),
+                       error_feedback=config.error_feedback,
+                       bucket_bytes=int(config.bucket_mib * (1 << 20)), shard=config.shard,
+                       hpz=config.hpz)
+
+
 def make_train_step(config: LMConfig, schedule: optax.Schedule, mesh=None) -> jt.TrainStep:
   """The single-device LM step under ``@jaxring.train_step`` with the config's reduction."""
   def step(state, batch):
@@ -223,12 +235,7 @@ def make_train_step(config: LMConfig, schedule: optax.Schedule, mesh=None) -> jt
     return state.apply_gradients(grads=grads), {"loss": loss,
                                                 "learning_rate": schedule(state.step)}
 
-  axis = train.axis_name(config)
-  return jt.train_step(mesh if mesh is not None else jt.default_mesh(axis), axis_name=axis,
-                       algorithm=config.algorithm, compression=train.step_compression(config),
-                       error_feedback=config.error_feedback,
-                       bucket_bytes=int(config.bucket_mib * (1 << 20)), shard=config.shard,
-                       hpz=config.hpz)(step)
+  return train_step_decorator(config, mesh)(step)
 
 
 def make_evaluate(config: LMConfig, model: GPT, tokens: np.ndarray):
@@ -256,7 +263,8 @@ def train_and_evaluate(config: LMConfig) -> dict[str, Any]:
   Returns:
     ``steps``, ``final`` (eval loss and perplexity), ``losses`` (training loss at every logged
     step), ``params``, ``entropy_floor`` and ``unigram_entropy`` (nats/token), ``tokens_per_s``,
-    ``compile_s``, ``devices``, ``state`` and ``step_fn``.
+    ``compile_s``, ``devices``, ``state`` (``api="nnx"``: the objects ``(model, optimizer)``,
+    trained in place) and ``step_fn``.
 
   Example:
     >>> summary = train_and_evaluate(get_config("tiny_cpu"))
@@ -276,10 +284,20 @@ def train_and_evaluate(config: LMConfig) -> dict[str, Any]:
     raise ValueError(f"the {config.dataset} text has token {tokens.max()}, vocab_size is "
                      f"{config.vocab_size}")
   tx, schedule = make_optimizer(config)
-  model = create_model(config)
-  step = make_train_step(config, schedule, mesh)
-  state = create_train_state(config, model, tx)
-  evaluate = make_evaluate(config, model, val)
+  if config.api == "nnx":     # the state is the objects (model, optimizer), stepped in place
+    from recipes import lm_nnx
+    state = lm_nnx.create_objects(config, tx)
+    step = lm_nnx.make_train_step(config, schedule, mesh)
+    evaluate = lm_nnx.make_evaluate(config, val)
+    params = lm_nnx.param_count(state[0])
+  elif config.api == "linen":
+    model = create_model(config)
+    step = make_train_step(config, schedule, mesh)
+    state = create_train_state(config, model, tx)
+    evaluate = make_evaluate(config, model, val)
+    params = sum(int(np.size(p)) for p in jax.tree_util.tree_leaves(state.params))
+  else:
+    raise ValueError(f"--config.api must be 'linen' or 'nnx', got {config.api!r}")
   ckpt = jt.Checkpointer(os.path.join(config.workdir, "checkpoints")) if config.workdir else None
   metrics_path = os.path.join(config.workdir, "metrics.jsonl") if config.workdir else None
   fitted = jt.FitSummary()
@@ -298,7 +316,7 @@ def train_and_evaluate(config: LMConfig) -> dict[str, Any]:
   rate = fitted.images_per_s
   return {"steps": config.num_steps, "start_step": fitted.start_step, "final": fitted.last_eval,
           "losses": losses.read(), "devices": mesh.size, "state": state, "step_fn": step,
-          "params": sum(int(np.size(p)) for p in jax.tree_util.tree_leaves(state.params)),
+          "params": params,
           "entropy_floor": lm_data.entropy_floor(config.dataset, config.seed),
           "unigram_entropy": lm_data.unigram_entropy(tokens),
           "tokens_per_s": None if rate is None else rate * config.context,
@@ -312,10 +330,10 @@ class _LossLog:
     self._losses = []
 
   def wrap(self, step):
-    def logged(state, batch):
-      state, metrics = step(state, batch)
-      self._losses.append(metrics["loss"])
-      return state, metrics
+    def logged(*args):   # (state, batch) -> (state, metrics); NNX: (*objects, batch) -> metrics
+      out = step(*args)
+      self._losses.append((out if isinstance(out, dict) else out[1])["loss"])
+      return out
     logged.prepare = step.prepare
     return logged
 
@@ -351,7 +369,8 @@ def main(argv=None) -> int:
   summary = train_and_evaluate(config)
   if jax.process_index() == 0:
     final = summary["final"]
-    print(f"GPT ({summary['params']:,} params, {config.num_layers}x{config.width}) on "
+    print(f"GPT{' (NNX)' if config.api == 'nnx' else ''} ({summary['params']:,} params, "
+          f"{config.num_layers}x{config.width}) on "
           f"{summary['devices']} devices, shard={config.shard}, compression "
           f"{config.compression}/{config.param_compression}, {summary['steps']} steps: eval loss "
           f"{final['eval_loss']:.4f} nats/token, perplexity {final['eval_perplexity']:.3f} "
