@@ -69,3 +69,48 @@ def test_sharded_nnx_step_equals_the_single_device_step(kind):
     assert any(s is not None for s in kernel.sharding.spec), kernel.sharding
   mu = jax.tree.leaves(o1.opt_state)[1]
   assert any(s is not None for s in mu.sharding.spec), mu.sharding   # Adam's moments split
+
+
+def test_lower_and_memory_take_the_nnx_objects():
+  """step.lower(model, optimizer, batch) and step.memory(...) as the step is called: the HLO
+  holds the int8 ring's reduction; the memory report splits Adam's moments with shard=optimizer."""
+  model = MLP(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
+
+  @jr.train_step(compression=jr.codecs.int8(), algorithm="ring", shard="optimizer")
+  def step(model, optimizer, batch):
+    loss, grads = jr.value_and_grad(loss_fn)(model, batch["x"], batch["y"])
+    optimizer.update(model, grads)
+    return {"loss": loss}
+
+  batch = {"x": np.ones((16, 8), np.float32), "y": np.zeros((16, 8), np.float32)}
+  hlo = step.lower(model, optimizer, batch).as_text()
+  assert "collective-permute" in hlo or "jaxring" in hlo
+  report = step.memory(model, optimizer, batch)
+  assert report["opt_state"] > 0
+  step(model, optimizer, batch)   # and the step still runs on the objects
+  assert optimizer.residuals["l1"]["kernel"].shape == (8, 8, 16)
+
+
+def test_a_module_holding_a_plain_list_trains():
+  """A static list attribute makes the graph definition unhashable; the step still runs, and
+  compiles once."""
+  class Tagged(MLP):
+    def __init__(self, rngs):
+      super().__init__(rngs)
+      self.tags = ["l1", "l2"]
+
+  model = Tagged(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  traces = []
+
+  @jr.train_step()
+  def step(model, optimizer, batch):
+    traces.append(1)
+    loss, grads = jr.value_and_grad(loss_fn)(model, batch["x"], batch["y"])
+    optimizer.update(model, grads)
+    return loss
+
+  batch = {"x": np.ones((16, 8), np.float32), "y": np.zeros((16, 8), np.float32)}
+  losses = [float(step(model, optimizer, batch)) for _ in range(3)]
+  assert losses[2] < losses[0] and len(traces) == 1

@@ -342,6 +342,10 @@ class Runner:
                       "step(model, optimizer, batch); the batch is split over the replicas")
     self.batch_at = plain[0]
     key = (b.graphdef, tuple(b.kinds), b.positions, self.batch_at, len(args))
+    try:
+      hash(key)
+    except TypeError:   # a Module attribute holding a list (unhashable): a step of its own
+      key = ("objects", id(b))
     if key not in self.steps:
       self.steps[key] = self.make_step(adapter(self.fn, b, self.axes, self.batch_at, len(args)))
     self.binding, self.inner = b, self.steps[key]
@@ -362,7 +366,8 @@ class Runner:
     replicas = (inner or self.make_step(lambda *a: None)).num_replicas
     return with_residual_tree(state, remapped(residuals, replicas))
 
-  def __call__(self, args: tuple):
+  def functional(self, args: tuple) -> tuple:
+    """``(state, batch, *whole)``: the functional step's arguments for this call."""
     if self.binding is None or not self.binding.matches(args):
       self._bind(args)
     b = self.binding
@@ -370,7 +375,12 @@ class Runner:
     if residuals is not None:
       state = self._remapped(with_residual_tree(state, residuals), self.inner)
     whole = [a for i, a in enumerate(args) if i not in b.positions and i != self.batch_at]
-    new_state, metrics = self.inner(state, args[self.batch_at], *whole)
+    return (state, args[self.batch_at], *whole)
+
+  def __call__(self, args: tuple):
+    state, batch, *whole = self.functional(args)
+    b = self.binding
+    new_state, metrics = self.inner(state, batch, *whole)
     new_residuals = residual_tree(new_state)
     b.write(new_state, new_residuals)
     if b.attach(new_state, new_residuals):   # the optimizer's graph changed: walked again

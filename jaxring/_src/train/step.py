@@ -161,6 +161,9 @@ class TrainStep:
     Example:
       >>> step.memory(state, batch)["opt_state"]  # one device's share of the optimizer state
     """
+    if is_graph_node(state):   # NNX objects: the functional step's
+      call = self._nnx_runner().functional((state, batch, *args))
+      return self._nnx.inner.memory(*call)
     state = self.prepare(state)
     compiled = self.lower(state, batch, *args).compile()
     return sharding.memory_report(state, residual_tree(state), compiled)
@@ -270,7 +273,11 @@ class TrainStep:
       jax.block_until_ready(jax.tree_util.tree_leaves(outputs)[:1])
 
   def lower(self, state, batch, *args):
-    """``jax.jit(...).lower`` of the SPMD step (e.g. to read its compiled HLO)."""
+    """``jax.jit(...).lower`` of the SPMD step (e.g. to read its compiled HLO); called as the
+    step is (``step.lower(model, optimizer, batch)`` with NNX objects)."""
+    if is_graph_node(state):
+      call = self._nnx_runner().functional((state, batch, *args))
+      return self._nnx.inner.lower(*call)
     state = self.prepare(state)
     return self._jitted.lower(_without_residuals(state), residual_tree(state),
                               self.shard_batch(batch), args)
