@@ -419,3 +419,4 @@ def step_count(objs: tuple) -> int:
     if isinstance(o, nnx.Optimizer):
       return int(jax.device_get(o.step.get_value()))
   return 0
+

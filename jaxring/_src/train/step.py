@@ -28,7 +28,14 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
-from jaxring._src.train import functional, global_view, guards, nnx_step, sharding
+from jaxring._src.train import (
+  functional,
+  global_view,
+  guards,
+  nnx_split,
+  nnx_step,
+  sharding,
+)
 from jaxring._src.train.context import (
   ReduceConfig,
   ShardedParams,
@@ -66,6 +73,7 @@ class TrainStep:
     self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
     self._donate, self._calls, self._nnx, self._functional = donate, 0, None, None
     self._checked = False  # the step's signature takes the first call's arguments
+    self._split = None     # NNX's split form, step(graphdef, state, batch)
     self._view = None  # a sharded step's optimizer as the replicas run it (train/global_view.py)
 
   @property
@@ -229,6 +237,13 @@ class TrainStep:
                                  and leaves[0].sharding.mesh == self.mesh)
 
   def __call__(self, state, batch, *args):
+    if nnx_split.is_split_call((state, batch, *args)):   # step(graphdef, state, batch, ...)
+      if self._split is None:
+        self._split = nnx_split.SplitRunner(self._fn, lambda f: TrainStep(
+            f, self.mesh, self.config, self._donate), self.config.axes)
+      out = self._split((state, batch, *args))
+      self.buckets = self._split.runner.inner.buckets
+      return out
     if self._nnx is not None or is_graph_node(state):   # step(model, optimizer, batch, ...)
       metrics = self._nnx_runner()((state, batch, *args))
       self.buckets = self._nnx.inner.buckets
