@@ -224,3 +224,20 @@ def test_in_an_nnx_optimizer_and_a_linen_train_state_inside_shard_map():
                                 check_vma=False))(X, Y)
     for k in P0:
       np.testing.assert_allclose(np.asarray(got[k]), want[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_fast_axes_change_the_plan_not_the_result(codec):
+  """fast_axes=("local",): the pseudo-gradient, equal on a node's devices, is averaged over
+  ("node", "local") hierarchically (a device sends 1/4 of it over the node link): the same
+  outer model as the reference (exact) or within int8's rounding of the plain sync."""
+  c = None if codec is None else jr.codecs.int8()
+  kw = dict(axis="node", every=3, compression=c)
+  got = train(jr.diloco(optax.sgd(LR), fast_axes=("local",), **kw), False)
+  if codec is None:
+    assert_nodes_match(got, reference(every=3), rtol=2e-5, atol=2e-6)
+  else:
+    plain = train(jr.diloco(optax.sgd(LR), **kw), False)
+    for k in P0:
+      np.testing.assert_allclose(got[k], plain[k], rtol=0, atol=2e-2)
+      np.testing.assert_array_equal(got[k][0], got[k][7])   # one outer model after the sync

@@ -74,7 +74,8 @@ def fragment_of(params, fragments: int) -> list[int]:
 def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: int,
            outer: optax.GradientTransformation | None = None, compression: Any = None,
            error_feedback: bool = True, fragments: int = 1, delay: int = 0,
-           warmup_steps: int = 0, algorithm: Any = "auto") -> optax.GradientTransformation:
+           warmup_steps: int = 0, algorithm: Any = "auto",
+           fast_axes: Any = ()) -> optax.GradientTransformation:
   """An optax transformation that syncs the slow axis every ``every`` steps (see the module
   docstring).
 
@@ -90,6 +91,11 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     delay: inner steps between taking a fragment's pseudo-gradient and applying its result.
     warmup_steps: synchronous data-parallel steps first.
     algorithm: the pseudo-gradients' reduction (as :func:`jaxring.psum`).
+    fast_axes: axes over which the parameters are the same on every member (the fast levels a
+      replicated model spans, e.g. ``"local"``): the sync averages over them too, which changes
+      the plan, not the result: reduced level by level (``hierarchical``, or the transport's own
+      all-reduce over all the axes), a member sends ``1/size`` of its pseudo-gradient over the
+      slow links instead of all of it.
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -109,6 +115,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   validate_compression(compression)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
   axes = axis_names(axis)
+  sync_axes = tuple(dict.fromkeys(axis_names(fast_axes) + axes)) if fast_axes else axes
   every, fragments, delay, warmup = int(every), int(fragments), int(delay), int(warmup_steps)
   lossy = compression is not None and getattr(compression, "lossy", True)
   keeps_residual = bool(error_feedback) and lossy
@@ -141,10 +148,11 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   def sync(pseudo, residual):
     """The pseudo-gradient averaged over the slow axis (and the residual carried)."""
     if compression is None:
-      return pmean(pseudo, axes, algorithm=algorithm), residual
+      return pmean(pseudo, sync_axes, algorithm=algorithm), residual
     if residual is None:
-      return pmean(pseudo, axes, algorithm=algorithm, compression=compression), None
-    return mean_with_error(pseudo, residual, axes, algorithm=algorithm, compression=compression)
+      return pmean(pseudo, sync_axes, algorithm=algorithm, compression=compression), None
+    return mean_with_error(pseudo, residual, sync_axes, algorithm=algorithm,
+                           compression=compression)
 
   def update(grads, state: DiLoCoState, params=None):
     if params is None:
