@@ -245,9 +245,12 @@ def test_extension_matches_the_installed_jaxlib_and_registers_every_target():
   assert set(targets["cpu"]) == {
       "jaxring_" + name for name in ("quantize_int8", "dequantize_int8", "ring_hop_int8",
                                     "ring_hop_int8_last", "ring_hop_cast", "ring_hop_cast_last",
-                                    "chunk_norms", "gather_chunks", "scatter_add_chunks")} | {
+                                    "chunk_norms", "gather_chunks", "scatter_add_chunks",
+                                    "quantize_fp4", "dequantize_fp4", "ring_hop_fp4",
+                                    "ring_hop_fp4_last")} | {
       f"jaxring_{name}_at" for name in ("quantize_int8", "ring_hop_int8", "ring_hop_int8_last",
-                                        "ring_hop_cast", "ring_hop_cast_last")}
+                                        "ring_hop_cast", "ring_hop_cast_last", "quantize_fp4",
+                                        "ring_hop_fp4", "ring_hop_fp4_last")}
   assert set(targets["cpu"]) == set(ext_pkg.FFI_TARGETS) | set(ext_pkg.WINDOW_TARGETS)
   # the windowed targets read a chunk of a host buffer in place: CPU only
   assert set(targets["cuda"]) == (set(ext_pkg.FFI_TARGETS) if info["cuda"] else set())

@@ -171,3 +171,57 @@ def test_gather_chunks_of_narrow_types(dtype):
     idx = np.random.default_rng(n).permutation(nc)[: max(1, nc // 3)].astype(np.int32)
     same(on_gpu(lambda x, i: ext.gather_chunks(x, i, chunk), x, idx),
          ref.gather_chunks(x, idx, chunk))
+
+
+# --- fp4 (e2m1): two codes a byte; multiples of 8 take the vector path (8 values a lane access),
+# other sizes, odd ones included, the pair-by-pair path
+
+FP4_SIZES = [0, 1, 63, 64, 1001, 10**6 + 3, 4096, 10**6 + 8]
+
+
+@pytest.mark.parametrize("n", FP4_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fp4_quantize_dequantize(n, dtype, stochastic):
+  x = data(n)
+  if n > 10:
+    x[7] = np.nan
+  x = jnp.asarray(x).astype(dtype)
+  f = lambda x: ext.quantize_fp4(x, 64, stochastic, 11)  # noqa: E731
+  for a, b in zip(on_gpu(f, x), on_cpu(lambda x: ref.quantize_fp4(x, 64, stochastic, 11), x)):
+    same(a, b)
+  q, s = on_cpu(lambda x: ref.quantize_fp4(x, 64), x)
+  same(on_gpu(lambda q, s: ext.dequantize_fp4(q, s, 64, dtype, n), q, s),
+       on_cpu(lambda q, s: ref.dequantize_fp4(q, s, 64, dtype, n), q, s))
+
+
+@pytest.mark.parametrize("n", FP4_SIZES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_fp4_ring_hops(n, stochastic):
+  q, s = on_cpu(lambda x: ref.quantize_fp4(x, 64), data(n))
+  p = data(n, 1)
+  got = on_gpu(lambda q, s, p: ext.ring_hop_fp4(q, s, p, 64, stochastic, 4), q, s, p)
+  want = on_cpu(lambda q, s, p: ref.ring_hop_fp4(q, s, p, 64, stochastic, 4), q, s, p)
+  for a, b in zip(got, want):
+    same(a, b)
+  same(on_gpu(lambda q, s, p: ext.ring_hop_fp4_last(q, s, p, 64), q, s, p), want[0])
+
+
+@pytest.mark.parametrize("block", [2, 6, 8, 250, 256, 4096])
+def test_fp4_block_sizes_and_rows(block):
+  """Blocks off the vector path (2, 6, 250: not multiples of 8) and on it, and vmap's rows (1001
+  values a row: rows start off any alignment, so the pair path)."""
+  x, p = data(40_000), data(40_000, 1)
+  for a, b in zip(on_gpu(lambda x: ext.quantize_fp4(x, block, True, 5), x),
+                  on_cpu(lambda x: ref.quantize_fp4(x, block, True, 5), x)):
+    same(a, b)
+  q, s = on_cpu(lambda x: ref.quantize_fp4(x, block), x)
+  same(on_gpu(lambda q, s: ext.dequantize_fp4(q, s, block), q, s),
+       on_cpu(lambda q, s: ref.dequantize_fp4(q, s, block), q, s))
+  for a, b in zip(on_gpu(lambda q, s, p: ext.ring_hop_fp4(q, s, p, block, True, 4), q, s, p),
+                  on_cpu(lambda q, s, p: ref.ring_hop_fp4(q, s, p, block, True, 4), q, s, p)):
+    same(a, b)
+  rows = np.stack([data(1001, r) for r in range(3)])
+  quant = jax.vmap(lambda x: ext.quantize_fp4(x, 64, True, 3))
+  for a, b in zip(on_gpu(quant, rows), on_cpu(quant, rows)):
+    same(a, b)

@@ -111,6 +111,16 @@ auto ScatterAddChunks() {
       .template Attr<int64_t>("chunk_size");
 }
 
+// The fp4 codec's targets take the int8 ones' operands (packed uint8 codes for int8 codes).
+template <class Ctx>
+auto QuantizeFp4() { return QuantizeInt8<Ctx>(); }
+template <class Ctx>
+auto DequantizeFp4() { return DequantizeInt8<Ctx>(); }
+template <class Ctx>
+auto RingHopFp4() { return RingHopInt8<Ctx>(); }
+template <class Ctx>
+auto RingHopFp4Last() { return RingHopInt8Last<Ctx>(); }
+
 // Windowed variants (CPU only): the f32 operand is `base`, read from the int32 scalar `offset` on.
 template <class Ctx>
 auto QuantizeInt8At() {
@@ -168,6 +178,13 @@ auto RingHopCastLastAt() {
       .template Arg<Buf>()   // offset
       .template Ret<Buf>();  // new_partial
 }
+
+template <class Ctx>
+auto QuantizeFp4At() { return QuantizeInt8At<Ctx>(); }
+template <class Ctx>
+auto RingHopFp4At() { return RingHopInt8At<Ctx>(); }
+template <class Ctx>
+auto RingHopFp4LastAt() { return RingHopInt8LastAt<Ctx>(); }
 
 }  // namespace jaxring::bindings
 

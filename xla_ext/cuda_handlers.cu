@@ -10,6 +10,7 @@
 
 #include "bindings.h"
 #include "cuda_kernels.cuh"
+#include "cuda_launch.h"
 #include "handlers.h"
 #include "plans.h"
 #include "xla/ffi/api/ffi.h"
@@ -20,38 +21,6 @@ namespace {
 using ffi::AnyBuffer;
 using ffi::DataType;
 using ffi::Result;
-
-#define JR_CUDA_DISPATCH_WIRE(dtype, KERNEL, ...)                  \
-  switch (dtype) {                                                 \
-    case DataType::F32: KERNEL<DF32>(__VA_ARGS__); break;          \
-    case DataType::BF16: KERNEL<DBf16>(__VA_ARGS__); break;        \
-    default: KERNEL<DF16>(__VA_ARGS__); break;                     \
-  }
-
-int64_t GridFor(int64_t work, int64_t per_block) {
-  return std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, kMaxGrid));
-}
-
-int ThreadsForBlock(int64_t block) {
-  return static_cast<int>(std::min<int64_t>(kThreads, (block + 31) / 32 * 32));
-}
-
-ffi::Error LaunchError(std::string_view op) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(e));
-}
-
-template <typename T>
-const T* In(const AnyBuffer& b) {
-  return reinterpret_cast<const T*>(b.untyped_data());
-}
-template <typename T>
-T* Out(const AnyBuffer& b) {
-  return reinterpret_cast<T*>(b.untyped_data());
-}
-
-bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Calls f(std::integral_constant<int, I>) with I in {1, 2, 4, 8}, the fewest lane accesses of
 // V elements that cover a quantization block of `block` elements (at most 32 V kMaxIters).

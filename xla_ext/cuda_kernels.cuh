@@ -1,6 +1,6 @@
-// The CUDA kernels of jaxring's FFI targets: wire types, and one __global__ kernel (with its
-// device helpers) per operation. Device code only; cuda_handlers.cu checks the operands, chooses
-// a kernel and launches it. Built with --fmad=false so that every product is rounded before it
+// The CUDA kernels of jaxring's FFI targets but fp4's (cuda_fp4.cuh): one __global__ kernel (with
+// its device helpers) per operation, over the wire types of cuda_wire.cuh. Device code only;
+// cuda_handlers.cu checks the operands, chooses a kernel and launches it. Built with --fmad=false so that every product is rounded before it
 // is added, as on the CPU and in the jnp references.
 //
 // Differences from the CPU kernels, because a kernel cannot return an error without a
@@ -19,29 +19,11 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cuda_wire.cuh"
 #include "numerics.h"
 
 namespace jaxring {
 namespace {
-
-constexpr int kThreads = 256;
-constexpr int64_t kMaxGrid = int64_t{1} << 20;  // grid-stride loops cover the rest
-
-struct DF32 {
-  using T = float;
-  static __device__ __forceinline__ float Load(float v) { return v; }
-  static __device__ __forceinline__ float Store(float v) { return v; }
-};
-struct DBf16 {
-  using T = __nv_bfloat16;
-  static __device__ __forceinline__ float Load(T v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ T Store(float v) { return __float2bfloat16_rn(v); }
-};
-struct DF16 {
-  using T = __half;
-  static __device__ __forceinline__ float Load(T v) { return __half2float(v); }
-  static __device__ __forceinline__ T Store(float v) { return __float2half_rn(v); }
-};
 
 __device__ double BlockSum(double v, double* smem) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -65,44 +47,8 @@ __device__ double BlockSum(double v, double* smem) {
 //  * scalar (any shape and alignment): lane l takes elements l, l + 32, ... and the encode reads
 //    the block again (from L1).
 // Both compute the same values in the same order per element, so they agree bit for bit.
-constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kVec = 4;        // f32 elements per 16-byte access
 constexpr int kMaxIters = 8;   // register cache: at most 8 accesses per lane and block
-
-// Elements per lane access on the vector path for a wire type: one 16-byte load of it.
-template <class C>
-constexpr int VecOf() { return static_cast<int>(16 / sizeof(typename C::T)); }
-
-struct WarpSlot {
-  int64_t index, count;  // this warp's first quantization block and the grid's warps
-  int lane;
-};
-
-__device__ __forceinline__ WarpSlot Warp() {
-  return {blockIdx.x * int64_t{kWarpsPerBlock} + (threadIdx.x >> 5),
-          int64_t{gridDim.x} * kWarpsPerBlock, static_cast<int>(threadIdx.x & 31)};
-}
-
-// V consecutive elements moved as one access (the struct's alignment makes it one vector load).
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T e[V];
-};
-
-template <class C, int V>
-__device__ __forceinline__ void LoadV(const typename C::T* p, float (&v)[V]) {
-  const Pack<typename C::T, V> pk = *reinterpret_cast<const Pack<typename C::T, V>*>(p);
-#pragma unroll
-  for (int k = 0; k < V; ++k) v[k] = C::Load(pk.e[k]);
-}
-
-template <class C, int V>
-__device__ __forceinline__ void StoreV(typename C::T* p, const float (&v)[V]) {
-  Pack<typename C::T, V> pk;
-#pragma unroll
-  for (int k = 0; k < V; ++k) pk.e[k] = C::Store(v[k]);
-  *reinterpret_cast<Pack<typename C::T, V>*>(p) = pk;
-}
 
 __device__ __forceinline__ int8_t EncodeOne(float v, const BlockScale& s, bool stochastic,
                                             uint32_t key, int64_t index) {

@@ -1,5 +1,6 @@
-// The FFI handler symbols, one per target and platform (defined in cpu_handlers.cc and, when
-// CUDA is built, cuda_handlers.cu). ext.cc hands them to Python.
+// The FFI handler symbols, one per target and platform (defined in cpu_handlers.cc and
+// cpu_fp4_handlers.cc and, when CUDA is built, cuda_handlers.cu and cuda_fp4.cu). ext.cc hands
+// them to Python.
 #ifndef JAXRING_XLA_EXT_HANDLERS_H_
 #define JAXRING_XLA_EXT_HANDLERS_H_
 
@@ -15,7 +16,11 @@
   X("ring_hop_cast_last", JaxringRingHopCastLast) \
   X("chunk_norms", JaxringChunkNorms)         \
   X("gather_chunks", JaxringGatherChunks)     \
-  X("scatter_add_chunks", JaxringScatterAddChunks)
+  X("scatter_add_chunks", JaxringScatterAddChunks) \
+  X("quantize_fp4", JaxringQuantizeFp4)       \
+  X("dequantize_fp4", JaxringDequantizeFp4)   \
+  X("ring_hop_fp4", JaxringRingHopFp4)        \
+  X("ring_hop_fp4_last", JaxringRingHopFp4Last)
 
 // In-process collectives (cpu_inprocess.cc): CPU only, a transport rather than a kernel.
 #define JAXRING_FOR_EACH_INPROCESS_TARGET(X)               \
@@ -23,14 +28,17 @@
   X("local_all_gather", JaxringLocalAllGather)         \
   X("local_all_gather_decode", JaxringLocalAllGatherDecode)
 
-// The ring's kernels with the local chunk read in place (cpu_handlers.cc): CPU only; on other
-// platforms the wrappers slice and call the kernels above.
+// The ring's kernels with the local chunk read in place (cpu_handlers.cc, cpu_fp4_handlers.cc):
+// CPU only; on other platforms the wrappers slice and call the kernels above.
 #define JAXRING_FOR_EACH_WINDOW_TARGET(X)               \
   X("quantize_int8_at", JaxringQuantizeInt8At)         \
   X("ring_hop_int8_at", JaxringRingHopInt8At)          \
   X("ring_hop_int8_last_at", JaxringRingHopInt8LastAt) \
   X("ring_hop_cast_at", JaxringRingHopCastAt)          \
-  X("ring_hop_cast_last_at", JaxringRingHopCastLastAt)
+  X("ring_hop_cast_last_at", JaxringRingHopCastLastAt) \
+  X("quantize_fp4_at", JaxringQuantizeFp4At)           \
+  X("ring_hop_fp4_at", JaxringRingHopFp4At)            \
+  X("ring_hop_fp4_last_at", JaxringRingHopFp4LastAt)
 
 // Host-only handlers (launches.cc): registered for CPU and CUDA alike, whatever was built.
 #define JAXRING_FOR_EACH_HOST_TARGET(X) X("launch_mark", JaxringLaunchMark)

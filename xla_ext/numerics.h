@@ -1,4 +1,4 @@
-// Numerics shared by the CPU and CUDA kernels: the int8 block-scale rule, rounding, the
+// Numerics shared by the CPU and CUDA kernels: the int8 and fp4 block-scale rules, rounding, the
 // stochastic-rounding hash and the 16-bit float conversions. Every rule here is also written
 // once in jaxring/_src/ext/reference.py; the two must stay bit-identical.
 #ifndef JAXRING_XLA_EXT_NUMERICS_H_
@@ -138,6 +138,63 @@ JR_HD int8_t StochasticCode(float v16, int32_t k) {
   f = f < -kCodeLimit16 ? -kCodeLimit16 : f;
   f = f > kCodeLimit16 ? kCodeLimit16 : f;
   return static_cast<int8_t>((f + k) >> 16);
+}
+
+// --- fp4 (e2m1) blocks ----------------------------------------------------------------------
+// Codes are 4 bits, sign-magnitude: a sign bit over the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+// (magnitude codes 0..7), two codes per byte (element 2i in the low nibble). One f32 scale per
+// block maps the block's max|x| to 6. The tiny and non-finite rules are int8's (kMinAmaxBits,
+// kNonFiniteBits): below 2^-64 the block is zeros, a block holding Inf/NaN decodes to NaN.
+constexpr float kFp4Max = 6.0f;
+// scale = amax * the largest f32 below 1/6 (RN(1/6) is above it): 6 * scale then never exceeds
+// amax, so no finite value decodes to Inf, up to f32's largest.
+constexpr float kFp4ScaleMul = 0x1.555554p-3f;
+
+JR_HD BlockScale Fp4ScaleFromAmaxBits(uint32_t amax_bits) {
+  if (amax_bits >= kNonFiniteBits) return {BitsF32(0x7fc00000u), 0.0f};
+  if (amax_bits < kMinAmaxBits) return {0.0f, 0.0f};
+  const float amax = BitsF32(amax_bits);
+  return {amax * kFp4ScaleMul, kFp4Max / amax};
+}
+
+// The magnitude grid is uniform within each binade of steps: 0.5 below 2, 1 in [2, 4), 2 from 4
+// on. With a = |x * inv| (at most 6 (1 + 2^-22)), m = a / step (exact: a power of two) and
+// code = round(m) + offset (offset 0, 2, 4): round half to even on m is round half to even of
+// the e2m1 mantissa, and a value rounding up to the next binade lands on its first code.
+// Fp4Steps returns m times `unit` (2^16 for stochastic rounding, 1 otherwise).
+JR_HD float Fp4Steps(float a, float unit, int32_t* offset) {
+  const bool big = a >= 4.0f, mid = a >= 2.0f;
+  *offset = big ? 4 : (mid ? 2 : 0);
+  return a * (big ? 0.5f * unit : (mid ? unit : 2.0f * unit));
+}
+
+// The 4-bit code: the magnitude code, and the sign of v unless the magnitude is 0 (no -0 codes).
+JR_HD uint32_t Fp4WithSign(float v, uint32_t mag) {
+  return mag | (mag != 0u ? (F32Bits(v) >> 28) & 8u : 0u);
+}
+
+JR_HD uint32_t Fp4Code(float v) {
+  int32_t offset;
+  const float m = Fp4Steps(v < 0.0f ? -v : v, 1.0f, &offset);
+  return Fp4WithSign(v, static_cast<uint32_t>(RoundToInt32(m) + offset));
+}
+
+// Stochastic rounding as for int8 (StochasticCode), in 16-bit fixed point of the binade's step:
+// f = round_half_even(m * 2^16), magnitude = min(((f + k) >> 16) + offset, 7), so E[decoded] is
+// the value to within 2^-17 of a step (the min only bites within an ulp of 6).
+JR_HD uint32_t Fp4StochasticCode(float v, int32_t k) {
+  int32_t offset;
+  const float m16 = Fp4Steps(v < 0.0f ? -v : v, 65536.0f, &offset);
+  const int32_t mag = ((RoundToInt32(m16) + k) >> 16) + offset;
+  return Fp4WithSign(v, static_cast<uint32_t>(mag < 7 ? mag : 7));
+}
+
+// The value of a 4-bit code, from its bits: 0.5 for magnitude 1, (mag << 22) + the bits of 0.5
+// for magnitudes 2..7 (1, 1.5, 2, 3, 4, 6), the sign bit moved to f32's.
+JR_HD float Fp4Value(uint32_t c) {
+  const uint32_t mag = c & 7u;
+  const uint32_t bits = mag >= 2u ? (mag << 22) + 0x3f000000u : (mag == 1u ? 0x3f000000u : 0u);
+  return BitsF32(bits | ((c & 8u) << 28));
 }
 
 // --- 16-bit floats, round to nearest even, NaN stays NaN (quiet) -------------------------

@@ -67,6 +67,67 @@ inline ffi::Error PlanRingHopCast(std::string_view op, const ffi::AnyBuffer& rec
   return ffi::Error::Success();
 }
 
+// --- fp4: packed codes (uint8, ceil(n / 2) a row), even block sizes ---------------------------
+
+inline int64_t Fp4Bytes(int64_t n) { return (n + 1) / 2; }
+
+// Blocks of the fp4 codec start on a byte: a block of odd size would share one with the next.
+inline ffi::Error PlanFp4Blocks(std::string_view op, const char* data_arg,
+                                const ffi::AnyBuffer& data,
+                                std::initializer_list<ffi::DataType> data_types,
+                                int64_t block_size, BlockPlan* p) {
+  JR_RETURN_IF_ERROR(PlanBlocks(op, data_arg, data, data_types, block_size, p));
+  if (block_size % 2 != 0)
+    return InvalidArgument(op, "block_size must be even (two codes a byte), got ", block_size);
+  return ffi::Error::Success();
+}
+
+inline ffi::Error PlanQuantizeFp4(std::string_view op, const ffi::AnyBuffer& x,
+                                  const ffi::AnyBuffer& seed, const ffi::AnyBuffer& q,
+                                  const ffi::AnyBuffer& scales, int64_t block_size, BlockPlan* p) {
+  JR_RETURN_IF_ERROR(PlanFp4Blocks(op, "x", x, kFloatTypes, block_size, p));
+  JR_RETURN_IF_ERROR(CheckOperand(op, "seed", seed, ffi::DataType::U32, "x", x, -1));
+  JR_RETURN_IF_ERROR(
+      CheckOperand(op, "q (result)", q, ffi::DataType::U8, "x", x, Fp4Bytes(p->layout.cols)));
+  return CheckOperand(op, "scales (result)", scales, ffi::DataType::F32, "x", x, p->blocks);
+}
+
+// The values' count is the result's (the packed codes hold a padding nibble after an odd count).
+inline ffi::Error PlanDequantizeFp4(std::string_view op, const ffi::AnyBuffer& q,
+                                    const ffi::AnyBuffer& scales, const ffi::AnyBuffer& out,
+                                    int64_t block_size, BlockPlan* p) {
+  JR_RETURN_IF_ERROR(PlanFp4Blocks(op, "the result", out, kFloatTypes, block_size, p));
+  JR_RETURN_IF_ERROR(
+      CheckOperand(op, "q", q, ffi::DataType::U8, "the result", out, Fp4Bytes(p->layout.cols)));
+  return CheckOperand(op, "scales", scales, ffi::DataType::F32, "the result", out, p->blocks);
+}
+
+// As PlanRingHopInt8, the values' count read from new_partial.
+inline ffi::Error PlanRingHopFp4(std::string_view op, const ffi::AnyBuffer& q,
+                                 const ffi::AnyBuffer& scales, const ffi::AnyBuffer* partial,
+                                 const ffi::AnyBuffer* seed, const ffi::AnyBuffer& new_partial,
+                                 const ffi::AnyBuffer* q_out, const ffi::AnyBuffer* scales_out,
+                                 int64_t block_size, BlockPlan* p) {
+  constexpr const char* ref = "new_partial (result)";
+  JR_RETURN_IF_ERROR(PlanFp4Blocks(op, ref, new_partial, {ffi::DataType::F32}, block_size, p));
+  const int64_t n = p->layout.cols, bytes = Fp4Bytes(n);
+  JR_RETURN_IF_ERROR(CheckOperand(op, "q", q, ffi::DataType::U8, ref, new_partial, bytes));
+  JR_RETURN_IF_ERROR(
+      CheckOperand(op, "scales", scales, ffi::DataType::F32, ref, new_partial, p->blocks));
+  if (partial)
+    JR_RETURN_IF_ERROR(
+        CheckOperand(op, "partial", *partial, ffi::DataType::F32, ref, new_partial, n));
+  if (seed)
+    JR_RETURN_IF_ERROR(CheckOperand(op, "seed", *seed, ffi::DataType::U32, ref, new_partial, -1));
+  if (q_out)
+    JR_RETURN_IF_ERROR(
+        CheckOperand(op, "q_out (result)", *q_out, ffi::DataType::U8, ref, new_partial, bytes));
+  if (scales_out)
+    JR_RETURN_IF_ERROR(CheckOperand(op, "scales_out (result)", *scales_out, ffi::DataType::F32,
+                                    ref, new_partial, p->blocks));
+  return ffi::Error::Success();
+}
+
 struct ChunkPlan {
   RowLayout layout;    // rows x n of the flat buffer
   int64_t chunk = 0;   // chunk size

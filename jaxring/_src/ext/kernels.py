@@ -4,7 +4,7 @@ Every wrapper takes flat 1-D arrays, checks dtypes, shapes and attributes before
 launched (raising ``TypeError``/``ValueError`` naming the argument), and works under ``jit`` and
 ``vmap`` (``vmap_method="broadcast_all"``: the C++ handlers loop over leading batch rows). The
 numerics are defined in :mod:`jaxring._src.ext.reference`; the chunk kernels (top-k) are in
-:mod:`jaxring._src.ext.chunks`.
+:mod:`jaxring._src.ext.chunks`, the fp4 codec's in :mod:`jaxring._src.ext.fp4`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,11 @@ from jaxring._src.ext.chunks import chunk_norms as chunk_norms
 from jaxring._src.ext.chunks import gather_chunks as gather_chunks
 from jaxring._src.ext.chunks import num_chunks as num_chunks
 from jaxring._src.ext.chunks import scatter_add_chunks as scatter_add_chunks
+from jaxring._src.ext.fp4 import dequantize_fp4 as dequantize_fp4
+from jaxring._src.ext.fp4 import fp4_bytes as fp4_bytes
+from jaxring._src.ext.fp4 import quantize_fp4 as quantize_fp4
+from jaxring._src.ext.fp4 import ring_hop_fp4 as ring_hop_fp4
+from jaxring._src.ext.fp4 import ring_hop_fp4_last as ring_hop_fp4_last
 from jaxring._src.ext.table import KERNELS
 
 __all__ = list(KERNELS)

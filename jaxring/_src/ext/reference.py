@@ -17,6 +17,14 @@ numerics, rounding step by rounding step (the C++ twin of every rule is in ``xla
 * Ring hops round twice, ``decode(recv)`` then ``+ partial`` (no fused multiply-add), so that CPU,
   GPU and these references agree bit for bit whatever the host's FMA support.
 
+* fp4 blocks (e2m1 codes, two a byte, element 2i in the low nibble): ``scale = amax * c`` with
+  ``c`` the largest f32 below 1/6 (so that ``6 * scale`` never exceeds ``amax``) and
+  ``inv = 6 / amax``; ``v = x * inv`` is rounded to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6 (in
+  magnitude) with ties to an even mantissa, as ``round_half_even(|v| / step) + offset`` over the
+  binades of steps 0.5, 1 and 2 (offsets 0, 2, 4); with stochastic rounding the same fixed point
+  as int8's on ``|v| / step``. The sign is v's, but for a zero magnitude (no -0 codes). Decoding
+  is ``value(code) * scale``. The tiny and non-finite rules are int8's.
+
 Every rule is written so that XLA cannot change it: XLA contracts ``a * b + c`` into an FMA on
 hosts that have one, so no product here feeds an addition unless the product is exact, and the
 decode before an addition is computed as the exact sum of two exact products (:func:`_decode_f32`).
@@ -145,6 +153,107 @@ def ring_hop_int8(q, scales, partial, block_size: int = 256, stochastic: bool = 
   """Reference for :func:`jaxring._src.ext.kernels.ring_hop_int8`."""
   new_partial = ring_hop_int8_last(q, scales, partial, block_size)
   q_out, scales_out = _encode(new_partial, block_size, stochastic, seed)
+  return new_partial, q_out, scales_out
+
+
+# --- fp4 (e2m1) blocks ----------------------------------------------------------------------
+
+FP4_MAX = 6.0
+FP4_SCALE_MUL = np.float32(float.fromhex("0x1.555554p-3"))  # the largest f32 below 1/6
+#: The value of each 4-bit code: a sign bit over the e2m1 magnitudes.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def fp4_bytes(n: int) -> int:
+  """Bytes of packed codes for ``n`` values (two a byte; an odd count ends in a padding nibble)."""
+  return -(-int(n) // 2)
+
+
+def fp4_block_scales(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(scale, inv) per row of an f32 [blocks, size] array, by the fp4 block-scale rule."""
+  amax_bits = jnp.max(lax.bitcast_convert_type(blocks, jnp.uint32) & _u32(0x7FFFFFFF), axis=1)
+  nonfinite = amax_bits >= _u32(NONFINITE_BITS)
+  tiny = amax_bits < _u32(MIN_AMAX_BITS)
+  amax = lax.bitcast_convert_type(amax_bits, jnp.float32)
+  scale = jnp.where(nonfinite, jnp.float32(jnp.nan), jnp.where(tiny, 0.0, amax * FP4_SCALE_MUL))
+  inv = jnp.where(nonfinite | tiny, 0.0, jnp.float32(FP4_MAX) / jnp.where(tiny, 1.0, amax))
+  return scale.astype(jnp.float32), inv.astype(jnp.float32)
+
+
+def _fp4_steps(v: jax.Array, unit: float) -> tuple[jax.Array, jax.Array]:
+  """``(|v| / step * unit, offset)`` per element: the binade's step is 0.5, 1 or 2 (exact)."""
+  a = jnp.abs(v)
+  big, mid = a >= 4.0, a >= 2.0
+  mult = jnp.where(big, jnp.float32(0.5 * unit),
+                   jnp.where(mid, jnp.float32(unit), jnp.float32(2.0 * unit)))
+  return a * mult, jnp.where(big, 4, jnp.where(mid, 2, 0)).astype(jnp.int32)
+
+
+def _pack_nibbles(codes: jax.Array) -> jax.Array:
+  """Flat 4-bit codes (int32) -> uint8 bytes, element 2i in the low nibble of byte i."""
+  codes = jnp.pad(codes, (0, codes.shape[0] % 2)).reshape(-1, 2)
+  return (codes[:, 0] | (codes[:, 1] << 4)).astype(jnp.uint8)
+
+
+def _unpack_nibbles(q: jax.Array, n: int) -> jax.Array:
+  """uint8 bytes -> the first ``n`` 4-bit codes (int32)."""
+  q = q.astype(jnp.int32)
+  return jnp.stack([q & 15, q >> 4], axis=1).reshape(-1)[:n]
+
+
+def _fp4_encode(v: jax.Array, block_size: int, stochastic: bool,
+                seed) -> tuple[jax.Array, jax.Array]:
+  n = v.shape[0]
+  blocks = _blocks(v.astype(jnp.float32), block_size)
+  scale, inv = fp4_block_scales(blocks)
+  scaled = blocks * inv[:, None]
+  if stochastic:
+    m16, offset = _fp4_steps(scaled, 65536.0)
+    k = random_bits16(seed, blocks.size).reshape(blocks.shape)
+    mag = jnp.minimum(((jnp.round(m16).astype(jnp.int32) + k) >> 16) + offset, 7)
+  else:
+    m, offset = _fp4_steps(scaled, 1.0)
+    mag = jnp.round(m).astype(jnp.int32) + offset  # half to even
+  code = mag | jnp.where(jnp.signbit(scaled) & (mag != 0), 8, 0)
+  code = jnp.where(inv[:, None] == 0, 0, code)
+  return _pack_nibbles(code.reshape(-1)[:n]), scale
+
+
+def _fp4_values(q: jax.Array, n: int, block_size: int) -> jax.Array:
+  """The codes' values as f32 [blocks, block_size] (zeros past ``n``)."""
+  return _blocks(jnp.asarray(FP4_VALUES)[_unpack_nibbles(q, n)], block_size)
+
+
+def quantize_fp4(x, block_size: int = 64, stochastic: bool = False, seed=0):
+  """Reference for :func:`jaxring._src.ext.kernels.quantize_fp4`."""
+  return _fp4_encode(jnp.asarray(x), block_size, stochastic, seed)
+
+
+def dequantize_fp4(q, scales, block_size: int = 64, dtype=jnp.float32, n: int | None = None):
+  """Reference for :func:`jaxring._src.ext.kernels.dequantize_fp4`."""
+  q = jnp.asarray(q)
+  n = 2 * q.shape[0] if n is None else n
+  decoded = _fp4_values(q, n, block_size) * jnp.asarray(scales)[:, None]
+  return decoded.reshape(-1)[:n].astype(dtype)
+
+
+def ring_hop_fp4_last(q, scales, partial, block_size: int = 64):
+  """Reference for :func:`jaxring._src.ext.kernels.ring_hop_fp4_last`."""
+  partial = jnp.asarray(partial)
+  n = partial.shape[0]
+  values, scales = _fp4_values(jnp.asarray(q), n, block_size), jnp.asarray(scales)
+  # RN(value * scale) by the split of _decode_f32: both products are exact (2-bit values)
+  hi = lax.bitcast_convert_type(
+      lax.bitcast_convert_type(scales, jnp.uint32) & _u32(0xFFFFFF00), jnp.float32)
+  lo = scales - hi
+  return (values * hi[:, None] + values * lo[:, None]).reshape(-1)[:n] + partial
+
+
+def ring_hop_fp4(q, scales, partial, block_size: int = 64, stochastic: bool = False, seed=0):
+  """Reference for :func:`jaxring._src.ext.kernels.ring_hop_fp4`."""
+  new_partial = ring_hop_fp4_last(q, scales, partial, block_size)
+  q_out, scales_out = _fp4_encode(new_partial, block_size, stochastic, seed)
   return new_partial, q_out, scales_out
 
 

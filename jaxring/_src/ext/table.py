@@ -19,8 +19,13 @@ KERNEL_TABLE: dict[str, bool] = {
     "chunk_norms": True,
     "gather_chunks": True,
     "scatter_add_chunks": True,
+    "quantize_fp4": True,
+    "dequantize_fp4": True,
+    "ring_hop_fp4": True,
+    "ring_hop_fp4_last": True,
     "num_blocks": False,           # block counts: integer arithmetic on static shapes
     "num_chunks": False,
+    "fp4_bytes": False,            # packed fp4 code bytes: the same
 }
 KERNELS = tuple(KERNEL_TABLE)
 #: The kernels that are FFI targets (each with a reference), and the targets' registered names.
@@ -28,5 +33,5 @@ FFI_KERNELS = tuple(name for name, is_target in KERNEL_TABLE.items() if is_targe
 FFI_TARGETS = tuple(f"jaxring_{name}" for name in FFI_KERNELS)
 #: The kernels with a CPU target reading the chunk in place, ``jaxring_<name>_at`` (:mod:`.window`).
 WINDOW_KERNELS = ("quantize_int8", "ring_hop_int8", "ring_hop_int8_last", "ring_hop_cast",
-                  "ring_hop_cast_last")
+                  "ring_hop_cast_last", "quantize_fp4", "ring_hop_fp4", "ring_hop_fp4_last")
 WINDOW_TARGETS = tuple(f"jaxring_{name}_at" for name in WINDOW_KERNELS)

@@ -108,3 +108,46 @@ def ring_hop_cast_last(recv, base, offset):
   def sliced(r, b, o):
     return kernels.ring_hop_cast_last(r, take(b, o, n))
   return _differentiated_as_sliced(in_place, sliced, recv, base, _offset(offset))
+
+
+def quantize_fp4(base, offset, n: int, block_size: int):
+  """``kernels.quantize_fp4(base[offset:offset + n], block_size)`` (round to nearest); ``n`` is
+  even (the target counts the chunk's values as twice its code bytes: the ring's chunks are
+  whole blocks of an even size)."""
+  if n % 2:
+    raise ValueError(f"the windowed quantize_fp4 takes an even count of values, got {n}")
+  results = (jax.ShapeDtypeStruct((n // 2,), jnp.uint8),
+             jax.ShapeDtypeStruct((kernels.num_blocks(n, block_size),), _F32))
+
+  def in_place(b, o):
+    return tuple(_call("quantize_fp4", results, b, o, jnp.uint32(0),
+                       block_size=np.int64(block_size), stochastic=np.bool_(False)))
+
+  def sliced(b, o):
+    return tuple(kernels.quantize_fp4(take(b, o, n), block_size))
+  return _differentiated_as_sliced(in_place, sliced, base, _offset(offset))
+
+
+def ring_hop_fp4(q, scales, base, offset, n: int, block_size: int):
+  """``kernels.ring_hop_fp4(q, scales, base[offset:offset + n], block_size)``."""
+  results = (jax.ShapeDtypeStruct((n,), _F32), jax.ShapeDtypeStruct(q.shape, jnp.uint8),
+             jax.ShapeDtypeStruct(scales.shape, _F32))
+
+  def in_place(q, s, b, o):
+    return tuple(_call("ring_hop_fp4", results, q, s, b, o, jnp.uint32(0),
+                       block_size=np.int64(block_size), stochastic=np.bool_(False)))
+
+  def sliced(q, s, b, o):
+    return tuple(kernels.ring_hop_fp4(q, s, take(b, o, n), block_size))
+  return _differentiated_as_sliced(in_place, sliced, q, scales, base, _offset(offset))
+
+
+def ring_hop_fp4_last(q, scales, base, offset, n: int, block_size: int):
+  """``kernels.ring_hop_fp4_last(q, scales, base[offset:offset + n], block_size)``."""
+  def in_place(q, s, b, o):
+    return _call("ring_hop_fp4_last", jax.ShapeDtypeStruct((n,), _F32), q, s, b, o,
+                 block_size=np.int64(block_size))
+
+  def sliced(q, s, b, o):
+    return kernels.ring_hop_fp4_last(q, s, take(b, o, n), block_size)
+  return _differentiated_as_sliced(in_place, sliced, q, scales, base, _offset(offset))

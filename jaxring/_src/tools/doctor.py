@@ -94,6 +94,7 @@ def _self_test(platform_name: str) -> dict[str, str]:
   partial = jnp.asarray(key.standard_normal(1000), jnp.float32)
   idx = jnp.asarray([3, 0, 7], jnp.int32)
   q, s = ref.quantize_int8(x, 64)
+  q4, s4 = ref.quantize_fp4(x, 64)
   cases = {
       "quantize_int8": lambda m: m.quantize_int8(x, 64),
       "dequantize_int8": lambda m: m.dequantize_int8(q, s, 64),
@@ -104,6 +105,10 @@ def _self_test(platform_name: str) -> dict[str, str]:
       "chunk_norms": lambda m: m.chunk_norms(x, 100),
       "gather_chunks": lambda m: m.gather_chunks(x, idx, 100),
       "scatter_add_chunks": lambda m: m.scatter_add_chunks(x, idx, partial[:300], 100),
+      "quantize_fp4": lambda m: m.quantize_fp4(x, 64, True, 3),
+      "dequantize_fp4": lambda m: m.dequantize_fp4(q4, s4, 64),
+      "ring_hop_fp4": lambda m: m.ring_hop_fp4(q4, s4, partial, 64),
+      "ring_hop_fp4_last": lambda m: m.ring_hop_fp4_last(q4, s4, partial, 64),
   }
   results = {}
   for name in ext.FFI_KERNELS:  # the table, so that a kernel added without a case is reported
@@ -114,6 +119,8 @@ def _self_test(platform_name: str) -> dict[str, str]:
     lo, n = 200, 300        # the chunk partial[lo:lo + n], the offset traced
     chunk = partial[lo:lo + n]
     q3, s3 = ref.quantize_int8(x[:n], 64)
+    n4 = n - 1 if n % 2 else n   # the windowed fp4 quantize takes an even count
+    q5, s5 = ref.quantize_fp4(x[:n4], 64)
     bf = x[:n].astype(jnp.bfloat16)
     windowed = {   # name -> (the windowed call of (base, offset), the reference on the slice)
         "quantize_int8": (lambda b, o: window.quantize_int8(b, o, n, 64),
@@ -126,6 +133,12 @@ def _self_test(platform_name: str) -> dict[str, str]:
                           lambda: ref.ring_hop_cast(bf, chunk)),
         "ring_hop_cast_last": (lambda b, o: window.ring_hop_cast_last(bf, b, o),
                                lambda: ref.ring_hop_cast_last(bf, chunk)),
+        "quantize_fp4": (lambda b, o: window.quantize_fp4(b, o, n4, 64),
+                         lambda: ref.quantize_fp4(chunk[:n4], 64)),
+        "ring_hop_fp4": (lambda b, o: window.ring_hop_fp4(q5, s5, b, o, n4, 64),
+                         lambda: ref.ring_hop_fp4(q5, s5, chunk[:n4], 64)),
+        "ring_hop_fp4_last": (lambda b, o: window.ring_hop_fp4_last(q5, s5, b, o, n4, 64),
+                              lambda: ref.ring_hop_fp4_last(q5, s5, chunk[:n4], 64)),
     }
     for name in ext.WINDOW_KERNELS:
       results[f"{name}_at"] = _compare(
