@@ -178,9 +178,9 @@ def sweep(*, per_hop: bool = False) -> tuple[str, ...]:
 
   Example:
     >>> sweep()
-    ('none', 'bf16', 'int8', 'topk')
+    ('none', 'bf16', 'int8', 'fp4', 'topk')
     >>> sweep(per_hop=True)
-    ('none', 'bf16', 'int8')
+    ('none', 'bf16', 'int8', 'fp4')
   """
   names = ("none", *(name for name, (_, _, swept) in _SPELLINGS.items() if swept))
   return tuple(n for n in names if not per_hop or getattr(parse(n), "per_hop", True))
@@ -191,7 +191,7 @@ def spellings() -> tuple[str, ...]:
 
   Example:
     >>> spellings()
-    ('none', 'bf16', 'fp16', 'int8', 'topk', 'topk_chunks')
+    ('none', 'bf16', 'fp16', 'int8', 'fp4', 'topk', 'topk_chunks')
   """
   return ("none", *_SPELLINGS)
 
@@ -263,7 +263,8 @@ def parse(spec: str | Codec | None) -> Codec | None:
 
   The one spelling of codecs as strings (benchmarks, the cluster worker, the recipes and the demo
   all read it here): ``none`` (None: no compression), ``bf16``, ``fp16[:block_size]``,
-  ``int8[:block_size[:stochastic]]`` and ``topk[:density[:chunk_size[:per_tensor|global]]]``
+  ``int8[:block_size[:stochastic]]``, ``fp4[:block_size[:stochastic]]`` and
+  ``topk[:density[:chunk_size[:per_tensor|global]]]``
   (``topk_chunks``, 1% by default, chunks chosen per tensor; the word ``global`` chooses the
   largest of the whole buffer), optionally
   ``+<codec>`` for the chosen chunks' per-hop codec. A ``Codec`` or None is returned as it is.

@@ -34,6 +34,7 @@ from jaxring._src.tools.bench import common
 
 MiB = 1 << 20
 INT8_BLOCK = 256
+FP4_BLOCK = 64   # each codec's default block
 CHUNK = 4096  # f32 elements per top-k chunk (16 KiB)
 TOPK_FRACTION = 0.1
 
@@ -128,7 +129,8 @@ def _cases(n: int, rng: np.random.Generator, launches: int = 1) -> list[Case]:
     return run
 
   bs = INT8_BLOCK
-  return _blocks_per_warp_cases(timed, xb, xh, bs, 2 * n + n + sb) + [
+  return _blocks_per_warp_cases(timed, xb, xh, bs, 2 * n + n + sb) + _fp4_cases(
+      timed, x, xb, partial) + [
       Case("quantize_int8 f32", timed(lambda v: ext.quantize_int8(v, bs), x),
            timed(lambda v: ref.quantize_int8(v, bs), x), 4 * n + n + sb),
       Case("quantize_int8 bf16", timed(lambda v: ext.quantize_int8(v, bs), xb),
@@ -163,6 +165,35 @@ def _cases(n: int, rng: np.random.Generator, launches: int = 1) -> list[Case]:
            scatter_chain(lambda v, i, p: ext.scatter_add_chunks(v, i, p, CHUNK)),
            scatter_chain(lambda v, i, p: ref.scatter_add_chunks(v, i, p, CHUNK)),
            3 * 4 * k * CHUNK + 4 * k),
+  ]
+
+
+def _fp4_cases(timed, x, xb, partial) -> list[Case]:
+  """The fp4 codec's kernels, as int8's: half a byte of codes a value, an f32 scale a block."""
+  import jax
+
+  from jaxring._src import ext
+  from jaxring._src.ext import reference as ref
+  n, bs = x.shape[0], FP4_BLOCK
+  q, s = jax.block_until_ready(ext.quantize_fp4(x, bs))
+  wire = ext.fp4_bytes(n) + 4 * s.shape[0]   # codes + scales
+  return [
+      Case("quantize_fp4 f32", timed(lambda v: ext.quantize_fp4(v, bs), x),
+           timed(lambda v: ref.quantize_fp4(v, bs), x), 4 * n + wire),
+      Case("quantize_fp4 bf16", timed(lambda v: ext.quantize_fp4(v, bs), xb),
+           timed(lambda v: ref.quantize_fp4(v, bs), xb), 2 * n + wire),
+      Case("quantize_fp4 f32 stochastic",
+           timed(lambda v: ext.quantize_fp4(v, bs, stochastic=True, seed=1), x),
+           timed(lambda v: ref.quantize_fp4(v, bs, stochastic=True, seed=1), x), 4 * n + wire),
+      Case("dequantize_fp4 ->f32", timed(lambda a, b: ext.dequantize_fp4(a, b, bs), q, s),
+           timed(lambda a, b: ref.dequantize_fp4(a, b, bs), q, s), wire + 4 * n),
+      Case("ring_hop_fp4", timed(lambda a, b, c: ext.ring_hop_fp4(a, b, c, bs), q, s, partial),
+           timed(lambda a, b, c: ref.ring_hop_fp4(a, b, c, bs), q, s, partial),
+           (wire + 4 * n) + (4 * n + wire)),
+      Case("ring_hop_fp4_last",
+           timed(lambda a, b, c: ext.ring_hop_fp4_last(a, b, c, bs), q, s, partial),
+           timed(lambda a, b, c: ref.ring_hop_fp4_last(a, b, c, bs), q, s, partial),
+           wire + 4 * n + 4 * n),
   ]
 
 

@@ -24,6 +24,7 @@ def _cases():
       ("fp16", "ring", codecs.fp16()),
       ("int8 (256)", "ring", codecs.int8()),
       ("int8 (256, stochastic)", "ring", codecs.int8(stochastic=True)),
+      ("fp4 (64)", "ring", codecs.fp4()),
       ("topk_chunks (1%, 4096)", "ring", codecs.topk_chunks(0.01)),
       ("topk_chunks (1%) + int8", "ring", codecs.topk_chunks(0.01, inner=codecs.int8())),
   ]
