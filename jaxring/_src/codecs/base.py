@@ -178,9 +178,9 @@ def sweep(*, per_hop: bool = False) -> tuple[str, ...]:
 
   Example:
     >>> sweep()
-    ('none', 'bf16', 'int8', 'fp4', 'topk')
+    ('none', 'bf16', 'int8', 'topk')
     >>> sweep(per_hop=True)
-    ('none', 'bf16', 'int8', 'fp4')
+    ('none', 'bf16', 'int8')
   """
   names = ("none", *(name for name, (_, _, swept) in _SPELLINGS.items() if swept))
   return tuple(n for n in names if not per_hop or getattr(parse(n), "per_hop", True))

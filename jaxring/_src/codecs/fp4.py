@@ -174,7 +174,7 @@ def fp4(block_size: int = 64, stochastic: bool = False) -> Fp4:
   return Fp4(block_size, stochastic)
 
 
-@spelling("fp4[:block_size[:stochastic]]", "fp4", sweep=True)
+@spelling("fp4[:block_size[:stochastic]]", "fp4")
 def _read_fp4(args, inner) -> Fp4:
   no_inner("fp4", inner)
   if len(args) > 2 or args[1:] not in ([], ["stochastic"]):
