@@ -24,6 +24,8 @@ The transform is an ``optax.GradientTransformation`` over one member's values: c
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any, NamedTuple
 
 import jax
@@ -49,6 +51,8 @@ class DiLoCoState(NamedTuple):
       or without error feedback).
     pending: with ``delay``: per fragment, the outer parameters waiting to be applied and the
       local parameters at the time they were sent (None without a delay).
+    local: None here; in a :func:`jaxring.train_step`'s state, each replica's own parameters
+      (the state's ``params`` then being the outer ones; jaxring._src.train.diloco_layout).
   """
 
   count: Any
@@ -57,6 +61,22 @@ class DiLoCoState(NamedTuple):
   outer: Any
   residual: Any = None
   pending: Any = None
+  local: Any = None
+
+
+_spanned: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxring_diloco_spans",
+                                                                 default=())
+
+
+@contextlib.contextmanager
+def spanning(axes: tuple):
+  """Inside, a diloco sync averages over ``axes`` too (as its ``fast_axes``): a train step says
+  so of the fast axes its replicated model spans."""
+  token = _spanned.set(tuple(axes))
+  try:
+    yield
+  finally:
+    _spanned.reset(token)
 
 
 def fragment_of(params, fragments: int) -> list[int]:
@@ -115,7 +135,6 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   validate_compression(compression)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
   axes = axis_names(axis)
-  sync_axes = tuple(dict.fromkeys(axis_names(fast_axes) + axes)) if fast_axes else axes
   every, fragments, delay, warmup = int(every), int(fragments), int(delay), int(warmup_steps)
   lossy = compression is not None and getattr(compression, "lossy", True)
   keeps_residual = bool(error_feedback) and lossy
@@ -147,6 +166,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
 
   def sync(pseudo, residual):
     """The pseudo-gradient averaged over the slow axis (and the residual carried)."""
+    sync_axes = tuple(dict.fromkeys(axis_names(fast_axes) + _spanned.get() + axes))
     if compression is None:
       return pmean(pseudo, sync_axes, algorithm=algorithm), residual
     if residual is None:

@@ -35,6 +35,18 @@ class ReduceConfig:
   shard: str = "none"             # "none" | "optimizer" | "params" (jaxring._src.train.sharding)
   param_compression: Any = None   # the parameters' all-gather codec (shard="params")
   hpz: bool = False               # shard="params": the backward pass gathers within the node
+  grad_axes: tuple = ()           # the axes gradients are averaged over; () = all of ``axes``
+
+  @property
+  def reduce_axes(self) -> tuple:
+    """The axes each step's gradients are averaged over: ``axes``, or with ``jaxring.diloco``
+    the fast ones (``grad_axes``; the slow axis syncs every H steps, in the optimizer)."""
+    return self.grad_axes or self.axes
+
+  @property
+  def slow_axes(self) -> tuple:
+    """The step's axes gradients are not averaged over (synced by ``jaxring.diloco``)."""
+    return tuple(a for a in self.axes if a not in self.reduce_axes)
 
   @property
   def axis_name(self):

@@ -20,7 +20,8 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
                bucket_bytes: int | str = 25 << 20,
                overlap: bool = True, donate: bool = True, precision: Any = None,
                momentum: float | None = None, nesterov: bool = False,
-               clip_norm: str | None = "auto", shard: str = "none", hpz: bool = False):
+               clip_norm: str | None = "auto", shard: str = "none", hpz: bool = False,
+               grad_axes: Any = None):
   """Turns a per-replica train step into a data-parallel step.
 
   The step is written for one device in one of three forms: ``step(state, batch) -> (state,
@@ -73,6 +74,12 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
       keep between the two passes each gathered bucket's piece for this device's node (1/local
       of the bucket, ZeRO++'s secondary partition), so the backward pass all-gathers over the
       last axis only, within the node, instead of across every node again.
+    grad_axes: the axes each step's gradients are averaged over (default: all of ``axis_name``).
+      With ``tx=jaxring.diloco(inner, axis="node", every=H)``, the fast ones (``"local"``): the
+      slow axis is then synced every H steps by the optimizer, whose per-replica values (each
+      replica's parameters between syncs, the inner optimizer's state) the step keeps sharded
+      beside the state; ``state.params`` are the outer parameters, as of the last sync
+      (jaxring._src.train.diloco_layout).
 
   Returns:
     A decorator producing a :class:`TrainStep`.
@@ -103,10 +110,16 @@ def train_step(mesh: Mesh | None = None, *, axis_name: Any = "data", algorithm: 
     raise ValueError(f"train_step: axis_name {axis_name!r} is not an axis of the mesh "
                      f"{mesh.axis_names}")
   guards.validate_momentum(momentum, clip_norm, error_feedback)
+  fast = axes if grad_axes is None else axis_names(grad_axes)
+  fast = tuple(a for a in axes if a in fast) if set(fast) <= set(axes) else fast
+  if not fast or not set(fast) <= set(axes):
+    raise ValueError(f"train_step: grad_axes={grad_axes!r} must name one or more of the step's "
+                     f"axes {axes} (the fast ones, with jaxring.diloco syncing the rest)")
   config = ReduceConfig(axes, algorithm, compression, error_feedback,
                         guards.validate_bucket_bytes(bucket_bytes), overlap, as_policy(precision),
                         momentum=momentum, nesterov=bool(nesterov), clip_norm=clip_norm,
-                        shard=shard, param_compression=param_compression, hpz=bool(hpz))
+                        shard=shard, param_compression=param_compression, hpz=bool(hpz),
+                        grad_axes=() if fast == axes else fast)
 
   def decorate(fn: Callable) -> TrainStep:
     return TrainStep(fn, mesh, config, donate)

@@ -48,7 +48,7 @@ from jaxring._src.train.precision import Policy
 
 
 def _all_reduce(flat, dtype, cfg: ReduceConfig, want_error: bool, segments=None):
-  return engine.all_reduce_flat(flat, dtype, engine.bind(cfg.axes, "value_and_grad"),
+  return engine.all_reduce_flat(flat, dtype, engine.bind(cfg.reduce_axes, "value_and_grad"),
                                 cfg.algorithm, cfg.compression, want_error=want_error,
                                 segments=segments)
 
@@ -100,7 +100,7 @@ def reduce_bucket(cfg: ReduceConfig, cts: Sequence, residuals, tok, inv_scale, c
   flat = jnp.concatenate([flat, jnp.reshape(tok, (1,)).astype(acc)])
   total, err = _all_reduce(flat, dtype, cfg, want_error=residuals is not None,
                            segments=_segments(cts))
-  mean = total[:-1] / replica_count(cfg.axes)
+  mean = total[:-1] / replica_count(cfg.reduce_axes)
   new_res = None
   if residuals is not None:
     new_res = _split(next_residual(mean, None if err is None else err[:-1], dtype), residuals)
@@ -142,14 +142,15 @@ def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, grads, residu
   r = jnp.concatenate([p[0] for p in parts] + [zero])
   u = jnp.concatenate([p[1] for p in parts] + [zero])
   g = jnp.concatenate(grads + [jnp.reshape(tok, (1,)).astype(acc)])
-  binding = engine.bind(cfg.axes, "value_and_grad")
+  binding = engine.bind(cfg.reduce_axes, "value_and_grad")
   mean, u, r = corrected_mean(u, g, r, dtype, binding, cfg.algorithm, cfg.compression,
                               momentum=float(cfg.momentum), nesterov=cfg.nesterov,
                               masking="flush", segments=_segments(cts))
   flat = [jnp.ravel(c) for c in cts]
   new_res = [jnp.concatenate([a, b, n[None].astype(acc)])
              for a, b, n in zip(_split(r[:-1], flat, acc), _split(u[:-1], flat, acc), norms)]
-  return _split(mean[:-1], cts), new_res, (mean[-1] * replica_count(cfg.axes)).astype(jnp.float32)
+  tokens = mean[-1] * replica_count(cfg.reduce_axes)
+  return _split(mean[:-1], cts), new_res, tokens.astype(jnp.float32)
 
 
 def _bucket_identity(cfg: ReduceConfig, check_finite: bool):
@@ -227,7 +228,7 @@ def _bucket_bytes(cfg: ReduceConfig, leaves, order) -> int:
   """``cfg.bucket_bytes``, or with ``"auto"`` the profile's choice for these gradients."""
   if cfg.bucket_bytes != "auto":
     return cfg.bucket_bytes
-  return auto_bucket_bytes(leaves, order, cfg.axes, algorithm=cfg.algorithm,
+  return auto_bucket_bytes(leaves, order, cfg.reduce_axes, algorithm=cfg.algorithm,
                            compression=cfg.compression, overlap=cfg.overlap).bucket_bytes
 
 
@@ -275,7 +276,7 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
   shard = ctx.shard
   # One member: the reduction is exact and moves nothing, so there is nothing to overlap or
   # compress: one bucket per dtype after backprop, whatever the codec.
-  single = shard is None and replica_count(cfg.axes) == 1
+  single = shard is None and replica_count(cfg.reduce_axes) == 1
   overlap = cfg.overlap and not single
   held = ()
   if shard is None:

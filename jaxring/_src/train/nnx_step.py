@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
-from jaxring._src.train import guards
+from jaxring._src.train import diloco_layout, guards
 from jaxring._src.train.nnx_graph import is_graph_node, nnx_module, pure
 from jaxring._src.train.precision import DynamicLossScale
 from jaxring._src.train.state import remapped, residual_tree, with_residual_tree
@@ -232,15 +232,28 @@ class Binding:
     for f in FIELDS + ("residuals", "loss_scale"):
       tree = {"residuals": residuals, "loss_scale": scale and {
           "scale": scale.scale, "good_steps": scale.good_steps}}.get(f, getattr(state, f, None))
+      if f == "opt_state" and self.reshaped(state):
+        continue   # attach rebuilds it
       if tree is not None and self.orders[f][0]:
         for k, x in zip(self.orders[f][0], jax.tree_util.tree_leaves(tree)):
           self.variables[k].set_value(x)
 
+  def reshaped(self, state: NnxState) -> bool:
+    """Whether the step keeps the optimizer state in another tree than the optimizer holds
+    (``jaxring.diloco``'s per-replica rows: jaxring._src.train.diloco_layout)."""
+    idx, tdef = self.orders["opt_state"]
+    return (self.optimizer is not None and bool(idx)
+            and jax.tree_util.tree_structure(state.opt_state) != tdef)
+
   def attach(self, state: NnxState, residuals) -> bool:
     """Gives the optimizer what the step keeps beside the objects' own variables and they do
-    not hold yet (the first step's error-feedback residuals, fp16's loss scale): a change of
-    the graph, so the caller walks it again (True)."""
+    not hold yet (the first step's error-feedback residuals, fp16's loss scale, an optimizer
+    state laid out anew): a change of the graph, so the caller walks it again (True)."""
     nnx = nnx_module()
+    rebuilt = self.reshaped(state)
+    if rebuilt:
+      from flax.nnx.training.optimizer import to_opt_state
+      self.nodes[self.optimizer].opt_state = nnx.data(to_opt_state(state.opt_state))
     missing = {}
     if residuals is not None and not self.orders["residuals"][0]:
       missing["residuals"] = (residual_type(), residuals)
@@ -255,7 +268,7 @@ class Binding:
       held = jax.tree_util.tree_map(kind, tree)
       setattr(self.nodes[self.optimizer], name,
               nnx.data(held if isinstance(held, nnx.State) else nnx.State(held)))
-    return bool(missing)
+    return rebuilt or bool(missing)
 
 
 def adapter(fn: Callable, binding: Binding, axes: tuple, batch_at: int, nargs: int) -> Callable:
@@ -370,8 +383,14 @@ class Runner:
     """``(state, batch, *whole)``: the functional step's arguments for this call."""
     if self.binding is None or not self.binding.matches(args):
       self._bind(args)
+    state, residuals = self.binding.read()
+    if diloco_layout.is_diloco(state) and not diloco_layout.is_stored(state):
+      objs = tuple(a for a in args if is_graph_node(a))
+      self.prepare(objs)   # the optimizer state's tree changes: walked again
+      self.bindings.pop(tuple(id(a) for a in objs), None)
+      self._bind(args)
+      state, residuals = self.binding.read()
     b = self.binding
-    state, residuals = b.read()
     if residuals is not None:
       state = self._remapped(with_residual_tree(state, residuals), self.inner)
     whole = [a for i, a in enumerate(args) if i not in b.positions and i != self.batch_at]

@@ -28,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
+from jaxring._src.optim.diloco import spanning
 from jaxring._src.train import (
+  diloco_layout,
   functional,
   global_view,
   guards,
@@ -121,7 +123,10 @@ class TrainStep:
       state = state.replace(loss_scale=DynamicLossScale.create())
     guards.check_residual_replicas(residuals, self.num_replicas)
     state = _without_residuals(state)
-    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
+    diloco_layout.check(state, cfg)
+    if diloco_layout.is_diloco(state):
+      state = diloco_layout.stored(state, self.num_replicas, self.mesh, cfg.axis_name)
+    specs = self._specs(state)
     state = jax.tree_util.tree_map(
         lambda x, s: sharding.place(x, NamedSharding(self.mesh, s)), state, specs)
     if residuals is not None:
@@ -139,9 +144,13 @@ class TrainStep:
       >>> abstract = jax.eval_shape(create_state)      # create_state() -> TrainState
       >>> state = jax.jit(create_state, out_shardings=step.state_shardings(abstract))()
     """
-    specs = sharding.state_specs(_without_residuals(state), self.config.shard,
-                                 self.num_replicas, self.config.split_axis_name)
-    return sharding.shardings(specs, self.mesh)
+    return sharding.shardings(self._specs(_without_residuals(state)), self.mesh)
+
+  def _specs(self, state):
+    """Each leaf's PartitionSpec (the split of ``shard=``, a DiLoCo state's per-replica rows)."""
+    cfg = self.config
+    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
+    return diloco_layout.specs(state, specs, cfg.axis_name)
 
   def _check_optimizer(self, state) -> None:
     """Refuses an optimizer with per-parameter state (momentum, Adam) behind a sparsifying codec
@@ -223,6 +232,8 @@ class TrainStep:
     residuals = residual_tree(state)
     if cfg.uses_residuals and residuals is None:
       return True
+    if diloco_layout.is_diloco(state) and not diloco_layout.is_stored(state):
+      return True
     if (cfg.policy is not None and cfg.policy.loss_scaling
         and not isinstance(getattr(state, "loss_scale", None), DynamicLossScale)):
       return True
@@ -257,6 +268,7 @@ class TrainStep:
       return out
     if not self._checked:
       guards.check_call(self._fn, (state, batch, *args), "TrainState")
+      diloco_layout.check(state, self.config)
       self._checked = True
     if self._needs_prepare(state):
       state = self.prepare(state)
@@ -300,7 +312,7 @@ class TrainStep:
   def _spmd(self, state, residuals, batch, args):
     cfg = self.config
     data = P(cfg.axis_name)
-    specs = sharding.state_specs(state, cfg.shard, self.num_replicas, cfg.split_axis_name)
+    specs = self._specs(state)
     if cfg.shard != "none":
       self._dims = sharding.param_dims(state.params, self.num_replicas)
       self._view = global_view.for_state(state, specs, self._dims, cfg.split_axes,
@@ -319,13 +331,14 @@ class TrainStep:
     scaling = cfg.policy is not None and cfg.policy.loss_scaling
     ctx = StepContext(cfg, residuals=residuals,
                       loss_scale=state.loss_scale.scale if scaling else None)
-    user_state = state
+    diloco = diloco_layout.is_diloco(state)
+    user_state = diloco_layout.user_view(state) if diloco else state
     if cfg.shard != "none":
       ctx.shard, user_state = self._sharded_view(state)
       ctx.note_split(ctx.shard.blocks, ctx.shard.dims)
       if self._view is not None:   # the optimizer's whole-leaf math, on blocks
         user_state = user_state.replace(tx=self._view)
-    with step_context(ctx):
+    with step_context(ctx), spanning(cfg.reduce_axes if diloco else ()):
       try:
         new_state, metrics = guards.state_and_metrics(self._fn(user_state, batch, *args),
                                                       type(state))
@@ -339,6 +352,8 @@ class TrainStep:
     if ctx.shard is not None:
       guards.check_blocks_returned(new_state, ctx.shard.blocks, cfg.shard)
     new_state = _without_residuals(new_state)
+    if diloco:
+      new_state = diloco_layout.from_user(new_state)
     if self._view is not None and getattr(new_state, "tx", None) is self._view:
       new_state = new_state.replace(tx=state.tx)
     if cfg.shard == "optimizer":  # each replica updated its blocks: gather the whole, exactly

@@ -1,0 +1,113 @@
+""":func:`jaxring.diloco` through ``@jaxring.train_step``: how the step keeps a DiLoCo state.
+
+``@jr.train_step(axis_name=("node", "local"), grad_axes="local")`` averages each step's
+gradients over the fast axes only; the state's optimizer, ``jr.diloco(inner, axis="node", ...)``,
+syncs the slow one every H steps (and, told by the step, averages the pseudo-gradients over the
+fast axes too: its ``fast_axes``, so a member sends ``1/local`` of them over the slow links).
+
+Between two syncs the members of the slow axis hold different parameters, so the step keeps two
+kinds of values. What every replica holds alike stays replicated: the outer parameters, which
+are the state's ``params`` (the model as of its last sync: what an evaluation or a checkpoint
+reader takes), the outer optimizer's state and the count. What differs is kept per replica,
+``(replicas, *shape)`` sharded over the step's axes as the error-feedback residuals are: each
+replica's own parameters (``opt_state.local``), the inner optimizer's state, the
+pseudo-gradients' residual and the pending fragments. Inside the step the user's function sees
+the form ``jr.diloco`` has in a ``shard_map`` (``params`` its own, ``opt_state.outer_params`` the
+outer ones), so ``state.apply_gradients`` and ``tx.update`` run unchanged.
+
+Both layouts have one tree (an NNX optimizer holds its state in Variables, one per leaf): kept,
+``opt_state.outer_params`` holds a scalar per leaf in place of the outer parameters (they are
+``params``), and inside the step ``opt_state.local`` is this replica's row.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxring._src.optim.diloco import DiLoCoState
+
+# the fields of a DiLoCoState each replica keeps its own of, in a train step's state
+ROWS = ("inner", "residual", "pending", "local")
+
+
+def is_diloco(state) -> bool:
+  return isinstance(getattr(state, "opt_state", None), DiLoCoState)
+
+
+def is_stored(state) -> bool:
+  """Whether ``state`` is already laid out as the step keeps it."""
+  return is_diloco(state) and state.opt_state.local is not None
+
+
+def check(state, cfg) -> None:
+  """A DiLoCo state needs a step that leaves the slow axis to it, and only it does."""
+  slow = cfg.slow_axes
+  if is_diloco(state) and not slow:
+    raise ValueError(
+        "train_step: the state's optimizer is jaxring.diloco, which syncs the slow axis every H "
+        f"steps itself; the step averages gradients over all of {cfg.axes}. Leave the slow axis "
+        "to it: @jaxring.train_step(axis_name=('node', 'local'), grad_axes='local')")
+  if slow and not is_diloco(state):
+    raise ValueError(
+        f"train_step: grad_axes={cfg.reduce_axes} leaves {slow} unreduced, which only "
+        "jaxring.diloco as the state's optimizer syncs (the replicas would drift apart): "
+        "tx=jaxring.diloco(inner, axis=..., every=H), or drop grad_axes")
+  if is_diloco(state) and cfg.shard != "none":
+    raise ValueError("train_step: jaxring.diloco with shard=" + repr(cfg.shard) + " is not "
+                     "supported; use shard='none' (each replica keeps its own parameters)")
+
+
+def specs(state, state_specs, axis_name):
+  """``state_specs`` with the per-replica fields of a stored DiLoCo state split over the axes."""
+  if not is_stored(state):
+    return state_specs
+  rows = {f: jax.tree_util.tree_map(lambda _: P(axis_name), getattr(state.opt_state, f))
+          for f in ROWS}
+  return state_specs.replace(opt_state=state_specs.opt_state._replace(**rows))
+
+
+def stored(state, replicas: int, mesh, axis_name):
+  """The user's state (``params`` the members' common parameters, ``opt_state`` as
+  ``jr.diloco``'s ``init`` made it) laid out as the step keeps it, on ``mesh``."""
+  if is_stored(state):
+    return state
+  opt = state.opt_state
+  rows = lambda t: jax.tree_util.tree_map(   # noqa: E731
+      lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (replicas,) + np.shape(x)), t)
+  fields = {"local": state.params, "inner": opt.inner, "residual": opt.residual,
+            "pending": opt.pending}
+  split = NamedSharding(mesh, P(axis_name))
+  made = jax.jit(lambda f: {k: rows(v) for k, v in f.items()},
+                 out_shardings={k: jax.tree_util.tree_map(lambda _: split, v)
+                                for k, v in fields.items()})(fields)
+  return state.replace(params=opt.outer_params,
+                       opt_state=opt._replace(outer_params=_placeholders(state.params), **made))
+
+
+def _placeholders(params):
+  return jax.tree_util.tree_map(lambda x: jnp.zeros((), jnp.result_type(x)), params)
+
+
+def user_view(state):
+  """Inside the step: this replica's values, as ``jr.diloco`` has them in a ``shard_map``."""
+  opt = state.opt_state
+  row = {f: jax.tree_util.tree_map(lambda r: r[0], getattr(opt, f)) for f in ROWS}
+  return state.replace(params=row["local"],
+                       opt_state=opt._replace(outer_params=state.params, **row))
+
+
+def from_user(new):
+  """The user's function's state laid out as the step keeps it (``user_view``'s inverse)."""
+  opt = new.opt_state
+  if not isinstance(opt, DiLoCoState):
+    raise TypeError("train_step: the state came in with a jaxring.diloco optimizer state and the "
+                    f"step returned a {type(opt).__name__}; update it with tx.update or "
+                    "state.apply_gradients")
+  row = {f: jax.tree_util.tree_map(lambda x: x[None], getattr(opt, f))
+         for f in ("inner", "residual", "pending")}
+  local = jax.tree_util.tree_map(lambda x: x[None], new.params)
+  return new.replace(params=opt.outer_params, opt_state=opt._replace(
+      outer_params=_placeholders(opt.outer_params), local=local, **row))

@@ -1,0 +1,170 @@
+"""jaxring.diloco through @jaxring.train_step (grad_axes: the fast axes only), against the float64
+NumPy DiLoCo of test_diloco and against synchronous data parallel: the TrainState form and the
+functional form, a codec with error feedback equal to the shard_map form, an exact resume from a
+checkpoint, and the refusals."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from test_diloco import LR, P0, X, Y, loss, reference
+from test_diloco import train as shard_map_train
+
+import jaxring as jr
+
+AXES = ("node", "local")
+
+
+def mesh():
+  return jax.make_mesh((2, 4), AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+def make_step(**kw):
+  @jr.train_step(mesh(), axis_name=AXES, **kw)
+  def step(state, batch):
+    value, grads = jr.value_and_grad(loss)(state.params, batch["x"], batch["y"])
+    return state.apply_gradients(grads=grads), {"loss": value}
+  return step
+
+
+BATCH = {"x": X.reshape(-1, 5), "y": Y.reshape(-1, 1)}   # device 4n+d gets X[4n+d]
+
+
+def run(tx, steps, step=None, state=None, **kw):
+  step = step or make_step(**kw)
+  if state is None:
+    state = jr.TrainState.create(apply_fn=None, params=jax.tree.map(jnp.asarray, P0), tx=tx)
+  for _ in range(steps):
+    state, metrics = step(state, BATCH)
+  return state, metrics
+
+
+def local_rows(state):
+  """Each replica's own parameters, (8, ...) per leaf, device 4n+d's row 4n+d."""
+  return jax.tree.map(np.asarray, state.opt_state.local)
+
+
+def assert_rows_match(rows, want, **tol):
+  for n in range(2):
+    for d in range(4):
+      for k in P0:
+        np.testing.assert_allclose(rows[k][4 * n + d], want[n][k], **tol)
+
+
+def test_every_step_with_outer_sgd_1_is_the_synchronous_train_step():
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=1, outer=optax.sgd(1.0))
+  got, m1 = run(tx, 8, grad_axes="local")
+  want, m2 = run(optax.sgd(LR), 8)
+  for k in P0:
+    np.testing.assert_allclose(got.params[k], want.params[k], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(local_rows(got)[k], np.broadcast_to(
+        want.params[k], (8,) + want.params[k].shape), rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=2e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(every=3), dict(every=4, fragments=2, delay=1),
+                                dict(every=3, warmup=2)],
+                         ids=["H3", "H4-fragments2-delay1", "H3-warmup2"])
+def test_equals_the_float64_reference(kw):
+  steps = 12
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=kw["every"], fragments=kw.get("fragments", 1),
+                 delay=kw.get("delay", 0), warmup_steps=kw.get("warmup", 0))
+  state, _ = run(tx, steps, grad_axes="local")
+  assert_rows_match(local_rows(state), reference(**kw, steps=steps), rtol=2e-5, atol=2e-6)
+  assert int(state.step) == steps and int(state.opt_state.count) == steps
+
+
+def test_the_state_params_are_the_outer_parameters_as_of_the_last_sync():
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=3)
+  synced, _ = run(tx, 6, grad_axes="local")       # a sync at step 6: every row = the outer
+  outer, rows = jax.tree.map(np.asarray, synced.params), local_rows(synced)
+  later, _ = run(tx, 2, make_step(grad_axes="local"), synced)   # no sync since
+  for k in P0:
+    np.testing.assert_array_equal(rows[k], np.broadcast_to(outer[k], rows[k].shape))
+    np.testing.assert_array_equal(later.params[k], outer[k])
+    assert not np.allclose(local_rows(later)[k][0], local_rows(later)[k][4])   # nodes apart
+
+
+def test_int8_with_error_feedback_equals_the_shard_map_form():
+  kw = dict(axis="node", every=3, compression=jr.codecs.int8(block_size=4))
+  state, _ = run(jr.diloco(optax.sgd(LR), **kw), 9, grad_axes="local")
+  want = shard_map_train(jr.diloco(optax.sgd(LR), fast_axes="local", **kw), False, steps=9)
+  for k in P0:
+    np.testing.assert_allclose(local_rows(state)[k], want[k], rtol=1e-6, atol=1e-7)
+  assert jax.tree.leaves(state.opt_state.residual)[0].shape[0] == 8
+
+
+def test_the_functional_form():
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=3)
+
+  @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
+  def step(params, opt_state, batch):
+    _, grads = jr.value_and_grad(loss)(params, batch["x"], batch["y"])
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {}
+
+  params = jax.tree.map(jnp.asarray, P0)
+  opt_state = tx.init(params)
+  for _ in range(7):
+    params, opt_state, _ = step(params, opt_state, BATCH)
+  inner = opt_state.inner if isinstance(opt_state, jr.train.OptState) else opt_state
+  assert_rows_match(jax.tree.map(np.asarray, inner.local), reference(every=3, steps=7),
+                    rtol=2e-5, atol=2e-6)
+
+
+def test_a_checkpoint_resumes_exactly(tmp_path):
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=4, fragments=2, delay=1,
+                 compression=jr.codecs.int8(block_size=4))
+  step = make_step(grad_axes="local")
+  state, _ = run(tx, 5, step)
+  ckpt = jr.train.Checkpointer(tmp_path)
+  ckpt.save(state)
+  ckpt.wait_until_finished()
+  straight, _ = run(tx, 6, step, state)
+  template = jr.TrainState.create(apply_fn=None, params=jax.tree.map(jnp.asarray, P0), tx=tx)
+  restored, _ = ckpt.restore(step.prepare(template))
+  resumed, _ = run(tx, 6, make_step(grad_axes="local"), restored)
+  for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_refusals():
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=3)
+  with pytest.raises(ValueError, match="grad_axes='local'"):
+    run(tx, 1)
+  with pytest.raises(ValueError, match="would drift apart"):
+    run(optax.sgd(LR), 1, grad_axes="local")
+  with pytest.raises(ValueError, match="must name one or more"):
+    make_step(grad_axes="model")
+  with pytest.raises(ValueError, match="not supported"):
+    run(tx, 1, grad_axes="local", shard="optimizer")
+
+
+def test_nnx_objects_train_as_the_train_state_does():
+  from flax import nnx
+
+  class Linear(nnx.Module):
+    def __init__(self):
+      self.w, self.b = nnx.Param(jnp.asarray(P0["w"])), nnx.Param(jnp.asarray(P0["b"]))
+
+    def __call__(self, x):
+      return x @ self.w[...] + self.b[...]
+
+  @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
+  def step(model, optimizer, batch):
+    value, grads = jr.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+    optimizer.update(model, grads)
+    return {"loss": value}
+
+  kw = dict(axis="node", every=3, compression=jr.codecs.int8(block_size=4))
+  model = Linear()
+  optimizer = nnx.Optimizer(model, jr.diloco(optax.sgd(LR), **kw), wrt=nnx.Param)
+  for _ in range(7):
+    metrics = step(model, optimizer, BATCH)
+  state, want = run(jr.diloco(optax.sgd(LR), **kw), 7, grad_axes="local")
+  np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-6)
+  for k in P0:
+    np.testing.assert_allclose(getattr(model, k).get_value(), state.params[k], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(optimizer.opt_state.local[k].get_value(), local_rows(state)[k],
+                               rtol=1e-6, atol=1e-7)
