@@ -1,6 +1,7 @@
 """8 emulated CPU devices for every in-process test; strict dtype promotion; the ``slow`` marker."""
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -38,10 +39,33 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 SLOW_BECAUSE = ("multiprocess", "netns")
 
 
+# `make test` hands whole modules to the workers (`--dist loadfile`), in the order they are
+# collected; whichever module is handed out last runs while the other workers may have nothing
+# left. So the modules that take longest (their seconds on the 2-core machine, a whole-suite run,
+# roughly) go first, each one's tests together and in their order, and the many short ones fill
+# in at the end. xdist would otherwise reorder the modules by their number of tests, which puts the
+# few long multi-process tests (test_mpi.py, test_cluster.py) last: pytest_configure turns that
+# off.
+# The modules, longest first, are listed in heavy_modules.txt (not here: conftest.py names no test,
+# tests/test_markers.py); a module renamed or not listed only loses its place at the front.
+HEAVY_FIRST = tuple(
+    line.split("#")[0].strip()
+    for line in (pathlib.Path(__file__).parent / "heavy_modules.txt").read_text().splitlines()
+    if line.split("#")[0].strip())
+
+
+def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):   # pytest-xdist: keep the order made below
+    config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
   for item in items:
     if any(item.get_closest_marker(name) for name in SLOW_BECAUSE):
       item.add_marker(pytest.mark.slow)
+  rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+  # sorted() is stable: the order within a module, and of the modules not named, is kept
+  items[:] = sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture

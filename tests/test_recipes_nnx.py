@@ -15,7 +15,6 @@ import pytest
 from flax import nnx
 
 from recipes import lm, lm_data, lm_nnx, models, models_nnx
-from recipes.config import Config
 
 
 def _small(**kw):
@@ -70,21 +69,52 @@ def test_nnx_gpt_starts_from_the_linen_gpts_distributions():
       assert a.size >= 4096 and b.std() == pytest.approx(a.std(), rel=0.05), name
 
 
-def _resnet_pair(depth, stem, size):
-  linen = models.resnet(depth, num_classes=5, width=4, stem=stem, norm="flax")
-  variables = jax.jit(lambda k: linen.init(k, jnp.zeros((1, size, size, 3)), train=False))(
-      jax.random.key(1))
-  noise = jax.random.key(3)   # BatchNorm starts at scale 1 / 0, statistics at 0 / 1: moved
-  variables = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(noise, x.shape), variables)
-  config = Config(depth=depth, width=4, stem=stem, num_classes=5, dtype="float32")
-  return linen, variables, models_nnx.create_model(config)
+# Two blocks in the first stage, one in each other: a block with a projection, one without, and a
+# strided one in every later stage; ResNet-18 and -50 repeat the same blocks (8 and 16 of them:
+# the compiles take 2-3x longer, ~24 s and ~48 s on 2 cores).
+STAGES = (2, 1, 1, 1)
 
 
-@pytest.mark.slow   # two ResNets compiled six times each (~10 s for 18, ~20 s for 50)
-@pytest.mark.parametrize("depth,stem,size", [(18, "cifar", 8), (50, "imagenet", 32)])
-def test_nnx_resnet_with_the_linen_variables_gives_the_linen_logits_and_statistics(depth, stem,
+def _resnet_pair(block, stem, size):
+  """The Linen ResNet, variables for it and its NNX twin (abstract, to be loaded with them). The
+  variables are drawn in NumPy from the shapes alone: initializing either model compiles its
+  random initializers (~4 s each on 2 cores) only for the values to be replaced. BatchNorm's scales
+  and variances near 1, its biases and means near 0 (not the 1 / 0 they start at), the kernels at
+  He's scale."""
+  linen = models.ResNet(STAGES, getattr(models, block), num_classes=5, width=4, stem=stem,
+                        norm="flax")
+  shapes = jax.eval_shape(lambda: linen.init(jax.random.key(1), jnp.zeros((1, size, size, 3)),
+                                             train=False))
+  rng = np.random.default_rng(3)
+
+  def draw(path, x):
+    name = jax.tree_util.keystr(path)
+    z = rng.standard_normal(x.shape).astype(np.float32)
+    if name.endswith("['kernel']"):
+      return z * np.float32(np.sqrt(2 / np.prod(x.shape[:-1])))
+    return np.float32("scale']" in name or "var']" in name) + 0.1 * z
+  variables = jax.tree_util.tree_map_with_path(draw, shapes)
+  model = nnx.eval_shape(lambda: models_nnx.ResNet(STAGES, getattr(models_nnx, block), 5, width=4,
+                                                   stem=stem, rngs=nnx.Rngs(0)))
+  return linen, variables, model
+
+
+def test_the_nnx_resnets_have_the_linen_depths():
+  """What the twins below leave out: the depths' stages and blocks are the Linen ones."""
+  assert models_nnx.STAGE_SIZES is models.STAGE_SIZES
+  assert models.resnet(18).block is models.BasicBlock
+  assert models.resnet(50).block is models.BottleneckBlock
+  for module, kw in ((models, {}), (models_nnx, {"rngs": nnx.Rngs(0)})):
+    with pytest.raises(ValueError, match="depth must be one of"):
+      module.resnet(51, **kw)
+
+
+@pytest.mark.slow   # two ResNets compiled six times each (~6 s basic blocks, ~10 s bottlenecks)
+@pytest.mark.parametrize("block,stem,size", [("BasicBlock", "cifar", 8),
+                                             ("BottleneckBlock", "imagenet", 32)])
+def test_nnx_resnet_with_the_linen_variables_gives_the_linen_logits_and_statistics(block, stem,
                                                                                    size):
-  linen, variables, model = _resnet_pair(depth, stem, size)
+  linen, variables, model = _resnet_pair(block, stem, size)
   _assert_same_paths_and_shapes(model, nnx.Param, variables["params"])
   _assert_same_paths_and_shapes(model, nnx.BatchStat, variables["batch_stats"])
   _load(model, nnx.Param, variables["params"])

@@ -231,6 +231,8 @@ def main() -> int:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--algorithms", default="xla,ring,hierarchical,auto")
   ap.add_argument("--codecs", default=",".join(CODECS))
+  ap.add_argument("--only", default="",
+                  help="comma list of algorithm/codec pairs: of --algorithms x --codecs, these")
   ap.add_argument("--topology", action="store_true", help="levels local=2, node=2 (4 ranks)")
   ap.add_argument("--extras", action="store_true", help="eager calls, grad, reduce_gradients")
   ap.add_argument("--calibrate", action="store_true",
@@ -282,6 +284,8 @@ def main() -> int:
     for codec in args.codecs.split(","):
       if algorithm == "xla" and codec != "none":
         continue   # the native collective cannot compress (refused, as under shard_map)
+      if args.only and f"{algorithm}/{codec}" not in args.only.split(","):
+        continue
       try:
         first, dt = run_config(comm, algorithm, codec, args)
       except Mismatch as exc:

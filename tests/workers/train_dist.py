@@ -4,7 +4,9 @@ same on a (process, local) mesh, hierarchical, with hpZ).
 
 Every process feeds only its own slice of each global batch (BatchIterator's default process
 split) and all write to the same metrics file, which only process 0 may touch. Process 0 saves the
-final parameters to ``--out``.
+final parameters to ``--out``. ``--shard`` may name several modes (``none,params``): one fit after
+the other in the same processes (starting them is most of a run's time), each writing to
+``--metrics`` and ``--out`` with ``{shard}`` replaced by its mode.
 """
 from __future__ import annotations
 
@@ -113,24 +115,26 @@ def main() -> int:
   import jax
   jax.config.update("jax_num_cpu_devices", args.local_devices)
   jax.config.update("jax_numpy_dtype_promotion", "strict")
-  if args.shard == "params-hpz":  # jaxring's topology: "local" is one process's devices
+  if "params-hpz" in args.shard.split(","):  # jaxring's topology: "local" is one process's devices
     import jaxring.distributed
     jaxring.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
                                    process_id=args.process_id)
   else:
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
                                process_id=args.process_id)
-  if args.api == "nnx":
-    step, params = run_nnx(args.steps, args.metrics, args.shard)
-  else:
-    step, state = run(args.steps, args.metrics, args.shard)
-    params = state.params
-  assert step.num_replicas == args.num_processes * args.local_devices
-  from jax.experimental import multihost_utils
-  params = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
-                        params)  # split leaves: every process's blocks
-  if jax.process_index() == 0:
-    np.savez(args.out, **{"/".join(k): v for k, v in _flat(params)})
+  for shard in args.shard.split(","):
+    metrics, out = (a.replace("{shard}", shard) for a in (args.metrics, args.out))
+    if args.api == "nnx":
+      step, params = run_nnx(args.steps, metrics, shard)
+    else:
+      step, state = run(args.steps, metrics, shard)
+      params = state.params
+    assert step.num_replicas == args.num_processes * args.local_devices
+    from jax.experimental import multihost_utils
+    params = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+                          params)  # split leaves: every process's blocks
+    if jax.process_index() == 0:
+      np.savez(out, **{"/".join(k): v for k, v in _flat(params)})
   print("DONE", flush=True)
   jax.distributed.shutdown()
   return 0
