@@ -28,27 +28,13 @@ byte; the collectives pad a leaf or bucket to the codec's ``align`` as they do f
 from __future__ import annotations
 
 import dataclasses
-import operator
 
-import jax.numpy as jnp
-
-from jaxring._src.codecs import kernels
-from jaxring._src.codecs.base import (
-    MAX_BLOCK_SIZE,
-    Codec,
-    accum_dtype,
-    is_float,
-    no_inner,
-    spelling,
-)
-from jaxring._src.codecs.int8 import _seed
-
-_F32 = jnp.dtype(jnp.float32)
-_SCALE_BYTES = 4
+from jaxring._src.codecs.base import no_inner, spelling
+from jaxring._src.codecs.blockwise import Blockwise
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp4(Codec):
+class Fp4(Blockwise):
   """4-bit e2m1 codes plus one f32 scale per ``block_size`` values, re-encoded at every ring hop.
 
   Attributes:
@@ -62,90 +48,9 @@ class Fp4(Codec):
   stochastic: bool = False
 
   name = "fp4"
-  lossy = True
-
-  def __post_init__(self):
-    try:
-      bs = operator.index(self.block_size)
-    except TypeError:
-      raise ValueError(f"fp4: block_size must be a positive even integer, got "
-                       f"{self.block_size!r}") from None
-    if not 2 <= bs <= MAX_BLOCK_SIZE or bs % 2:
-      raise ValueError(f"fp4: block_size must be a positive even integer of at most "
-                       f"{MAX_BLOCK_SIZE - 1} (two codes a byte), got {bs}")
-    if not isinstance(self.stochastic, bool):
-      raise ValueError(f"fp4: stochastic must be True or False, got {self.stochastic!r}")
-    object.__setattr__(self, "block_size", bs)
-
-  @property
-  def align(self) -> int:  # type: ignore[override]
-    return self.block_size
-
-  def applies_to(self, dtype) -> bool:
-    return is_float(dtype)
-
-  def wire_bytes(self, n: int, dtype=jnp.float32) -> int:
-    if not self.applies_to(dtype):
-      return super().wire_bytes(n, dtype)
-    n = int(n)
-    return -(-n // 2) + _SCALE_BYTES * -(-n // self.block_size)
-
-  def max_error(self, block_amax):
-    """Worst-case error of one encode of a block whose largest magnitude is ``block_amax``: half
-    the widest step (4 to 6 scale units) to nearest, a whole one stochastically."""
-    return block_amax / (3.0 if self.stochastic else 6.0)
-
-  def _seed_of(self, x):
-    return _seed(x) if self.stochastic else 0
-
-  def encode(self, x, dtype) -> tuple:
-    if x.shape[0] % 2:
-      raise ValueError(f"fp4 encodes an even count of values (two codes a byte), got "
-                       f"{x.shape[0]}: pad to a multiple of the codec's align, as the "
-                       "collectives do")
-    x32 = x.astype(_F32) if x.dtype != _F32 else x
-    return tuple(kernels.ops().quantize_fp4(x32, self.block_size, self.stochastic,
-                                            self._seed_of(x32)))
-
-  def decode(self, payload: tuple, dtype):
-    q, scales = payload
-    out = kernels.ops().dequantize_fp4(q, scales, self.block_size, _F32)
-    acc = accum_dtype(dtype)
-    return out if acc == _F32 else out.astype(acc)
-
-  def hop(self, payload: tuple, local, dtype) -> tuple:
-    if local.dtype != _F32:  # f64 partials: decode, add in f64, encode
-      return super().hop(payload, local, dtype)
-    q, scales = payload
-    partial, q_out, s_out = kernels.ops().ring_hop_fp4(q, scales, local, self.block_size,
-                                                       self.stochastic, self._seed_of(local))
-    return partial, (q_out, s_out)
-
-  def last_hop(self, payload: tuple, local, dtype):
-    if local.dtype != _F32:
-      return super().last_hop(payload, local, dtype)
-    q, scales = payload
-    return kernels.ops().ring_hop_fp4_last(q, scales, local, self.block_size)
-
-  # the local chunk read in place (codecs/base.py), as int8's
-  def encode_at(self, base, offset, n: int, dtype) -> tuple:
-    at = None if self.stochastic or n % 2 else kernels.in_place("quantize_fp4", base, n)
-    if at is None:
-      return super().encode_at(base, offset, n, dtype)
-    return at(base, offset, n, self.block_size)
-
-  def hop_at(self, payload: tuple, base, offset, n: int, dtype) -> tuple:
-    at = None if self.stochastic else kernels.in_place("ring_hop_fp4", base, n)
-    if at is None:
-      return super().hop_at(payload, base, offset, n, dtype)
-    partial, q_out, s_out = at(*payload, base, offset, n, self.block_size)
-    return partial, (q_out, s_out)
-
-  def last_hop_at(self, payload: tuple, base, offset, n: int, dtype):
-    at = kernels.in_place("ring_hop_fp4_last", base, n)
-    if at is None:
-      return super().last_hop_at(payload, base, offset, n, dtype)
-    return at(*payload, base, offset, n, self.block_size)
+  paired = True         # two codes a byte
+  nearest_error = 6.0   # half the widest step (4 to 6 scale units)
+  decodes_in_process = False
 
 
 def fp4(block_size: int = 64, stochastic: bool = False) -> Fp4:

@@ -19,35 +19,13 @@ scaling) before reducing values that small.
 from __future__ import annotations
 
 import dataclasses
-import operator
 
-import jax.numpy as jnp
-from jax import lax
-
-from jaxring._src.codecs import kernels
-from jaxring._src.codecs.base import (
-    MAX_BLOCK_SIZE,
-    Codec,
-    accum_dtype,
-    is_float,
-    no_inner,
-    spelling,
-)
-
-_F32 = jnp.dtype(jnp.float32)
-_SCALE_BYTES = 4
-
-
-def _seed(x):
-  """A per-call stochastic-rounding seed from the data itself (codecs are stateless): the bits of
-  three elements, so that members, hops and steps draw different offsets."""
-  bits = lax.bitcast_convert_type(x.astype(_F32), jnp.uint32)
-  n = x.shape[0]
-  return bits[0] ^ (bits[n // 2] * jnp.uint32(0x9E3779B1)) ^ (bits[n - 1] * jnp.uint32(0x85EBCA77))
+from jaxring._src.codecs.base import no_inner, spelling
+from jaxring._src.codecs.blockwise import Blockwise
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8(Codec):
+class Int8(Blockwise):
   """int8 codes plus one f32 scale per ``block_size`` values, re-encoded at every ring hop.
 
   Attributes:
@@ -61,91 +39,6 @@ class Int8(Codec):
   stochastic: bool = False
 
   name = "int8"
-  lossy = True
-
-  def __post_init__(self):
-    try:
-      bs = operator.index(self.block_size)
-    except TypeError:
-      raise ValueError(f"int8: block_size must be a positive integer, got {self.block_size!r}"
-                       ) from None
-    if not 1 <= bs <= MAX_BLOCK_SIZE:
-      raise ValueError(f"int8: block_size must be a positive integer of at most {MAX_BLOCK_SIZE} "
-                       f"(2**31 - 1), got {bs}")
-    if not isinstance(self.stochastic, bool):
-      raise ValueError(f"int8: stochastic must be True or False, got {self.stochastic!r}")
-    object.__setattr__(self, "block_size", bs)
-
-  @property
-  def align(self) -> int:  # type: ignore[override]
-    return self.block_size
-
-  def applies_to(self, dtype) -> bool:
-    return is_float(dtype)
-
-  def wire_bytes(self, n: int, dtype=jnp.float32) -> int:
-    if not self.applies_to(dtype):
-      return super().wire_bytes(n, dtype)
-    n = int(n)
-    return n + _SCALE_BYTES * -(-n // self.block_size)
-
-  def max_error(self, block_amax):
-    """Worst-case error of one encode of a block whose largest magnitude is ``block_amax``."""
-    return block_amax / (127.0 if self.stochastic else 254.0)
-
-  def _seed_of(self, x):
-    return _seed(x) if self.stochastic else 0
-
-  def encode(self, x, dtype) -> tuple:
-    x32 = x.astype(_F32) if x.dtype != _F32 else x
-    return tuple(kernels.ops().quantize_int8(x32, self.block_size, self.stochastic,
-                                             self._seed_of(x32)))
-
-  def decode(self, payload: tuple, dtype):
-    q, scales = payload
-    out = kernels.ops().dequantize_int8(q, scales, self.block_size, _F32)
-    acc = accum_dtype(dtype)
-    return out if acc == _F32 else out.astype(acc)
-
-  def in_process_decode(self, dtype) -> int | None:
-    if not self.applies_to(dtype):
-      return super().in_process_decode(dtype)
-    return self.block_size if accum_dtype(dtype) == _F32 else None
-
-  def hop(self, payload: tuple, local, dtype) -> tuple:
-    if local.dtype != _F32:  # f64 partials: decode, add in f64, encode
-      return super().hop(payload, local, dtype)
-    q, scales = payload
-    partial, q_out, s_out = kernels.ops().ring_hop_int8(q, scales, local, self.block_size,
-                                                        self.stochastic, self._seed_of(local))
-    return partial, (q_out, s_out)
-
-  def last_hop(self, payload: tuple, local, dtype):
-    if local.dtype != _F32:
-      return super().last_hop(payload, local, dtype)
-    q, scales = payload
-    return kernels.ops().ring_hop_int8_last(q, scales, local, self.block_size)
-
-  # the local chunk read in place (codecs/base.py); the stochastic variants seed from the chunk's
-  # values, which the sliced path reads
-  def encode_at(self, base, offset, n: int, dtype) -> tuple:
-    at = None if self.stochastic else kernels.in_place("quantize_int8", base, n)
-    if at is None:
-      return super().encode_at(base, offset, n, dtype)
-    return at(base, offset, n, self.block_size)
-
-  def hop_at(self, payload: tuple, base, offset, n: int, dtype) -> tuple:
-    at = None if self.stochastic else kernels.in_place("ring_hop_int8", base, n)
-    if at is None:
-      return super().hop_at(payload, base, offset, n, dtype)
-    partial, q_out, s_out = at(*payload, base, offset, self.block_size)
-    return partial, (q_out, s_out)
-
-  def last_hop_at(self, payload: tuple, base, offset, n: int, dtype):
-    at = kernels.in_place("ring_hop_int8_last", base, n)
-    if at is None:
-      return super().last_hop_at(payload, base, offset, n, dtype)
-    return at(*payload, base, offset, self.block_size)
 
 
 def int8(block_size: int = 256, stochastic: bool = False) -> Int8:
