@@ -321,7 +321,8 @@ class TrainStep:
     whole = jax.tree_util.tree_map(lambda _: P(), args)
     body = jax.shard_map(self._per_replica, mesh=self.mesh,
                          in_specs=(specs, res_specs, data, whole),
-                         out_specs=(specs, res_specs, P()), check_vma=False)
+                         out_specs=(specs, res_specs, P(cfg.slow_axes) if
+                                    diloco_layout.is_diloco(state) else P()), check_vma=False)
     return body(state, residuals, batch, args)
 
   def _per_replica(self, state, residuals, batch, args):
@@ -362,7 +363,12 @@ class TrainStep:
     new_residuals = residuals
     if residuals is not None and ctx.new_residuals is not None:
       new_residuals = ctx.new_residuals
-    if getattr(new_state, "batch_stats", None) is not None:   # one pmean with the metrics
+    if diloco:   # the slow links carry the syncs only: each node's own metrics, (nodes,) each
+      metrics = replica_mean(metrics, cfg.reduce_axes)
+      if getattr(new_state, "batch_stats", None) is not None:   # replicated: every replica's
+        new_state = new_state.replace(batch_stats=replica_mean(new_state.batch_stats,
+                                                               cfg.axis_name))
+    elif getattr(new_state, "batch_stats", None) is not None:   # one pmean with the metrics
       stats, metrics = replica_mean((new_state.batch_stats, metrics), cfg.axis_name)
       new_state = new_state.replace(batch_stats=stats)
     else:
@@ -373,6 +379,8 @@ class TrainStep:
         new_residuals = select_tree(_finite(ctx.finite), new_residuals, residuals)
     if residuals is not None:
       new_residuals = jax.tree_util.tree_map(lambda r: r[None], new_residuals)
+    if diloco:
+      metrics = jax.tree_util.tree_map(lambda m: jnp.asarray(m)[None], metrics)
     return new_state, new_residuals, metrics
 
   def _sharded_view(self, state):
