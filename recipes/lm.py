@@ -23,6 +23,8 @@ Launch:
   python -m recipes.lm --config=tiny_cpu --config.shard=params --config.algorithm=ring \
       --config.compression=int8 --config.param_compression=int8     # int8 weights and gradients
   python -m recipes.lm --config=tiny_cpu --config.api=nnx            # the GPT in NNX: lm_nnx.py
+  python -m recipes.lm --config=tiny_cpu --config.diloco_every=50 \
+      --config.diloco_compression=int8                               # DiLoCo, 2 nodes x 4
   jaxring train lm --config=gpt2_small --config.batch_size=64        # on GPUs
 """
 from __future__ import annotations
@@ -77,6 +79,10 @@ class LMConfig:
   param_compression: str = "none"
   hpz: bool = False
   error_feedback: bool = True
+  # DiLoCo: the devices as diloco_nodes nodes, synced every diloco_every steps (0: every step)
+  diloco_every: int = 0
+  diloco_nodes: int = 2
+  diloco_compression: str = "none"   # the pseudo-gradients' codec
   # bookkeeping
   workdir: str = ""
   seed: int = 0
@@ -203,7 +209,21 @@ def make_optimizer(config: LMConfig) -> tuple[optax.GradientTransformation, opta
   adamw = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay)
   if config.grad_clip > 0:
     adamw = optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
+  if config.diloco_every:
+    adamw = jaxring.diloco(adamw, axis="node", every=config.diloco_every,
+                           compression=jaxring.codecs.parse(config.diloco_compression))
   return adamw, schedule
+
+
+def lm_mesh(config: LMConfig):
+  """The mesh: the step's default, or with DiLoCo the devices as ``(diloco_nodes, rest)``."""
+  if not config.diloco_every:
+    return jt.default_mesh(train.axis_name(config))
+  devices = np.asarray(jax.devices())
+  if devices.size % config.diloco_nodes:
+    raise ValueError(f"diloco_nodes={config.diloco_nodes} must divide the {devices.size} devices")
+  return jax.sharding.Mesh(devices.reshape(config.diloco_nodes, -1), ("node", "local"),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def create_train_state(config: LMConfig, model: GPT, tx) -> jt.TrainState:
@@ -215,12 +235,12 @@ def create_train_state(config: LMConfig, model: GPT, tx) -> jt.TrainState:
 
 def train_step_decorator(config: LMConfig, mesh=None) -> Callable:
   """``@jaxring.train_step`` with the config's reduction, for the Linen and the NNX step."""
-  axis = train.axis_name(config)
-  return jt.train_step(mesh if mesh is not None else jt.default_mesh(axis), axis_name=axis,
+  axis = ("node", "local") if config.diloco_every else train.axis_name(config)
+  return jt.train_step(mesh if mesh is not None else lm_mesh(config), axis_name=axis,
                        algorithm=config.algorithm, compression=train.step_compression(config),
                        error_feedback=config.error_feedback,
                        bucket_bytes=int(config.bucket_mib * (1 << 20)), shard=config.shard,
-                       hpz=config.hpz)
+                       hpz=config.hpz, grad_axes="local" if config.diloco_every else None)
 
 
 def make_train_step(config: LMConfig, schedule: optax.Schedule, mesh=None) -> jt.TrainStep:
@@ -271,8 +291,7 @@ def train_and_evaluate(config: LMConfig) -> dict[str, Any]:
     >>> summary["final"]["eval_loss"] < 0.5 * summary["unigram_entropy"]
     True
   """
-  axis = train.axis_name(config)
-  mesh = jt.default_mesh(axis)
+  mesh = lm_mesh(config)
   if config.batch_size % mesh.size:
     raise ValueError(f"batch_size {config.batch_size} must be a multiple of the {mesh.size} "
                      "devices")
@@ -338,7 +357,7 @@ class _LossLog:
     return logged
 
   def read(self) -> list[float]:
-    return [float(x) for x in jax.device_get(self._losses)]
+    return [float(np.mean(x)) for x in jax.device_get(self._losses)]   # DiLoCo: per node
 
 
 # --- command line -------------------------------------------------------------------------------
