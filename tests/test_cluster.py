@@ -112,20 +112,6 @@ def test_link_between_namespaces_is_shaped(cluster):
   assert nbytes <= sent < 1.1 * nbytes, sent
 
 
-@pytest.mark.timeout(120)
-def test_run_jax_psum_across_two_nodes(cluster):
-  t0 = time.monotonic()
-  run = cli("run", "--name", NAME, "--procs-per-node", "1", "--devices-per-proc", "2",
-            "--timeout", "90", "--", *mp.python_worker("dist_allreduce.py", "--calls", "50"),
-            timeout=110)
-  out = run.stdout + run.stderr
-  assert run.returncode == 0, out
-  for rank in range(2):
-    assert f"[r{rank}] process {rank}/2: 2 devices, topology ('local', 'node') [2, 2]" in out, out
-    assert f"[r{rank}] process {rank}: OK lax calls=50" in out, out
-  assert time.monotonic() - t0 < 110
-
-
 @pytest.mark.timeout(60)
 def test_run_timeout_kills_and_names_the_unfinished_rank(cluster):
   code = ("import os, time; r = int(os.environ['JAXRING_PROCESS_ID']); "
@@ -206,10 +192,11 @@ def test_an_mpi_job_with_the_watchdog_ends_with_every_heartbeat_received(cluster
   assert "not matched" not in out, out
 
 
-def _start_job(tmp_path, calls: int, failure_timeout: float, run_timeout: float):
+def _start_job(tmp_path, calls: int, failure_timeout: float, run_timeout: float,
+               devices: int = 1):
   out = open(tmp_path / "job.log", "w")
   proc = subprocess.Popen(
-      [*CLI, "run", "--name", NAME, "--procs-per-node", "1", "--devices-per-proc", "1",
+      [*CLI, "run", "--name", NAME, "--procs-per-node", "1", "--devices-per-proc", str(devices),
        "--timeout", str(run_timeout), "--failure-timeout", str(failure_timeout), "--",
        *mp.python_worker("dist_allreduce.py", "--calls", str(calls), "--algorithms", "lax",
                          "--progress", "100")],
@@ -231,12 +218,15 @@ def _link(state: str) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_link_down_for_5_s_then_restored_completes_correctly(cluster, tmp_path):
-  proc, log = _start_job(tmp_path, calls=2000, failure_timeout=30, run_timeout=200)
+def test_run_jax_psum_across_two_nodes_through_a_link_down_for_5_s(cluster, tmp_path):
+  """A JAX job across the two nodes (2 devices a process): every psum checked against float64
+  NumPy, the link cut for 5 s in the middle of the run and restored; the job completes."""
+  proc, log = _start_job(tmp_path, calls=1000, failure_timeout=30, run_timeout=200, devices=2)
   try:
     _wait_for(log, r"\[r1\] process 1: lax call 200\b", 150)
     _link("down")
     time.sleep(5)
+    still_running = proc.poll() is None   # stalled by the cut, not finished before it
     _link("up")
     rc = proc.wait(timeout=200)
   finally:
@@ -245,8 +235,11 @@ def test_a_link_down_for_5_s_then_restored_completes_correctly(cluster, tmp_path
       mp._kill_session(proc)
   text = log.read_text()
   assert rc == 0, text[-4000:]
+  assert still_running, text[-4000:]
   for rank in range(2):   # every call checked against a float64 NumPy sum by the worker
-    assert f"[r{rank}] process {rank}: OK lax calls=2000" in text, text[-4000:]
+    assert f"[r{rank}] process {rank}/2: 2 devices, topology ('local', 'node') [2, 2]" in text, (
+        text[-4000:])
+    assert f"[r{rank}] process {rank}: OK lax calls=1000" in text, text[-4000:]
 
 
 @pytest.mark.timeout(240)
@@ -254,7 +247,7 @@ def test_a_link_down_for_good_ends_both_sides_naming_the_other(cluster, tmp_path
   timeout = 5.0
   proc, log = _start_job(tmp_path, calls=100000, failure_timeout=timeout, run_timeout=200)
   try:
-    _wait_for(log, r"\[r1\] process 1: lax call 200\b", 150)
+    _wait_for(log, r"\[r1\] process 1: lax call 100\b", 150)
     _link("down")
     cut = time.monotonic()
     rc = proc.wait(timeout=120)

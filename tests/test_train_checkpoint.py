@@ -3,6 +3,7 @@ nothing that was committed."""
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -335,11 +336,14 @@ def _run_two_processes(directory, steps: int):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_two_processes_skip_a_corrupt_checkpoint_together(tmp_path):
-  straight, report = _run_two_processes(tmp_path / "straight", 6)
+  # one straight run of 6 steps (each pair of processes is most of the test's time) leaves the
+  # checkpoints of a run interrupted after step 4 once its last one is removed
+  straight, report = _run_two_processes(tmp_path / "ckpt", 6)
   final = {r.stdout.split("FINAL ")[1].split()[0] for r in straight}
   assert len(final) == 1, report
-
-  _run_two_processes(tmp_path / "ckpt", 4)
+  assert all("RESUMED" not in r.stdout for r in straight), report
+  assert jt.Checkpointer(tmp_path / "ckpt").all_steps() == [2, 4, 6]
+  shutil.rmtree(tmp_path / "ckpt" / "6")
   assert jt.Checkpointer(tmp_path / "ckpt").all_steps() == [2, 4]
   _flip_middle_bit(_largest_file(tmp_path / "ckpt" / "4" / "residuals"))  # one process's shard
   results, report = _run_two_processes(tmp_path / "ckpt", 6)
