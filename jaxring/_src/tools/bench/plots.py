@@ -103,3 +103,24 @@ def cluster(result: dict[str, Any], path: str) -> str | None:
   finally:
     plt.close(fig)
   return path
+
+
+def accuracy_curves(rows: list[dict], target: float, title: str, path: str) -> str | None:
+  """Accuracy against training time per contender (``bench tta``), as a PNG (None without
+  matplotlib)."""
+  plt = pyplot()
+  if plt is None:
+    return None
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for r in rows:
+    ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".",
+            label=r["contender"])
+  ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}%")
+  ax.set_xlabel("training time (s)")
+  ax.set_ylabel("test accuracy (%)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path

@@ -17,7 +17,10 @@ rate decayed to 0 along a cosine over ``--steps``, where top-k with momentum cor
   largest chunks of the whole gradient) on the node level, ``train_step(momentum=0.9)`` and a
   momentum-free ``optax.sgd``;
 * ``train_step top-k 1% per tensor + momentum correction``: the same with ``topk_chunks(0.01)``
-  (each tensor's share of the chunks, the default).
+  (each tensor's share of the chunks, the default);
+* ``diloco H=<H> ...`` (``--diloco-every H``): ``jaxring.diloco`` of that momentum SGD through
+  ``train_step(axis_name=("node", "local"), grad_axes="local")``, uncompressed, int8+EF, and int8
+  in ``--diloco-fragments``; evaluated on the outer parameters.
 
 Contenders take turns, ``--eval-every`` steps each (so the machine's drifting load hits all
 alike); after each turn the test accuracy of the replicated parameters is measured outside the
@@ -120,6 +123,22 @@ def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int, model: str =
   }
 
 
+def diloco_contenders(mesh, lr: float, bucket_bytes: int, model: str, schedule: str, steps: int,
+                      every: int, fragments: int, warmup: int) -> dict:
+  """name -> (step, optimizer) of the DiLoCo contenders on a ("node", "local") ``mesh``."""
+  import optax
+
+  import jaxring
+  from jaxring._src.tools.bench.convergence import learning_rate
+  inner, out = optax.sgd(learning_rate(lr, schedule, steps), momentum=MOMENTUM), {}
+  for codec, p in (("none", 1), ("int8", 1), ("int8", fragments)):
+    tx = jaxring.diloco(inner, axis="node", every=every, fragments=p, warmup_steps=warmup,
+                        compression=jaxring.codecs.int8() if codec == "int8" else None)
+    out[f"diloco H={every} {codec}" + (f" fragments={p}" if p > 1 else "")] = (decorated(
+        mesh, model, axis_name=("node", "local"), grad_axes="local", bucket_bytes=bucket_bytes), tx)
+  return out
+
+
 class Batches:
   """Each member's 16 images of step ``t``, as the convergence benchmark walks its shards."""
 
@@ -212,6 +231,16 @@ def worker(args) -> int:
   iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   steps_of = contenders(mesh, args.lr, int(args.bucket_mib * (1 << 20)), args.chunk_size,
                         args.model, args.schedule, args.steps)
+  batches = dict.fromkeys(steps_of, batch_of)
+  if args.diloco_every:   # the same devices as (node, local): a row per process
+    mesh2 = Mesh(np.asarray(devices).reshape(jax.process_count(), -1), ("node", "local"),
+                 axis_types=(AxisType.Auto,) * 2)
+    two = diloco_contenders(mesh2, args.lr, int(args.bucket_mib * (1 << 20)), args.model,
+                            args.schedule, args.steps, args.diloco_every, args.diloco_fragments,
+                            args.diloco_warmup)
+    steps_of.update(two)
+    batches.update(dict.fromkeys(two, Batches(xtr, ytr, len(devices), args.batch_per_device,
+                                              members, NamedSharding(mesh2, P(("node", "local"))))))
   names = [n for n in steps_of if not args.only or n in args.only.split(",")]
   start = accuracy(params, xte, yte, args.model)
   states, curves, left = {}, {n: [(0.0, 0, start)] for n in names}, set(names)
@@ -223,7 +252,7 @@ def worker(args) -> int:
     state = (step.prepare(state) if hasattr(step, "prepare") else
              jax.device_put(jax.tree.map(np.copy, state), NamedSharding(mesh, P())))
     # the first step compiles: it is trained on but not timed
-    states[name] = common.warm_up(step, state, batch_of(0), 1)
+    states[name] = common.warm_up(step, state, batches[name](0), 1)
     done[name] = 1
   turn = 0
   while left:
@@ -233,7 +262,7 @@ def worker(args) -> int:
       b0 = cluster_worker.tx_bytes(iface)
       state, t0 = states[name], time.perf_counter()
       for t in range(done[name], min(done[name] + args.eval_every, args.steps)):
-        state, metrics = step(state, batch_of(t))
+        state, metrics = step(state, batches[name](t))
         # one step in flight: with many steps queued, XLA:CPU's gloo all-reduces of the two
         # devices of a process deadlocked after ~15 steps of the hand-written step (10 Mbit/s,
         # jax 0.10.2: one device's execution waiting in gloo, the other's never launched)
@@ -295,26 +324,6 @@ def rows_of(recs: list[dict], target: float) -> list[dict]:
   return rows
 
 
-def plot(rows: list[dict], target: float, title: str, path: str) -> str | None:
-  """Accuracy against training time per contender, as a PNG (None without matplotlib)."""
-  from jaxring._src.tools.bench.plots import pyplot
-  plt = pyplot()
-  if plt is None:
-    return None
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for r in rows:
-    ax.plot([c[0] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".", label=r["contender"])
-  ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}%")
-  ax.set_xlabel("training time (s)")
-  ax.set_ylabel("test accuracy (%)")
-  ax.set_title(title, fontsize=9)
-  ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
-
-
 def _parser() -> argparse.ArgumentParser:
   ap = argparse.ArgumentParser(prog="jaxring bench tta", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,6 +347,10 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--bucket-mib", type=float, default=1.0)
   ap.add_argument("--compute-steps", type=int, default=10)
   ap.add_argument("--only", default="", help="comma-separated contenders to run")
+  ap.add_argument("--diloco-every", type=int, default=0,
+                  help="add jaxring.diloco contenders syncing the nodes every this many steps")
+  ap.add_argument("--diloco-fragments", type=int, default=4)
+  ap.add_argument("--diloco-warmup", type=int, default=0, help="synchronous steps first")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--timeout", type=float, default=3600)
   ap.add_argument("--out-dir", default=None)
@@ -352,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
   if os.geteuid() != 0:
     print("jaxring bench tta: skipped: needs root (network namespaces and tc)", file=sys.stderr)
     return 2
-  from jaxring._src.tools.bench import cluster
+  from jaxring._src.tools.bench import cluster, plots
   from jaxring._src.tools.cluster import netns
 
   name = "jrtta"
@@ -383,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
   compute = max({r["node"]: r["compute_s"] for r in recs}.values())
   skew = common.skew_of(recs)
   base = next((r for r in rows if r["contender"] == BASE), rows[0])
+  for r in rows:   # compute utilization; the node links' bytes against the uncompressed step's
+    r.update(compute_share=compute / r["s_per_step"],
+             fewer_bytes=base["tx_mib_per_step"] / max(r["tx_mib_per_step"], 1e-12))
   print(f"\n{args.model} ({first['params']:,} params = {common.fmt_bytes(4 * first['params'])} of "
         f"f32 gradients) on hard_shapes, {args.nodes} nodes x {args.devices_per_node} devices x "
         f"{args.batch_per_device} images, momentum SGD lr {args.lr} ({args.schedule}), links "
@@ -398,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
       ("speedup_vs_pmean", "vs lax.pmean step", ".2f"),
       ("speedup_vs_none", "vs train_step none", ".2f"), ("steps_to_target", "steps", ""),
       ("final_accuracy", "final acc (%)", ".2f"), ("steps", "steps run", ""),
-      ("s_per_step", "s/step", ".3f"), ("tx_mib_per_step", "MiB/node link/step", ".3f")])
+      ("s_per_step", "s/step", ".3f"), ("compute_share", "compute share", ".1%"),
+      ("tx_mib_per_step", "MiB/node link/step", ".3f"), ("fewer_bytes", "bytes ÷", ".0f")])
   import jax
   path = common.write_json("tta", {
       "bench": "tta", "args": vars(args), "link": state.rate, "quickack": state.quickack,
@@ -409,8 +426,9 @@ def main(argv: list[str] | None = None) -> int:
       "jax": jax.__version__, "machine": common.machine(), "rows": rows, "raw": recs},
       args.out_dir)
   print(f"wrote {path}")
-  png = plot(rows, args.target, f"time to {args.target:g}% on the emulated cluster "
-             f"({args.nodes}x{args.devices_per_node}, {state.rate})", path[:-5] + ".png")
+  png = plots.accuracy_curves(rows, args.target, f"time to {args.target:g}% on the emulated "
+                              f"cluster ({args.nodes}x{args.devices_per_node}, {state.rate})",
+                              path[:-5] + ".png")
   print(f"wrote {png}" if png else "no plot: matplotlib is not installed "
         "(pip install jaxring[plot])")
   return 0
