@@ -119,6 +119,7 @@ def test_the_functional_form():
                     rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow   # orbax writes and restores a trained state (~5 s)
 def test_a_checkpoint_resumes_exactly(tmp_path):
   tx = jr.diloco(optax.sgd(LR), axis="node", every=4, fragments=2, delay=1,
                  compression=jr.codecs.int8(block_size=4))
@@ -147,6 +148,7 @@ def test_refusals():
     run(tx, 1, grad_axes="local", shard="optimizer")
 
 
+@pytest.mark.slow   # NNX and TrainState steps compiled side by side (~5 s)
 def test_nnx_objects_train_as_the_train_state_does():
   from flax import nnx
 

@@ -139,8 +139,7 @@ def _reduce_bucket_with_momentum(cfg: ReduceConfig, cts: Sequence, grads, residu
     grads = [g * scale.astype(acc) for g in grads]
     norms = jnp.broadcast_to(average, norms.shape)
   zero = jnp.zeros((1,), acc)
-  r = jnp.concatenate([p[0] for p in parts] + [zero])
-  u = jnp.concatenate([p[1] for p in parts] + [zero])
+  r, u = (jnp.concatenate([p[i] for p in parts] + [zero]) for i in (0, 1))
   g = jnp.concatenate(grads + [jnp.reshape(tok, (1,)).astype(acc)])
   binding = engine.bind(cfg.reduce_axes, "value_and_grad")
   mean, u, r = corrected_mean(u, g, r, dtype, binding, cfg.algorithm, cfg.compression,
