@@ -7,11 +7,19 @@ in the all-gather too, ``{"params": int8, "grads": int8}``). Memory is ``step.me
 batch)``: parameters, optimizer state and error-feedback residuals on one device, and the compiled
 step's peak (arguments + outputs not aliased + temporaries).
 
+DiLoCo rows (``--seeds`` seeds each, the same seeds and batches for every contender): synchronous
+data parallel (the flat mesh, every step's gradients averaged over the 8 devices) against
+``jaxring.diloco`` on 2 nodes x 4 devices synced every ``--diloco-every`` steps (AdamW inside,
+gradients averaged over a node's 4 devices): DiLoCo's outer Nesterov SGD (0.7, 0.9), and plain
+averaging (``optax.sgd(1.0)``), uncompressed and int8 with error feedback. Each contender's eval
+loss is given as the mean over the seeds and against the synchronous one's mean.
+
 Launch:
 
   python -m recipes.bench_lm                              # tiny_cpu, 8 emulated CPU devices
   python -m recipes.bench_lm --num-steps 100 --config.width=128
   python -m recipes.bench_lm --rows=params/none,params/int8 --config.seed=1   # some rows
+  python -m recipes.bench_lm --rows= --diloco-every=10    # the DiLoCo rows only
 """
 from __future__ import annotations
 
@@ -25,6 +33,9 @@ import time
 
 ROWS = (("none", "none", "none", "auto"), ("params", "none", "none", "auto"),
         ("none", "int8", "none", "ring"), ("params", "int8", "int8", "ring"))
+# DiLoCo contenders: name, outer (learning rate, Nesterov momentum), the pseudo-gradients' codec
+DILOCO = (("synchronous", None, "none"), ("diloco nesterov", (0.7, 0.9), "none"),
+          ("diloco average", (1.0, 0.0), "none"), ("diloco average int8", (1.0, 0.0), "int8"))
 
 
 def measure(config, names=None) -> list[dict]:
@@ -65,6 +76,42 @@ def measure(config, names=None) -> list[dict]:
   return rows
 
 
+def measure_diloco(config, every: int, seeds: int) -> list[dict]:
+  """Each :data:`DILOCO` contender trained over ``seeds`` seeds: its eval losses, their mean and
+  its mean against the synchronous contender's."""
+  from recipes import lm
+
+  rows = []
+  for name, outer, codec in DILOCO:
+    losses, walls = [], []
+    for seed in range(config.seed, config.seed + seeds):
+      run = dataclasses.replace(config, seed=seed, progress=False, diloco_every=0 if outer is None
+                                else every, diloco_compression=codec,
+                                diloco_outer_lr=(outer or (0.7, 0.9))[0],
+                                diloco_outer_momentum=(outer or (0.7, 0.9))[1])
+      start = time.perf_counter()
+      losses.append(lm.train_and_evaluate(run)["final"]["eval_loss"])
+      walls.append(time.perf_counter() - start)
+    rows.append({"contender": name, "every": 1 if outer is None else every,
+                 "outer": outer, "compression": codec, "eval_losses": losses,
+                 "eval_loss_mean": sum(losses) / len(losses), "wall_s": walls})
+    print(f"  {name}: eval loss {rows[-1]['eval_loss_mean']:.4f} over {seeds} seeds", flush=True)
+  for row in rows:
+    row["vs_synchronous"] = row["eval_loss_mean"] / rows[0]["eval_loss_mean"] - 1
+  return rows
+
+
+def format_diloco(rows: list[dict]) -> str:
+  lines = ["| contender | H | outer (lr, momentum) | codec | eval loss, mean | per seed |"
+           " vs synchronous |", "|---|---:|---|---|---:|---|---:|"]
+  for r in rows:
+    outer = "-" if r["outer"] is None else f"{r['outer'][0]}, {r['outer'][1]}"
+    seeds = " / ".join(f"{x:.4f}" for x in r["eval_losses"])
+    lines.append(f"| {r['contender']} | {r['every']} | {outer} | {r['compression']} | "
+                 f"{r['eval_loss_mean']:.4f} | {seeds} | {100 * r['vs_synchronous']:+.1f}% |")
+  return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
   mib = 1 / (1 << 20)
   lines = ["| shard | compression (params / grads) | eval loss | perplexity | vs uncompressed |"
@@ -86,20 +133,28 @@ def format_table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   if "-h" in argv or "--help" in argv:
-    print(__doc__.strip() + "\n\n--rows=SHARD/GRADS,... picks rows (none/none, params/none, none/int8, params/int8); the recipe's own "
-          "options (python -m recipes.lm --help) set the config.")
+    print(__doc__.strip() + "\n\n--rows=SHARD/GRADS,... picks rows (none/none, params/none, "
+          "none/int8, params/int8; --rows= none); --seeds=S (3) and --diloco-every=H (20; 0: no "
+          "DiLoCo rows); the recipe's own options (python -m recipes.lm --help) set the config.")
     return 0
   import jax
 
   import jaxring.distributed
   from recipes import lm
 
-  names = [a.split("=", 1)[1].split(",") for a in argv if a.startswith("--rows=")]
-  config = lm.parse_args([a for a in argv if not a.startswith("--rows=")])
+  ours = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv
+          if a.startswith(("--rows=", "--seeds=", "--diloco-every="))}
+  names = ours["--rows"].split(",") if "--rows" in ours else None
+  config = lm.parse_args([a for a in argv if a.split("=", 1)[0] not in ours])
   jaxring.distributed.initialize(local_device_count=config.cpu_devices or None)
   load_before = os.getloadavg()
-  rows = measure(config, names[0] if names else None)
-  print(format_table(rows))
+  rows = measure(config, names) if names != [""] else []
+  every = int(ours.get("--diloco-every", 20))
+  diloco = measure_diloco(config, every, int(ours.get("--seeds", 3))) if every else []
+  if rows:
+    print(format_table(rows))
+  if diloco:
+    print(format_diloco(diloco))
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                           text=True).stdout.strip()
@@ -111,7 +166,7 @@ def main(argv=None) -> int:
                "commit": commit, "devices": jax.device_count(),
                "platform": jax.devices()[0].platform, "cores": os.cpu_count(),
                "load_average_before": load_before, "load_average_after": os.getloadavg(),
-               "config": dataclasses.asdict(config), "rows": rows}, f, indent=1)
+               "config": dataclasses.asdict(config), "rows": rows, "diloco": diloco}, f, indent=1)
   print(f"wrote {out}")
   return 0
 

@@ -83,6 +83,9 @@ class LMConfig:
   diloco_every: int = 0
   diloco_nodes: int = 2
   diloco_compression: str = "none"   # the pseudo-gradients' codec
+  diloco_outer_lr: float = 0.7       # the outer SGD with Nesterov momentum (DiLoCo's)
+  diloco_outer_momentum: float = 0.9
+  diloco_warmup: int = 0             # synchronous steps first
   # bookkeeping
   workdir: str = ""
   seed: int = 0
@@ -210,7 +213,10 @@ def make_optimizer(config: LMConfig) -> tuple[optax.GradientTransformation, opta
   if config.grad_clip > 0:
     adamw = optax.chain(optax.clip_by_global_norm(config.grad_clip), adamw)
   if config.diloco_every:
-    adamw = jaxring.diloco(adamw, axis="node", every=config.diloco_every,
+    outer = optax.sgd(config.diloco_outer_lr, momentum=config.diloco_outer_momentum or None,
+                      nesterov=config.diloco_outer_momentum > 0)
+    adamw = jaxring.diloco(adamw, axis="node", every=config.diloco_every, outer=outer,
+                           warmup_steps=config.diloco_warmup,
                            compression=jaxring.codecs.parse(config.diloco_compression))
   return adamw, schedule
 

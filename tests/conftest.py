@@ -19,7 +19,8 @@ _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_co
 # optimizations (XLA:CPU's level 2 by default) the compile-bound ones take half the time on the
 # 2-core machine (docs/benchmarks.md, "The test suite's time"). Same numerics: no fast-math at
 # either level. Processes started through multiproc.clean_env (multi-process and MPI tests, the
-# docs' blocks) compile at the default level, as users do; XLA_FLAGS naming a level overrides it.
+# docs' blocks) and the emulated cluster's jobs get the same level; XLA_FLAGS naming a level
+# overrides it.
 if "--xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()

@@ -37,7 +37,16 @@ def clean_env(**extra: str) -> dict[str, str]:
   for name in ("JAXRING_CACHE_DIR", "JAXRING_FLIGHT_DIR"):   # conftest's temporary folders
     if name in os.environ:
       env[name] = os.environ[name]
-  env.update({k: str(v) for k, v in extra.items()})
+  extra = {k: str(v) for k, v in extra.items()}
+  # the optimization level conftest chose for the tests (0 unless XLA_FLAGS named one): the
+  # workers compile the same kind of programs, and at level 2 their compiles were half the
+  # multi-process tests' time
+  level = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if f.startswith("--xla_backend_optimization_level")]
+  flags = " ".join([extra.pop("XLA_FLAGS", "")] + level).strip()
+  if flags:
+    env["XLA_FLAGS"] = flags
+  env.update(extra)
   return env
 
 

@@ -92,13 +92,17 @@ def test_the_state_params_are_the_outer_parameters_as_of_the_last_sync():
     assert not np.allclose(local_rows(later)[k][0], local_rows(later)[k][4])   # nodes apart
 
 
-def test_int8_with_error_feedback_equals_the_shard_map_form():
-  kw = dict(axis="node", every=3, compression=jr.codecs.int8(block_size=4))
+@pytest.mark.parametrize("codec", [jr.codecs.int8(block_size=4),
+                                   jr.codecs.topk_chunks(0.25, chunk_size=2, per_tensor=False)],
+                         ids=["int8", "topk"])
+def test_a_codec_with_error_feedback_equals_the_shard_map_form(codec):
+  kw = dict(axis="node", every=3, compression=codec)
   state, _ = run(jr.diloco(optax.sgd(LR), **kw), 9, grad_axes="local")
   want = shard_map_train(jr.diloco(optax.sgd(LR), fast_axes="local", **kw), False, steps=9)
   for k in P0:
     np.testing.assert_allclose(local_rows(state)[k], want[k], rtol=1e-6, atol=1e-7)
   assert jax.tree.leaves(state.opt_state.residual)[0].shape[0] == 8
+  assert any(np.abs(r).max() > 0 for r in jax.tree.leaves(state.opt_state.residual))   # lossy
 
 
 def test_the_functional_form():

@@ -276,7 +276,7 @@ def test_eval_under_nnx_jit_after_steps_and_after_a_restore(straight, saved):
 def test_residuals_saved_by_8_replicas_continue_on_4_as_their_mean(straight, saved, tmp_path):
   import multiproc as mp
   out = tmp_path / "resumed.pkl"
-  flags = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+  flags = "--xla_force_host_platform_device_count=4"
   (result,) = mp.spawn(1, lambda i: [sys.executable, os.path.abspath(__file__), "resume",
                                      saved.directory, str(out)],
                        lambda i: mp.clean_env(XLA_FLAGS=flags), timeout=300)

@@ -89,6 +89,20 @@ def test_contenders_are_the_four_of_the_issue_and_per_tensor_top_k():
       optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(64)})))
 
 
+def test_diloco_contenders_reduce_the_nodes_only_at_their_syncs_with_their_codecs():
+  mesh = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("node", "local"),
+              axis_types=(AxisType.Auto,) * 2)
+  steps = tta.diloco_contenders(mesh, 0.1, 1 << 20, "resnet", "constant", 10, every=5,
+                                fragments=2, warmup=0, chunk_size=8)
+  assert list(steps) == ["diloco H=5 none", "diloco H=5 int8", "diloco H=5 int8 fragments=2",
+                         "diloco H=5 topk"]
+  for name, (step, tx) in steps.items():
+    assert step.config.grad_axes == ("local",), name
+    state = jax.eval_shape(tx.init, {"w": jnp.zeros(64)})
+    # a lossy codec keeps its error-feedback residual; the uncompressed sync none
+    assert (state.residual is None) == name.endswith("none"), name
+
+
 def test_cosine_schedule_reaches_every_contenders_optimizer():
   mesh = Mesh(np.asarray(jax.devices()), ("data",), axis_types=(AxisType.Auto,))
   steps = tta.contenders(mesh, 0.1, 1 << 20, 16, model="resnet_gn", schedule="cosine", steps=2)

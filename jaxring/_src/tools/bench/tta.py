@@ -124,16 +124,20 @@ def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int, model: str =
 
 
 def diloco_contenders(mesh, lr: float, bucket_bytes: int, model: str, schedule: str, steps: int,
-                      every: int, fragments: int, warmup: int) -> dict:
-  """name -> (step, optimizer) of the DiLoCo contenders on a ("node", "local") ``mesh``."""
+                      every: int, fragments: int, warmup: int, chunk_size: int = 16) -> dict:
+  """name -> (step, optimizer) of the DiLoCo contenders on a ("node", "local") ``mesh``:
+  uncompressed, int8, int8 in fragments and top-k 1% chunks (SparseLoCo's sparsity), each lossy
+  codec with error feedback."""
   import optax
 
   import jaxring
   from jaxring._src.tools.bench.convergence import learning_rate
   inner, out = optax.sgd(learning_rate(lr, schedule, steps), momentum=MOMENTUM), {}
-  for codec, p in (("none", 1), ("int8", 1), ("int8", fragments)):
+  codecs = {"none": None, "int8": jaxring.codecs.int8(),
+            "topk": jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size, per_tensor=False)}
+  for codec, p in (("none", 1), ("int8", 1), ("int8", fragments), ("topk", 1)):
     tx = jaxring.diloco(inner, axis="node", every=every, fragments=p, warmup_steps=warmup,
-                        compression=jaxring.codecs.int8() if codec == "int8" else None)
+                        compression=codecs[codec])
     out[f"diloco H={every} {codec}" + (f" fragments={p}" if p > 1 else "")] = (decorated(
         mesh, model, axis_name=("node", "local"), grad_axes="local", bucket_bytes=bucket_bytes), tx)
   return out
@@ -237,7 +241,7 @@ def worker(args) -> int:
                  axis_types=(AxisType.Auto,) * 2)
     two = diloco_contenders(mesh2, args.lr, int(args.bucket_mib * (1 << 20)), args.model,
                             args.schedule, args.steps, args.diloco_every, args.diloco_fragments,
-                            args.diloco_warmup)
+                            args.diloco_warmup, args.chunk_size)
     steps_of.update(two)
     batches.update(dict.fromkeys(two, Batches(xtr, ytr, len(devices), args.batch_per_device,
                                               members, NamedSharding(mesh2, P(("node", "local"))))))
