@@ -84,11 +84,11 @@ def measure_diloco(config, every: int, seeds: int) -> list[dict]:
   rows = []
   for name, outer, codec in DILOCO:
     losses, walls = [], []
+    outer_lr, momentum = outer or (config.diloco_outer_lr, config.diloco_outer_momentum)
     for seed in range(config.seed, config.seed + seeds):
       run = dataclasses.replace(config, seed=seed, progress=False, diloco_every=0 if outer is None
-                                else every, diloco_compression=codec,
-                                diloco_outer_lr=(outer or (0.7, 0.9))[0],
-                                diloco_outer_momentum=(outer or (0.7, 0.9))[1])
+                                else every, diloco_compression=codec, diloco_outer_lr=outer_lr,
+                                diloco_outer_momentum=momentum)
       start = time.perf_counter()
       losses.append(lm.train_and_evaluate(run)["final"]["eval_loss"])
       walls.append(time.perf_counter() - start)

@@ -89,7 +89,7 @@ def test_contenders_are_the_four_of_the_issue_and_per_tensor_top_k():
       optax.sgd(0.1, momentum=0.9).init({"w": jnp.zeros(64)})))
 
 
-def test_diloco_contenders_reduce_the_nodes_only_at_their_syncs_with_their_codecs():
+def test_diloco_contenders_reduce_grads_within_the_node_and_keep_their_codecs_residuals():
   mesh = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("node", "local"),
               axis_types=(AxisType.Auto,) * 2)
   steps = tta.diloco_contenders(mesh, 0.1, 1 << 20, "resnet", "constant", 10, every=5,
