@@ -44,13 +44,13 @@ skip_without_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mp
 
 
 def mpirun(n: int, *worker_args: str, timeout: float, launcher_args: tuple = (),
-           worker: str = "mpi_collectives.py") -> tuple[int | None, str, float]:
+           worker: str = "mpi_collectives.py", **env: str) -> tuple[int | None, str, float]:
   """(exit status or None when killed at the timeout, output, seconds)."""
   cmd = [MPIRUN if os.path.exists(MPIRUN) else "mpirun", *launcher_args, "-n", str(n),
          *mp.python_worker(worker, *worker_args)]
   # one CPU device and one compute thread per rank: the ranks share 2 cores
   env = mp.clean_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
-                     "intra_op_parallelism_threads=1")
+                     "intra_op_parallelism_threads=1", **env)
   t0 = time.monotonic()
   p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        start_new_session=True)
@@ -207,3 +207,30 @@ def test_a_live_rank_stuck_between_collectives_is_named_by_every_rank():
                    rf"'data' 5 time\(s\), but rank \d of {n}|died or hangs[^\n]*Rank {stuck} "
                    rf"exits", out), out[-6000:]
   assert time.time() - float(died.group(1)) < FAILURE_TIMEOUT + SLACK, out[-6000:]
+
+
+@skip_without_mpi
+@pytest.mark.timeout(150)
+def test_diloco_host_transfer_equals_the_in_program_sync():
+  # 2 nodes x 2 ranks; the outer sync moved by a host thread during the delay steps: the same
+  # parameters after every step as the sync inside the program (uncompressed; int8+EF within its
+  # rounding, residual non-zero), the same outer parameters on every rank
+  rc, out, _ = mpirun(4, "--check", "equal", timeout=130, worker="mpi_diloco.py")
+  assert rc == 0, f"mpirun exited {rc}\n{out[-6000:]}"
+  for rank in range(4):
+    assert f"rank {rank}: OK" in out, out[-6000:]
+
+
+@skip_without_mpi
+@pytest.mark.timeout(120)
+def test_diloco_host_transfer_a_node_never_sends_is_named_not_a_hang():
+  rc, out, seconds = mpirun(4, "--check", "stall", timeout=100, worker="mpi_diloco.py",
+                            JAXRING_FAILURE_TIMEOUT=str(FAILURE_TIMEOUT))
+  assert rc is not None, f"mpirun still running after 100 s: a silent hang\n{out[-6000:]}"
+  for rank in (0, 1):
+    assert re.search(rf"rank {rank}: OK gave up: jaxring: the host-side transfer 'diloco \d+ "
+                     rf"fragment 0' over 'node' \(rank 0 of 2\) started \d+ s ago has not "
+                     rf"completed", out), out[-6000:]
+  for rank in (2, 3):
+    assert f"rank {rank}: OK (never synced, as told)" in out, out[-6000:]
+  assert seconds < 60, out[-6000:]

@@ -15,6 +15,15 @@ steps ``t`` (counted from the end of the warm-up, from 1) where ``(t - p * every
 pseudo-gradient is applied ``τ`` inner steps after it was taken: the member keeps the inner
 progress it made meanwhile, ``local <- outer_new + (local_now - local_at_send)``.
 
+``transfer="host"`` (with a ``delay``, the slow axis bound to MPI by
+``jaxring.distributed.bind_mpi_axis``): the pseudo-gradient leaves the step's program and a host
+thread moves it over MPI while the next ``delay`` inner steps run (jaxring._src.transport.
+host_exchange); the outer step is taken when it arrives. XLA:CPU runs no collective beside a
+program's computation nor a second program beside it, so this is the form whose transfer overlaps
+the steps. Uncompressed, the members' pseudo-gradients are summed (``Iallreduce``); with a codec
+each member's encoded pseudo-gradient (plus its residual) is gathered and decoded, and the
+residual keeps what the codec left out of its own.
+
 ``warmup_steps``: synchronous data parallel first (gradients averaged over the slow axis too,
 the outer parameters following the model), as post-local SGD starts (Lin et al. 2020).
 
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -34,9 +44,13 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxring._src import vma
+from jaxring._src import fuse, vma
 from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
+from jaxring._src.transport import host_exchange, mpi_axis
+
+TRANSFERS = ("program", "host")
+_instances = itertools.count()
 
 
 class DiLoCoState(NamedTuple):
@@ -94,8 +108,8 @@ def fragment_of(params, fragments: int) -> list[int]:
 def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: int,
            outer: optax.GradientTransformation | None = None, compression: Any = None,
            error_feedback: bool = True, fragments: int = 1, delay: int = 0,
-           warmup_steps: int = 0, algorithm: Any = "auto",
-           fast_axes: Any = ()) -> optax.GradientTransformation:
+           warmup_steps: int = 0, algorithm: Any = "auto", fast_axes: Any = (),
+           transfer: str = "program") -> optax.GradientTransformation:
   """An optax transformation that syncs the slow axis every ``every`` steps (see the module
   docstring).
 
@@ -116,6 +130,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       the plan, not the result: reduced level by level (``hierarchical``, or the transport's own
       all-reduce over all the axes), a member sends ``1/size`` of its pseudo-gradient over the
       slow links instead of all of it.
+    transfer: ``"program"``: the sync inside the step's program; ``"host"``: by a host thread
+      during the ``delay`` steps (needs ``delay >= 1`` and the slow axis bound to MPI).
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -132,6 +148,19 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   if int(delay) >= int(every):
     raise ValueError(f"diloco: delay={delay} must be below every={every}: a fragment's result "
                      "is applied before its next sync is taken")
+  if transfer not in TRANSFERS:
+    raise ValueError(f"diloco: transfer must be one of {TRANSFERS}, got {transfer!r}")
+  host = transfer == "host"
+  if host and int(delay) < 1:
+    raise ValueError("diloco(transfer='host') moves a fragment during the inner steps after it "
+                     "was sent: give delay >= 1 (the steps it may take)")
+  if host and compression is not None and not getattr(compression, "per_hop", True):
+    raise NotImplementedError(f"diloco(transfer='host') gathers each member's encoded "
+                              f"pseudo-gradient; {compression!r} wraps the whole all-reduce "
+                              "instead: use transfer='program' with it")
+  if host and axis_names(fast_axes):
+    raise ValueError("diloco(transfer='host') averages over the MPI-bound slow axis only: "
+                     "leave fast_axes empty")
   validate_compression(compression)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
   axes = axis_names(axis)
@@ -139,9 +168,61 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   lossy = compression is not None and getattr(compression, "lossy", True)
   keeps_residual = bool(error_feedback) and lossy
 
+  instance = next(_instances)   # names this transform's host-side transfers
+
   def _pending(pieces):
-    """Per fragment: (the outer parameters waiting to be applied, the local ones when sent)."""
-    return tuple((tuple(p), tuple(p)) for p in pieces)
+    """Per fragment: (the outer parameters waiting to be applied, the local ones when sent);
+    with ``transfer="host"`` the local ones only (the outer step waits for the transfer)."""
+    return tuple((tuple(p),) if host else (tuple(p), tuple(p)) for p in pieces)
+
+  def exchange():
+    binding = mpi_axis.lookup(axes)
+    if binding is None:
+      raise ValueError(f"diloco(transfer='host'): the slow axis {axes} is not bound to MPI; "
+                       "bind it with jaxring.distributed.bind_mpi_axis (under shard_map XLA:CPU "
+                       "runs no transfer beside the steps: use transfer='program' there)")
+    return host_exchange.exchange_for(binding)
+
+  def padded(n):
+    align = getattr(compression, "align", 1) or 1
+    return -(-n // align) * align
+
+  def key(p):
+    return f"diloco {instance} fragment {p}"
+
+  def host_send(p, pseudo, res_p):
+    """Starts fragment ``p``'s transfer; returns its next residual (or None)."""
+    ex, idxs = exchange(), range(len(pseudo))
+    flat = fuse.concat(pseudo, idxs, jnp.float32)
+    if compression is None:
+      host_exchange.start_in_program(ex, key(p), "sum", [flat])
+      return res_p
+    if res_p is not None:
+      flat = flat + fuse.concat(res_p, idxs, jnp.float32)
+    n = flat.shape[0]
+    payload = compression.encode(jnp.pad(flat, (0, padded(n) - n)), jnp.float32)
+    host_exchange.start_in_program(ex, key(p), "gather", list(payload))
+    if res_p is None:
+      return None
+    err = flat - compression.decode(payload, jnp.float32)[:n]
+    return [e.astype(r.dtype) for e, r in zip(fuse.split(err, res_p, idxs), res_p)]
+
+  def host_receive(p, like):
+    """Fragment ``p``'s averaged pseudo-gradient, leaves shaped like ``like`` (f32)."""
+    ex, idxs = exchange(), range(len(like))
+    n = sum(int(np.size(x)) for x in like)
+    members = ex.comm.Get_size()
+    if compression is None:
+      (total,) = host_exchange.finish_in_program(ex, key(p), "sum",
+                                                 [jax.ShapeDtypeStruct((n,), jnp.float32)])
+      mean = total / jnp.float32(members)
+    else:
+      shapes = jax.eval_shape(lambda x: compression.encode(x, jnp.float32),
+                              jax.ShapeDtypeStruct((padded(n),), jnp.float32))
+      rows = host_exchange.finish_in_program(ex, key(p), "gather", list(shapes))
+      decoded = jax.vmap(lambda *pl: compression.decode(pl, jnp.float32))(*rows)
+      mean = decoded.mean(axis=0)[:n]
+    return fuse.split(mean, like, idxs, jnp.float32)
 
   def parts(tree, frag_of):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -181,8 +262,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     count = state.count
     # every value here is this member's: typed varying over every axis anything varies over, so
     # that the branches of a sync and of no sync have one type (shard_map(check_vma=True))
-    varying = tuple(sorted(set(axes).union(*(vma.varying_axes(x) for x in jax.tree_util.tree_leaves(
-        (grads, params, state)))), key=str))
+    varying = tuple(sorted(set(axes if bound(axes) else ()).union(*(
+        vma.varying_axes(x) for x in jax.tree_util.tree_leaves((grads, params, state)))), key=str))
 
     def cond(pred, on_true, on_false, operand):
       vary = lambda f: lambda op: jax.tree_util.tree_map(  # noqa: E731
@@ -207,6 +288,35 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       pending = None if state.pending is None else list(state.pending)
       for p in range(fragments):
         offset = p * every // fragments
+        if host:
+          arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
+          due = ((t - offset) % every == 0) & (t - offset > 0)
+
+          def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
+            x_p, outer_p, ostate, sent = args
+            avg = host_receive(p, outer_p)
+            upd, ostate = outer.update([a.astype(o.dtype) for a, o in zip(avg, outer_p)], ostate,
+                                       outer_p)
+            new_outer = optax.apply_updates(outer_p, upd)
+            return ([(n + (x - s)).astype(x.dtype) for n, x, s in zip(new_outer, x_p, sent)],
+                    new_outer, ostate)
+
+          def send(args, p=p):
+            local_p, outer_p, res_p = args
+            pseudo = [o.astype(jnp.float32) - x.astype(jnp.float32)
+                      for o, x in zip(outer_p, local_p)]
+            return host_send(p, pseudo, res_p)
+
+          (sent_from,) = pending[p]
+          pieces[p], outer_pieces[p], outer_states[p] = cond(
+              arrives, arrive, lambda a: a[:3],
+              (pieces[p], outer_pieces[p], outer_states[p], list(sent_from)))
+          res_p = None if residuals is None else residuals[p]
+          res_p = cond(due, send, lambda a: a[2], (pieces[p], outer_pieces[p], res_p))
+          if residuals is not None:
+            residuals[p] = res_p
+          pending[p] = (tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], sent_from)),)
+          continue
         if delay:   # a result sent ``delay`` steps ago arrives: apply it, keep the progress since
           arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
           waiting, sent_from = pending[p]

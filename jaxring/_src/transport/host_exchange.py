@@ -1,0 +1,161 @@
+"""Host-side transfers: arrays summed or gathered over an MPI communicator by a host thread while
+the devices run the next steps.
+
+XLA:CPU runs no collective beside the computation of its program, and no second program beside a
+running one (docs/design.md, "Investigations"): a transfer that is to overlap the steps has to
+leave the programs. A program hands its arrays to :meth:`Exchange.start` through an ordered
+``io_callback``, which copies them and starts a non-blocking MPI collective (``Iallreduce`` or
+``Iallgather``) on the exchange's own duplicate of the communicator; a poller thread drives it
+(MPICH progresses a non-blocking collective only inside MPI calls) with ``Test`` every
+``poll_s``, sleeping in between, so it takes no core from the steps. A later program's
+:meth:`Exchange.finish` callback waits for it, at most ``timeout_s``, and names the communicator's
+members when it gives up.
+
+Every member must start the same transfers in the same order (MPI's rule for collectives on one
+communicator); the programs that call :func:`start_in_program` and :func:`finish_in_program` do,
+since they run the same schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Hashable
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from jaxring._src.reliability.watchdog import failure_timeout
+from jaxring._src.transport.mpi import mpi_module
+
+KINDS = ("sum", "gather")
+
+
+@dataclasses.dataclass
+class _Transfer:
+  requests: list
+  outputs: list[np.ndarray]
+  inputs: list[np.ndarray]       # kept alive until MPI is done with them
+  started: float
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class Exchange:
+  """Non-blocking collectives over a duplicate of ``comm``, progressed by a thread.
+
+  Args:
+    comm: an ``mpi4py`` intracommunicator (MPI initialized with ``MPI_THREAD_MULTIPLE``).
+    name: what the members are, for messages (e.g. the axis name).
+    timeout_s: the longest :meth:`finish` waits (default ``JAXRING_FAILURE_TIMEOUT``, else 120 s).
+    poll_s: the poller's sleep between two ``Test`` rounds.
+  """
+
+  def __init__(self, comm, name: str, timeout_s: float | None = None, poll_s: float = 0.0005):
+    MPI = mpi_module()
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+      raise RuntimeError("jaxring: a host-side transfer needs MPI initialized with "
+                         "MPI_THREAD_MULTIPLE (mpi4py's default; check mpi4py.rc.thread_level)")
+    self.comm, self.name = comm.Dup(), name
+    self.timeout_s = failure_timeout(timeout_s) or float("inf")
+    self.poll_s = float(poll_s)
+    self._open: dict[Hashable, _Transfer] = {}
+    self._lock = threading.Lock()
+    self._wake = threading.Event()
+    self.bytes_sent = 0
+    self._thread = threading.Thread(target=self._poll, name=f"jaxring-exchange-{name}",
+                                    daemon=True)
+    self._thread.start()
+
+  def start(self, key: Hashable, kind: str, arrays) -> None:
+    """Starts the ``kind`` (``"sum"``: every member's arrays added; ``"gather"``: stacked, one
+    row per member in rank order) of ``arrays``; :meth:`finish` with ``key`` returns it."""
+    if kind not in KINDS:
+      raise ValueError(f"jaxring: an exchange is one of {KINDS}, got {kind!r}")
+    MPI, n = mpi_module(), self.comm.Get_size()
+    inputs = [np.array(a, copy=True, order="C") for a in arrays]   # the device may reuse them
+    if kind == "sum":
+      outputs = [np.empty_like(a) for a in inputs]
+    else:
+      outputs = [np.empty((n, *a.shape), a.dtype) for a in inputs]
+    with self._lock:
+      if key in self._open:
+        raise RuntimeError(f"jaxring: a host-side transfer {key!r} over {self.name!r} was started "
+                           "again before the last one was finished")
+      requests = [self.comm.Iallreduce(a, o, op=MPI.SUM) if kind == "sum" else
+                  self.comm.Iallgather(a, o) for a, o in zip(inputs, outputs)]
+      self._open[key] = _Transfer(requests, outputs, inputs, time.monotonic())
+      self.bytes_sent += sum(a.nbytes for a in inputs)
+    self._wake.set()
+
+  def finish(self, key: Hashable) -> list[np.ndarray]:
+    """The result of the transfer started with ``key``, once every member has sent its part.
+
+    Raises:
+      KeyError: no transfer ``key`` was started (e.g. a state restored from a checkpoint taken
+        while it was in flight).
+      TimeoutError: it did not complete within ``timeout_s``: a member stopped or is behind.
+    """
+    with self._lock:
+      transfer = self._open.get(key)
+    if transfer is None:
+      raise KeyError(f"jaxring: no host-side transfer {key!r} over {self.name!r} is in flight "
+                     "(was the state restored from a checkpoint taken while one was?)")
+    left = transfer.started + self.timeout_s - time.monotonic()
+    if not transfer.done.wait(max(left, 0.0)):
+      raise TimeoutError(
+          f"jaxring: the host-side transfer {key!r} over {self.name!r} (rank "
+          f"{self.comm.Get_rank()} of {self.comm.Get_size()}) started "
+          f"{time.monotonic() - transfer.started:.0f} s ago has not completed: a member of "
+          f"{self.name!r} stopped or is behind (JAXRING_FAILURE_TIMEOUT sets this wait)")
+    with self._lock:
+      del self._open[key]
+    return transfer.outputs
+
+  def _poll(self) -> None:
+    MPI = mpi_module()
+    while True:
+      with self._lock:
+        waiting = [t for t in self._open.values() if not t.done.is_set()]
+        for t in waiting:
+          if MPI.Request.Testall(t.requests):
+            t.done.set()
+      if not waiting:
+        self._wake.wait(0.1)
+        self._wake.clear()
+      else:
+        time.sleep(self.poll_s)
+
+
+_exchanges: dict[int, Exchange] = {}
+
+
+def exchange_for(binding) -> Exchange:
+  """The exchange of an MPI-bound axis (``transport.mpi_axis.MpiAxis``), made on first use:
+  collective over its communicator, as the first trace of a program is on every member."""
+  if id(binding) not in _exchanges:
+    _exchanges[id(binding)] = Exchange(binding.comm, str(binding.name))
+  return _exchanges[id(binding)]
+
+
+def start_in_program(exchange: Exchange, key: Hashable, kind: str, arrays) -> None:
+  """Inside a traced program: hands ``arrays`` to ``exchange.start`` when the program runs there
+  (an ordered ``io_callback``: once, in program order)."""
+  def start(*values):
+    exchange.start(key, kind, values)
+  io_callback(start, None, *arrays, ordered=True)
+
+
+def finish_in_program(exchange: Exchange, key: Hashable, kind: str, like) -> list:
+  """Inside a traced program: the result of the transfer ``key`` (see :meth:`Exchange.start`),
+  for arrays shaped like ``like``, waited for when the program runs there."""
+  n = exchange.comm.Get_size()
+  shapes = [jax.ShapeDtypeStruct(np.shape(a) if kind == "sum" else (n, *np.shape(a)), a.dtype)
+            for a in like]
+  return list(io_callback(functools.partial(_finished, exchange, key), shapes, ordered=True))
+
+
+def _finished(exchange: Exchange, key: Hashable) -> list[np.ndarray]:
+  return exchange.finish(key)
+

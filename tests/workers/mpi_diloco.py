@@ -1,0 +1,123 @@
+"""Worker for tests/test_diloco_host.py, run by ``mpirun -n 4``: ``jaxring.diloco`` over MPI with
+the outer sync in the step's program and moved by a host thread (``transfer="host"``).
+
+Ranks ``2 * node + local``: ``local`` is bound to the two ranks of a node, ``node`` to the ranks
+with the same local rank. Each rank fits its own least-squares problem (its data drawn from
+``default_rng((node, local))``), its gradients averaged over ``local`` by ``jaxring.pmean``, then
+``jaxring.diloco(optax.adam, every=4, fragments=2, delay=2)`` steps it. ``--check equal``:
+uncompressed, the host form's parameters after every step equal the program form's (rtol 1e-6;
+the outer step waits for the transfer, the local parameters do not); with int8 and error feedback
+the host form (each member's codes gathered) stays within int8's rounding of the program form (a
+ring that requantizes per hop) and carries a non-zero residual. ``--check stall``: the ranks of
+node 1 never sync (``every`` beyond the run); the others must give up within
+``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow axis. Prints ``rank R: OK``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+STEPS, EVERY, FRAGMENTS, DELAY = 15, 4, 2, 2
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--check", choices=("equal", "stall"), required=True)
+  args = ap.parse_args()
+  from mpi4py import MPI
+
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import jaxring
+  import jaxring.distributed as jd
+  comm = MPI.COMM_WORLD
+  rank = comm.Get_rank()
+  node, local = divmod(rank, 2)
+  jd.bind_mpi_axis("local", comm.Split(node, rank))
+  jd.bind_mpi_axis("node", comm.Split(local, rank))
+  rng = np.random.default_rng((node, local))
+  a = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((32, 3)), jnp.float32)
+  params0 = {"w": jnp.zeros((8, 3), jnp.float32), "b": jnp.zeros((3,), jnp.float32),
+             "v": jnp.ones((5,), jnp.float32)}
+
+  def loss(p):
+    return jnp.mean((a @ p["w"] + p["b"] - b) ** 2) + 0.1 * jnp.sum((p["v"] - 2.0) ** 2)
+
+  def run(tx):
+    @jax.jit
+    def step(params, state):
+      g = jaxring.pmean(jax.grad(loss)(params), "local")
+      updates, state = tx.update(g, state, params)
+      return optax.apply_updates(params, updates), state
+
+    params, state, seen = params0, tx.init(params0), []
+    for _ in range(STEPS):
+      params, state = step(params, state)
+      seen.append(jax.tree_util.tree_map(np.asarray, (params, state.outer_params)))
+    return seen, state
+
+  def make(transfer, codec=None, every=EVERY):
+    return jaxring.diloco(optax.adam(0.05), axis="node", every=every, fragments=FRAGMENTS,
+                          delay=DELAY,
+                          compression=codec, transfer=transfer)
+
+  if args.check == "stall":
+    try:
+      run(make("host", every=EVERY if node == 0 else 1000))
+    except Exception as exc:   # the io_callback's TimeoutError, as XLA re-raises it
+      text = str(exc)
+      if "host-side transfer" not in text or "'node'" not in text:
+        print(f"rank {rank}: FAIL the error does not name the transfer: {text[:400]}")
+        return 3
+      print(f"rank {rank}: OK gave up: {text[text.find('jaxring: the host'):][:200]}")
+      return 0
+    if node == 0:
+      print(f"rank {rank}: FAIL no error although node 1 never synced")
+      return 3
+    print(f"rank {rank}: OK (never synced, as told)")
+    return 0
+
+  from jaxring._src.optim.diloco import fragment_of
+  frag = dict(zip(sorted(params0), fragment_of(params0, FRAGMENTS)))
+
+  def in_window(t, f):   # sent at s (every EVERY from its offset), arrived at s + DELAY
+    s = t - (t - f * EVERY // FRAGMENTS) % EVERY
+    return s - f * EVERY // FRAGMENTS > 0 and t < s + DELAY
+
+  for codec, rtol in ((None, 1e-6), (jaxring.codecs.int8(), 0.03)):
+    want, _ = run(make("program", codec))
+    got, state = run(make("host", codec))
+    for t, (w, g) in enumerate(zip(want, got)):
+      (wp, wo), (gp, go) = w, g
+      for k in wp:
+        scale = np.abs(wp[k]).max() + 1e-6
+        err = np.abs(gp[k] - wp[k]).max() / scale
+        if not err <= rtol:
+          print(f"rank {rank}: FAIL {codec} step {t + 1} {k}: host differs from program by {err}")
+          return 3
+        # the outer parameters agree outside their fragment's transfer window
+        if not in_window(t + 1, frag[k]) and not np.abs(go[k] - wo[k]).max() / scale <= rtol:
+          print(f"rank {rank}: FAIL {codec} step {t + 1} outer {k} differs")
+          return 3
+    if codec is not None:
+      res = max(float(np.abs(np.asarray(r)).max())
+                for r in jax.tree_util.tree_leaves(state.residual))
+      if not res > 0:
+        print(f"rank {rank}: FAIL int8's residual is zero: the codec did not apply")
+        return 3
+    # every member of the slow axis holds the same outer parameters
+    outer = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(got[-1][1])])
+    if not np.array_equal(comm.allgather(outer)[0], outer):
+      print(f"rank {rank}: FAIL {codec}: the outer parameters differ between ranks")
+      return 3
+  print(f"rank {rank}: OK")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
