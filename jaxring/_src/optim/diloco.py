@@ -45,7 +45,7 @@ import optax
 from jax import lax
 
 from jaxring._src import fuse, vma
-from jaxring._src.collectives import axis_names, pmean, validate_compression
+from jaxring._src.collectives import all_gather, axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
 from jaxring._src.transport import host_exchange, mpi_axis
 
@@ -131,7 +131,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       all-reduce over all the axes), a member sends ``1/size`` of its pseudo-gradient over the
       slow links instead of all of it.
     transfer: ``"program"``: the sync inside the step's program; ``"host"``: by a host thread
-      during the ``delay`` steps (needs ``delay >= 1`` and the slow axis bound to MPI).
+      during the ``delay`` steps (needs ``delay >= 1`` and the slow axis bound to MPI; with
+      ``fast_axes``, MPI-bound too, a member sends its ``1/size`` share of the fragment and the
+      shares are gathered over the fast axes when they arrive).
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -158,9 +160,6 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     raise NotImplementedError(f"diloco(transfer='host') gathers each member's encoded "
                               f"pseudo-gradient; {compression!r} wraps the whole all-reduce "
                               "instead: use transfer='program' with it")
-  if host and axis_names(fast_axes):
-    raise ValueError("diloco(transfer='host') averages over the MPI-bound slow axis only: "
-                     "leave fast_axes empty")
   validate_compression(compression)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
   axes = axis_names(axis)
@@ -183,46 +182,69 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
                        "runs no transfer beside the steps: use transfer='program' there)")
     return host_exchange.exchange_for(binding)
 
-  def padded(n):
-    align = getattr(compression, "align", 1) or 1
-    return -(-n // align) * align
+  def share():
+    """(this member's index, members) on the fast axes: each sends its share of a fragment."""
+    fast = axis_names(fast_axes)
+    if not fast:
+      return 0, 1
+    binding = mpi_axis.lookup(fast)
+    if binding is None:
+      raise ValueError(f"diloco(transfer='host'): the fast axes {fast} are not bound to MPI; "
+                       "bind them with jaxring.distributed.bind_mpi_axis, or leave fast_axes "
+                       "empty (every member then sends the whole fragment)")
+    return binding.rank, binding.size
+
+  def layout(n):
+    """(this member's offset, its share's length, the padded length) of an ``n``-value flat."""
+    align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
+    r, k = share()
+    m = -(-n // (k * align)) * align
+    return r * m, m, k * m
 
   def key(p):
     return f"diloco {instance} fragment {p}"
 
   def host_send(p, pseudo, res_p):
-    """Starts fragment ``p``'s transfer; returns its next residual (or None)."""
+    """Starts fragment ``p``'s transfer (this member's share of it); returns its next
+    residual (or None)."""
     ex, idxs = exchange(), range(len(pseudo))
     flat = fuse.concat(pseudo, idxs, jnp.float32)
-    if compression is None:
-      host_exchange.start_in_program(ex, key(p), "sum", [flat])
-      return res_p
     if res_p is not None:
       flat = flat + fuse.concat(res_p, idxs, jnp.float32)
     n = flat.shape[0]
-    payload = compression.encode(jnp.pad(flat, (0, padded(n) - n)), jnp.float32)
+    start, m, total = layout(n)
+    mine = lax.dynamic_slice(jnp.pad(flat, (0, total - n)), (start,), (m,))
+    if compression is None:
+      host_exchange.start_in_program(ex, key(p), "sum", [mine])
+      return res_p
+    payload = compression.encode(mine, jnp.float32)
     host_exchange.start_in_program(ex, key(p), "gather", list(payload))
     if res_p is None:
       return None
-    err = flat - compression.decode(payload, jnp.float32)[:n]
+    # the residual keeps what the codec left out of this member's share; the others' shares
+    # are their senders' to carry
+    err = jnp.zeros((total,), jnp.float32).at[start:start + m].set(
+        mine - compression.decode(payload, jnp.float32))[:n]
     return [e.astype(r.dtype) for e, r in zip(fuse.split(err, res_p, idxs), res_p)]
 
   def host_receive(p, like):
     """Fragment ``p``'s averaged pseudo-gradient, leaves shaped like ``like`` (f32)."""
     ex, idxs = exchange(), range(len(like))
     n = sum(int(np.size(x)) for x in like)
+    _, m, _ = layout(n)
     members = ex.comm.Get_size()
     if compression is None:
       (total,) = host_exchange.finish_in_program(ex, key(p), "sum",
-                                                 [jax.ShapeDtypeStruct((n,), jnp.float32)])
+                                                 [jax.ShapeDtypeStruct((m,), jnp.float32)])
       mean = total / jnp.float32(members)
     else:
       shapes = jax.eval_shape(lambda x: compression.encode(x, jnp.float32),
-                              jax.ShapeDtypeStruct((padded(n),), jnp.float32))
+                              jax.ShapeDtypeStruct((m,), jnp.float32))
       rows = host_exchange.finish_in_program(ex, key(p), "gather", list(shapes))
-      decoded = jax.vmap(lambda *pl: compression.decode(pl, jnp.float32))(*rows)
-      mean = decoded.mean(axis=0)[:n]
-    return fuse.split(mean, like, idxs, jnp.float32)
+      mean = jax.vmap(lambda *pl: compression.decode(pl, jnp.float32))(*rows).mean(axis=0)
+    if share()[1] > 1:   # the shares back from the other members of the fast axes
+      mean = all_gather(mean, axis_names(fast_axes), tiled=True)
+    return fuse.split(mean[:n], like, idxs, jnp.float32)
 
   def parts(tree, frag_of):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
