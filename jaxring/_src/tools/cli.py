@@ -27,6 +27,7 @@ BENCHES = {
     "tta": "jaxring._src.tools.bench.tta",
     "faults": "jaxring._src.tools.bench.faults",
     "fsdp": "jaxring._src.tools.bench.fsdp",
+    "outer-sync": "jaxring._src.tools.bench.outer_sync",
 }
 #: Benchmarks that are recipes (they train the recipes' models): run as ``python -m <module>``.
 RECIPE_BENCHES = {"resnet50": "recipes.bench_resnet50"}

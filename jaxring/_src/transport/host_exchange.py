@@ -52,7 +52,7 @@ class Exchange:
     poll_s: the poller's sleep between two ``Test`` rounds.
   """
 
-  def __init__(self, comm, name: str, timeout_s: float | None = None, poll_s: float = 0.0005):
+  def __init__(self, comm, name: str, timeout_s: float | None = None, poll_s: float = 0.001):
     MPI = mpi_module()
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
       raise RuntimeError("jaxring: a host-side transfer needs MPI initialized with "
@@ -64,6 +64,7 @@ class Exchange:
     self._lock = threading.Lock()
     self._wake = threading.Event()
     self.bytes_sent = 0
+    self.waited_s = 0.0   # spent in finish, waiting: zero when the transfers were hidden
     self._thread = threading.Thread(target=self._poll, name=f"jaxring-exchange-{name}",
                                     daemon=True)
     self._thread.start()
@@ -102,8 +103,11 @@ class Exchange:
     if transfer is None:
       raise KeyError(f"jaxring: no host-side transfer {key!r} over {self.name!r} is in flight "
                      "(was the state restored from a checkpoint taken while one was?)")
-    left = transfer.started + self.timeout_s - time.monotonic()
-    if not transfer.done.wait(max(left, 0.0)):
+    t0 = time.monotonic()
+    left = transfer.started + self.timeout_s - t0
+    done = transfer.done.wait(max(left, 0.0))
+    self.waited_s += time.monotonic() - t0
+    if not done:
       raise TimeoutError(
           f"jaxring: the host-side transfer {key!r} over {self.name!r} (rank "
           f"{self.comm.Get_rank()} of {self.comm.Get_size()}) started "
