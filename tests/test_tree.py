@@ -3,7 +3,7 @@ that regenerates, results and scripts that stay few, and links that resolve.
 
 The limits are the project's (README ≤ 160 lines, no prose paragraph over 8 lines;
 docs/benchmarks.md ≤ 500 lines, one table and at most 10 lines of prose per section, no dated
-headings; docs/simulations.md ≤ 300; benchmarks/results ≤ 20 tracked files and 5 MB, each
+headings; docs/simulations.md ≤ 300; benchmarks/results ≤ 24 tracked files and 5 MB, each
 command's current run as ``<command>.json``; benchmarks/scripts ≤ 8 files).
 """
 import ast
@@ -127,7 +127,7 @@ def test_history_lives_in_git_not_in_a_page():
 
 def test_results_are_each_commands_current_run():
   files = _tracked("benchmarks/results")
-  assert len(files) <= 20, f"{len(files)} tracked files in benchmarks/results (at most 20)"
+  assert len(files) <= 24, f"{len(files)} tracked files in benchmarks/results (at most 24)"
   size = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).exists())
   assert size <= 5 << 20, f"benchmarks/results holds {size / 2**20:.1f} MiB (at most 5)"
   dated = [f for f in files if re.search(r"\d{8}-\d{6}", f)]

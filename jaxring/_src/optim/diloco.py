@@ -310,6 +310,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       pending = None if state.pending is None else list(state.pending)
       for p in range(fragments):
         offset = p * every // fragments
+        if host and not pieces[p]:   # more fragments than leaves: nothing to move
+          continue
         if host:
           arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
           due = ((t - offset) % every == 0) & (t - offset > 0)

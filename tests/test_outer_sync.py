@@ -1,0 +1,35 @@
+"""``jaxring bench outer-sync``'s table arithmetic and its refusals (the runs need root and the
+emulated cluster: docs/benchmarks.md)."""
+import pytest
+
+from jaxring._src.tools.bench import outer_sync
+
+
+def _rec(name, seconds, tx, waited=None):
+  return {"contender": name, "steps": 10, "turn_seconds": seconds, "tx_per_turn": tx,
+          "waited_per_turn": waited or [0.0] * len(seconds)}
+
+
+def test_rows_read_utilization_against_the_step_with_no_collective_turn_by_turn():
+  names = list(outer_sync.names(10, 2, 3))
+  recs = [_rec(outer_sync.ALONE, [1.0, 2.0, 1.0], [0, 0, 0]),
+          _rec(outer_sync.PMEAN, [4.0, 4.0, 4.0], [1000, 1000, 1000]),
+          _rec(outer_sync.LOCAL, [2.0, 2.0, 2.0], [10, 10, 10]),
+          _rec(names[-1], [2.0, 4.0, 2.5], [40, 50, 60], waited=[0.0, 0.2, 0.1])]
+  rows = {r["contender"]: r for r in outer_sync.rows_of(recs, "10mbit")}
+  host = rows[names[-1]]
+  # per-turn ratios 0.5, 0.5, 0.4 -> median 0.5 (not 1.33 / 2.5 of the medians)
+  assert host["utilization"] == pytest.approx(0.5)
+  assert host["of_local_only"] == pytest.approx(0.8)   # 1.0, 0.5, 0.8
+  assert host["ms_per_step"] == pytest.approx(250.0)
+  assert host["waited_ms_per_step"] == pytest.approx(10.0)
+  assert host["bytes_per_step"] == pytest.approx(5.0)
+  assert host["fewer_bytes"] == pytest.approx(20.0)
+  assert "fewer_bytes" not in rows[outer_sync.ALONE]   # it sent nothing
+  assert rows[outer_sync.ALONE]["utilization"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("delay", [0, 5])
+def test_a_delay_a_turn_cannot_hold_is_refused(delay, capsys):
+  assert outer_sync.main(["--every", "20", "--fragments", "4", "--delay", str(delay)]) == 2
+  assert "must be >= 1 and below --every / --fragments = 5" in capsys.readouterr().err
