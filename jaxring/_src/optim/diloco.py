@@ -64,7 +64,8 @@ class DiLoCoState(NamedTuple):
     residual: this member's error-feedback residual of the pseudo-gradient (None without a codec
       or without error feedback).
     pending: with ``delay``: per fragment, the outer parameters waiting to be applied and the
-      local parameters at the time they were sent (None without a delay).
+      local parameters at the time they were sent; with ``transfer="host"`` the local ones only,
+      the outer step waiting for the transfer (None without a delay).
     local: None here; in a :func:`jaxring.train_step`'s state, each replica's own parameters
       (the state's ``params`` then being the outer ones; jaxring._src.train.diloco_layout).
   """

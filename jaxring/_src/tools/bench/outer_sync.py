@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 
+from jaxring._src.extras import require
 from jaxring._src.tools.bench import common
 
 WORKER = "jaxring._src.tools.bench.outer_sync"
@@ -56,8 +57,6 @@ def names(every: int, fragments: int, delay: int) -> dict:
 def worker(args) -> int:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
                              "false intra_op_parallelism_threads=1").strip()
-  from mpi4py import MPI
-
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -69,6 +68,7 @@ def worker(args) -> int:
   from jaxring._src.tools.bench.models import MODELS
   from jaxring._src.transport import host_exchange
 
+  MPI = require("mpi4py.MPI", "mpi", "jaxring bench outer-sync's ranks need MPICH and mpi4py")
   comm = MPI.COMM_WORLD
   rank, per = comm.Get_rank(), args.devices_per_node
   node, local = divmod(rank, per)
