@@ -3,6 +3,9 @@
 Trains ``train_dist.problem()`` with int8 compression (residuals sharded across the processes) to
 ``--steps``, checkpointing every 2 steps into the shared ``--dir``, resuming from it if it holds a
 step. Prints ``RESUMED <step>`` (the step fit started from) and ``FINAL <crc32 of the params>``.
+With ``--diloco`` the processes are the nodes: ``jaxring.diloco`` (every 3 steps, 2 fragments,
+delay 1, int8 with error feedback) through ``train_step(grad_axes="local")``, and the crc covers
+each replica's own parameters and the residuals too.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--dir", required=True)
   ap.add_argument("--steps", type=int, required=True)
+  ap.add_argument("--diloco", action="store_true")
   args = ap.parse_args()
   logging.basicConfig(level=logging.WARNING)
 
@@ -34,9 +38,16 @@ def main() -> int:
   from train_dist import problem
   model, tx, data, loss_fn = problem()
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))["params"]
+  kw = dict(compression=jaxring.codecs.int8(block_size=16))
+  if args.diloco:   # a node per process, its 2 devices the fast level
+    tx = jaxring.diloco(tx, axis="node", every=3, fragments=2, delay=1,
+                        compression=jaxring.codecs.int8(block_size=16))
+    mesh = jax.make_mesh((2, 2), ("node", "local"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    kw = dict(mesh=mesh, axis_name=("node", "local"), grad_axes="local")
   state = jt.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
-  @jt.train_step(compression=jaxring.codecs.int8(block_size=16))
+  @jt.train_step(**kw)
   def step(state, batch):
     loss, grads = jt.value_and_grad(lambda p: loss_fn(state.apply_fn, p, batch))(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
@@ -53,7 +64,11 @@ def main() -> int:
   state = jt.fit(step, state, batches, num_steps=args.steps, checkpointer=ckpt,
                  checkpoint_every=2, progress=False)
   ckpt.close()
-  flat = [np.asarray(x.addressable_shards[0].data) for x in jax.tree.leaves(state.params)]
+  if args.diloco:   # this process's rows of everything: its node's parameters, residuals
+    flat = [np.asarray(s.data) for x in jax.tree.leaves((state.params, state.opt_state))
+            for s in x.addressable_shards]
+  else:
+    flat = [np.asarray(x.addressable_shards[0].data) for x in jax.tree.leaves(state.params)]
   print(f"FINAL {zlib.crc32(b''.join(a.tobytes() for a in flat)):08x}", flush=True)
   return 0
 

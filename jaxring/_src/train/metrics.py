@@ -25,9 +25,18 @@ def _scalar(x) -> Any:
   return a.tolist()
 
 
+def _fetch(x):
+  """``x`` on the host; a value each process holds a part of (DiLoCo's per-node metrics) is
+  gathered from every process (collective: every process logs the same steps)."""
+  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.device_get(x)
+
+
 def to_python(metrics: dict) -> dict:
   """Device scalars -> JSON-friendly Python numbers (``inf``/``nan`` as strings)."""
-  return {k: _scalar(v) for k, v in jax.device_get(metrics).items()}
+  return {k: _scalar(_fetch(v)) for k, v in metrics.items()}
 
 
 class JsonlWriter:
