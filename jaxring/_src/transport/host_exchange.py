@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from jaxring._src.reliability.watchdog import failure_timeout
+from jaxring._src.reliability.watchdog import DEFAULT_FAILURE_TIMEOUT_S, failure_timeout
 from jaxring._src.transport.mpi import mpi_module
 
 KINDS = ("sum", "gather")
@@ -48,7 +48,8 @@ class Exchange:
   Args:
     comm: an ``mpi4py`` intracommunicator (MPI initialized with ``MPI_THREAD_MULTIPLE``).
     name: what the members are, for messages (e.g. the axis name).
-    timeout_s: the longest :meth:`finish` waits (default ``JAXRING_FAILURE_TIMEOUT``, else 120 s).
+    timeout_s: the longest :meth:`finish` waits (default ``JAXRING_FAILURE_TIMEOUT``, else, or
+      where that is 0, 120 s).
     poll_s: the poller's sleep between two ``Test`` rounds.
   """
 
@@ -58,7 +59,8 @@ class Exchange:
       raise RuntimeError("jaxring: a host-side transfer needs MPI initialized with "
                          "MPI_THREAD_MULTIPLE (mpi4py's default; check mpi4py.rc.thread_level)")
     self.comm, self.name = comm.Dup(), name
-    self.timeout_s = failure_timeout(timeout_s) or float("inf")
+    # with the watchdog off (0) a transfer still waits no longer than the default
+    self.timeout_s = failure_timeout(timeout_s) or DEFAULT_FAILURE_TIMEOUT_S
     self.poll_s = float(poll_s)
     self._open: dict[Hashable, _Transfer] = {}
     self._lock = threading.Lock()
