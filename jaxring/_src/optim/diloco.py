@@ -247,6 +247,15 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       mean = all_gather(mean, axis_names(fast_axes), tiled=True)
     return fuse.split(mean[:n], like, idxs, jnp.float32)
 
+  def pseudo_of(outer_p, local_p):
+    """A fragment's pseudo-gradient: what the outer parameters lost since the last sync (f32)."""
+    return [o.astype(jnp.float32) - x.astype(jnp.float32) for o, x in zip(outer_p, local_p)]
+
+  def outer_step(avg, ostate, outer_p):
+    """The outer optimizer's step with the averaged pseudo-gradient: (new outer, its state)."""
+    upd, ostate = outer.update([a.astype(o.dtype) for a, o in zip(avg, outer_p)], ostate, outer_p)
+    return optax.apply_updates(outer_p, upd), ostate
+
   def parts(tree, frag_of):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return [[x for x, f in zip(leaves, frag_of) if f == p] for p in range(fragments)], treedef
@@ -311,26 +320,20 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       pending = None if state.pending is None else list(state.pending)
       for p in range(fragments):
         offset = p * every // fragments
+        due = ((t - offset) % every == 0) & (t - offset > 0)            # sent at this step
+        arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
         if host and not pieces[p]:   # more fragments than leaves: nothing to move
           continue
         if host:
-          arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
-          due = ((t - offset) % every == 0) & (t - offset > 0)
-
           def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
             x_p, outer_p, ostate, sent = args
-            avg = host_receive(p, outer_p)
-            upd, ostate = outer.update([a.astype(o.dtype) for a, o in zip(avg, outer_p)], ostate,
-                                       outer_p)
-            new_outer = optax.apply_updates(outer_p, upd)
+            new_outer, ostate = outer_step(host_receive(p, outer_p), ostate, outer_p)
             return ([(n + (x - s)).astype(x.dtype) for n, x, s in zip(new_outer, x_p, sent)],
                     new_outer, ostate)
 
           def send(args, p=p):
             local_p, outer_p, res_p = args
-            pseudo = [o.astype(jnp.float32) - x.astype(jnp.float32)
-                      for o, x in zip(outer_p, local_p)]
-            return host_send(p, pseudo, res_p)
+            return host_send(p, pseudo_of(outer_p, local_p), res_p)
 
           (sent_from,) = pending[p]
           pieces[p], outer_pieces[p], outer_states[p] = cond(
@@ -343,20 +346,14 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
           pending[p] = (tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], sent_from)),)
           continue
         if delay:   # a result sent ``delay`` steps ago arrives: apply it, keep the progress since
-          arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
           waiting, sent_from = pending[p]
           pieces[p] = [jnp.where(arrives, w + (x - s), x).astype(x.dtype)
                        for x, w, s in zip(pieces[p], waiting, sent_from)]
-        due = ((t - offset) % every == 0) & (t - offset > 0)
 
-        def do_sync(args, p=p):
+        def do_sync(args):
           local_p, outer_p, ostate, res_p = args
-          pseudo = [o.astype(jnp.float32) - x.astype(jnp.float32)
-                    for o, x in zip(outer_p, local_p)]
-          avg, res_p = sync(pseudo, res_p)
-          upd, ostate = outer.update([a.astype(o.dtype) for a, o in zip(avg, outer_p)], ostate,
-                                     outer_p)
-          new_outer = optax.apply_updates(outer_p, upd)
+          avg, res_p = sync(pseudo_of(outer_p, local_p), res_p)
+          new_outer, ostate = outer_step(avg, ostate, outer_p)
           return new_outer, ostate, res_p
 
         def no_sync(args):

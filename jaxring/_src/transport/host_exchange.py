@@ -145,6 +145,11 @@ def exchange_for(binding) -> Exchange:
   return _exchanges[id(binding)]
 
 
+def waited_s() -> float:
+  """Seconds this process's exchanges spent in :meth:`Exchange.finish` waiting, in all."""
+  return sum(e.waited_s for e in _exchanges.values())
+
+
 def start_in_program(exchange: Exchange, key: Hashable, kind: str, arrays) -> None:
   """Inside a traced program: hands ``arrays`` to ``exchange.start`` when the program runs there
   (an ordered ``io_callback``: once, in program order)."""

@@ -150,8 +150,7 @@ def _row_of_choice(rows: list[dict], auto: dict) -> dict | None:
 
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
-  if os.geteuid() != 0:
-    print("jaxring bench cluster: skipped: needs root (network namespaces and tc)", file=sys.stderr)
+  if common.lacks_root("cluster"):
     return 2
   from jaxring._src import cost_model
   from jaxring._src.tools.cluster import netns

@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -97,6 +98,16 @@ def print_table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> No
     print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
     if i == 0:
       print("  ".join("-" * w for w in widths))
+
+
+def lacks_root(command: str) -> bool:
+  """Whether this process is not root; then says that ``jaxring bench <command>`` (the emulated
+  cluster's network namespaces and tc) is skipped."""
+  if os.geteuid() == 0:
+    return False
+  print(f"jaxring bench {command}: skipped: needs root (network namespaces and tc)",
+        file=sys.stderr)
+  return True
 
 
 def machine() -> dict:

@@ -131,17 +131,16 @@ def worker(args) -> int:
   times: dict[str, list[float]] = {n: [] for n in contenders}
   tx: dict[str, list[float]] = {n: [] for n in contenders}
   waited: dict[str, list[float]] = {n: [] for n in contenders}
-  exchanges = host_exchange._exchanges.values()
   for rep in range(args.reps):
     for name in contenders:
       comm.Barrier()
-      w0 = sum(e.waited_s for e in exchanges)
+      w0 = host_exchange.waited_s()
       b0, t0 = cluster_worker.tx_bytes(iface), time.perf_counter()
       carries[name] = run(steps[name], carries[name], args.every)
       seconds, b1 = time.perf_counter() - t0, cluster_worker.tx_bytes(iface)
       comm.Barrier()
       times[name].append(float(max(comm.allgather(seconds))))
-      waited[name].append(float(max(comm.allgather(sum(e.waited_s for e in exchanges) - w0))))
+      waited[name].append(float(max(comm.allgather(host_exchange.waited_s() - w0))))
       tx[name].append(float(np.mean(comm.allgather(b1 - b0)[::per])))  # one rank per node
     if rank == 0:
       print(f"rep {rep + 1}/{args.reps}: " + ", ".join(
@@ -203,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
           f"--fragments = {args.every / args.fragments:g} (a turn holds each send's arrival)",
           file=sys.stderr)
     return 2
-  if os.geteuid() != 0:
-    print("jaxring bench outer-sync: skipped: needs root (network namespaces and tc)",
-          file=sys.stderr)
+  if common.lacks_root("outer-sync"):
     return 2
   from jaxring._src.tools.bench.cluster import _run_job
   from jaxring._src.tools.cluster import netns

@@ -366,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   if args.worker:
     return worker(args)
-  if os.geteuid() != 0:
-    print("jaxring bench tta: skipped: needs root (network namespaces and tc)", file=sys.stderr)
+  if common.lacks_root("tta"):
     return 2
   from jaxring._src.tools.bench import cluster, plots
   from jaxring._src.tools.cluster import netns
