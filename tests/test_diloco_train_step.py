@@ -150,6 +150,12 @@ def test_refusals():
     make_step(grad_axes="model")
   with pytest.raises(ValueError, match="not supported"):
     run(tx, 1, grad_axes="local", shard="optimizer")
+  # the step leaves "node" to the optimizer, which syncs "local": the nodes would drift apart
+  wrong = jr.diloco(optax.sgd(LR), axis="local", every=3)
+  with pytest.raises(ValueError, match=r"nothing would sync \('node',\).*axis='node'"):
+    run(wrong, 1, grad_axes="local")
+  with pytest.raises(ValueError, match=r"syncs axis=\('node', 'local'\)"):
+    run(jr.diloco(optax.sgd(LR), axis=("node", "local"), every=3), 1, grad_axes="local")
 
 
 @pytest.mark.slow   # NNX and TrainState steps compiled side by side (~5 s)

@@ -50,6 +50,7 @@ from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
 from jaxring._src.transport import host_exchange, mpi_axis
 
 TRANSFERS = ("program", "host")
+SLOW_AXES_ATTR = "diloco_axes"   # on update: the axes it syncs, for a train step's check
 _instances = itertools.count()
 
 
@@ -384,4 +385,10 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       return local(None)
     return cond(count < warmup, warm, local, None)
 
+  setattr(update, SLOW_AXES_ATTR, axes)   # what a train step checks its slow axes against
   return optax.GradientTransformation(init, update)
+
+
+def synced_axes(tx) -> tuple | None:
+  """The slow axes a :func:`diloco` transformation syncs (None for any other ``tx``)."""
+  return getattr(getattr(tx, "update", None), SLOW_AXES_ATTR, None)

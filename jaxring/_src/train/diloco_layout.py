@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src.optim.diloco import DiLoCoState
+from jaxring._src.optim.diloco import DiLoCoState, synced_axes
 
 # the fields of a DiLoCoState each replica keeps its own of, in a train step's state
 ROWS = ("inner", "residual", "pending", "local")
@@ -55,6 +55,15 @@ def check(state, cfg) -> None:
         f"train_step: grad_axes={cfg.reduce_axes} leaves {slow} unreduced, which only "
         "jaxring.diloco as the state's optimizer syncs (the replicas would drift apart): "
         "tx=jaxring.diloco(inner, axis=..., every=H), or drop grad_axes")
+  synced = synced_axes(getattr(state, "tx", None)) if is_diloco(state) else None
+  if synced is not None and set(synced) != set(slow):
+    raise ValueError(
+        f"train_step: the step leaves {slow} to jaxring.diloco (grad_axes={cfg.reduce_axes}), "
+        f"but the state's jaxring.diloco syncs axis={synced}: "
+        + ("nothing would sync " + repr(tuple(a for a in slow if a not in synced)) + "; "
+           if set(slow) - set(synced) else "")
+        + f"give jaxring.diloco(..., axis={slow if len(slow) > 1 else slow[0]!r}) or "
+        "grad_axes= the other axes of the step")
   if is_diloco(state) and cfg.shard != "none":
     raise ValueError("train_step: jaxring.diloco with shard=" + repr(cfg.shard) + " is not "
                      "supported; use shard='none' (each replica keeps its own parameters)")
