@@ -156,6 +156,17 @@ def test_refusals():
     run(wrong, 1, grad_axes="local")
   with pytest.raises(ValueError, match=r"syncs axis=\('node', 'local'\)"):
     run(jr.diloco(optax.sgd(LR), axis=("node", "local"), every=3), 1, grad_axes="local")
+  from flax import nnx   # NNX objects: the optimizer's tx is checked alike
+  model = nnx.Linear(5, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, wrong, wrt=nnx.Param)
+
+  @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
+  def nnx_step(model, optimizer, batch):
+    value, grads = jr.value_and_grad(lambda m: ((m(batch["x"]) - batch["y"]) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return {"loss": value}
+  with pytest.raises(ValueError, match=r"nothing would sync \('node',\)"):
+    nnx_step(model, optimizer, BATCH)
 
 
 @pytest.mark.slow   # NNX and TrainState steps compiled side by side (~5 s)

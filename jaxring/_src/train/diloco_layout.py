@@ -57,11 +57,11 @@ def check(state, cfg) -> None:
         "tx=jaxring.diloco(inner, axis=..., every=H), or drop grad_axes")
   synced = synced_axes(getattr(state, "tx", None)) if is_diloco(state) else None
   if synced is not None and set(synced) != set(slow):
+    missing = tuple(a for a in slow if a not in synced)
     raise ValueError(
         f"train_step: the step leaves {slow} to jaxring.diloco (grad_axes={cfg.reduce_axes}), "
         f"but the state's jaxring.diloco syncs axis={synced}: "
-        + ("nothing would sync " + repr(tuple(a for a in slow if a not in synced)) + "; "
-           if set(slow) - set(synced) else "")
+        + (f"nothing would sync {missing}; " if missing else "")
         + f"give jaxring.diloco(..., axis={slow if len(slow) > 1 else slow[0]!r}) or "
         "grad_axes= the other axes of the step")
   if is_diloco(state) and cfg.shard != "none":
