@@ -241,3 +241,55 @@ def test_fast_axes_change_the_plan_not_the_result(codec):
     for k in P0:
       np.testing.assert_allclose(got[k], plain[k], rtol=0, atol=2e-2)
       np.testing.assert_array_equal(got[k][0], got[k][7])   # one outer model after the sync
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+@pytest.mark.parametrize("kw", [dict(every=3), dict(every=4, fragments=2, delay=1),
+                                dict(every=3, warmup=2), dict(every=3, fragments=3)],
+                         ids=["H3", "H4-fragments2-delay1", "H3-warmup2", "H3-empty-fragment"])
+def test_outer_state_split_over_the_fast_axes_changes_nothing(kw, check_vma):
+  """shard="optimizer": each of a node's 4 devices keeps a quarter of the outer parameters and
+  momentum and steps it; the nodes' models are still the reference's (3 fragments over 2 leaves
+  leave one empty)."""
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=kw["every"], fast_axes="local",
+                 shard="optimizer", fragments=kw.get("fragments", 1), delay=kw.get("delay", 0),
+                 warmup_steps=kw.get("warmup", 0))
+  assert_nodes_match(train(tx, check_vma), reference(**kw), rtol=2e-5, atol=2e-6)
+
+
+def outer_state_sizes(tx):
+  """Values per device of the state's outer parameters and outer optimizer state."""
+  mesh = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
+
+  def run(x):
+    s = tx.init(jax.tree.map(jnp.asarray, P0))
+    sizes = [sum(int(np.size(a)) for a in jax.tree.leaves(t)) for t in (s.outer_params, s.outer)]
+    return jnp.asarray(sizes)[None] + jnp.zeros_like(x[:1, 0, 0, 0], jnp.int32)
+
+  f = jax.shard_map(run, mesh=mesh, in_specs=P(("node", "local")),
+                    out_specs=P(("node", "local")), check_vma=False)
+  return np.asarray(jax.jit(f)(X[:, None]))[0]
+
+
+def test_split_outer_state_is_a_share_and_int8_stays_within_its_rounding():
+  # 6 values: a share of 2 (padded to 8 over 4 devices) of parameters and momentum each
+  whole = outer_state_sizes(jr.diloco(optax.sgd(LR), axis="node", every=3, fast_axes="local"))
+  split = outer_state_sizes(jr.diloco(optax.sgd(LR), axis="node", every=3, fast_axes="local",
+                                      shard="optimizer"))
+  assert list(whole) == [6, 6] and list(split) == [2, 2], (whole, split)
+  kw = dict(axis="node", every=3, fast_axes="local", compression=jr.codecs.int8())
+  got = train(jr.diloco(optax.sgd(LR), shard="optimizer", **kw), False)
+  plain = train(jr.diloco(optax.sgd(LR), **kw), False)
+  for k in P0:
+    np.testing.assert_allclose(got[k], plain[k], rtol=0, atol=2e-2)
+    np.testing.assert_array_equal(got[k][0], got[k][7])   # one outer model after the sync
+
+
+def test_split_outer_state_needs_the_fast_axes():
+  with pytest.raises(ValueError, match="name them, e.g. fast_axes='local'"):
+    jr.diloco(optax.sgd(0.1), every=3, shard="optimizer")
+  with pytest.raises(ValueError, match="shard must be one of"):
+    jr.diloco(optax.sgd(0.1), every=3, shard="params")
+  tx = jr.diloco(optax.sgd(0.1), every=3, fast_axes="local", shard="optimizer")
+  with pytest.raises(ValueError, match=r"fast axes \('local',\) are not bound here; call"):
+    tx.init(P0)

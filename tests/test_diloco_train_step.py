@@ -150,6 +150,9 @@ def test_refusals():
     make_step(grad_axes="model")
   with pytest.raises(ValueError, match="not supported"):
     run(tx, 1, grad_axes="local", shard="optimizer")
+  with pytest.raises(ValueError, match="train_step keeps the outer state whole"):
+    run(jr.diloco(optax.sgd(LR), every=3, fast_axes="local", shard="optimizer"), 1,
+        grad_axes="local")
   # the step leaves "node" to the optimizer, which syncs "local": the nodes would drift apart
   wrong = jr.diloco(optax.sgd(LR), axis="local", every=3)
   with pytest.raises(ValueError, match=r"nothing would sync \('node',\).*axis='node'"):

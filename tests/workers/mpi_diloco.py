@@ -9,7 +9,8 @@ uncompressed, the host form's parameters after every step equal the program form
 the outer step waits for the transfer, the local parameters do not), whether each rank sends the
 whole fragment or its half (``fast_axes="local"``); with int8 and error feedback the host form
 (each member's codes gathered) stays within int8's rounding of the program form (a
-ring that requantizes per hop) and carries a non-zero residual. ``--check stall``: the ranks of
+ring that requantizes per hop) and carries a non-zero residual; with ``shard="optimizer"`` too,
+a rank keeping only its half of the outer state. ``--check stall``: the ranks of
 node 1 never sync (``every`` beyond the run); the others must give up within
 ``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow axis. Prints ``rank R: OK``.
 """
@@ -39,7 +40,8 @@ def main() -> int:
   rank = comm.Get_rank()
   node, local = divmod(rank, 2)
   jd.bind_mpi_axis("local", comm.Split(node, rank))
-  jd.bind_mpi_axis("node", comm.Split(local, rank))
+  node_comm = comm.Split(local, rank)   # the ranks of one local rank: the slow axis
+  jd.bind_mpi_axis("node", node_comm)
   rng = np.random.default_rng((node, local))
   a = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
   b = jnp.asarray(rng.standard_normal((32, 3)), jnp.float32)
@@ -66,9 +68,9 @@ def main() -> int:
     print(message, flush=True)
     comm.Abort(3)
 
-  def make(transfer, codec=None, every=EVERY, fast=()):
+  def make(transfer, codec=None, every=EVERY, fast=(), shard="none"):
     return jaxring.diloco(optax.adam(0.05), axis="node", every=every, fragments=FRAGMENTS,
-                          delay=DELAY, fast_axes=fast,
+                          delay=DELAY, fast_axes=fast, shard=shard,
                           compression=codec, transfer=transfer)
 
   if args.check == "stall":
@@ -93,11 +95,20 @@ def main() -> int:
     return s - f * EVERY // FRAGMENTS > 0 and t < s + DELAY
 
   # uncompressed: every member sends the whole fragment, or its half (fast_axes="local": the
-  # halves gathered over local at arrival); int8 + EF: its half
-  for codec, fast, rtol in ((None, (), 1e-6), (None, "local", 1e-6),
-                            (jaxring.codecs.int8(), "local", 0.03)):
+  # halves gathered over local at arrival); int8 + EF: its half; shard="optimizer": it keeps
+  # and steps only its half of the outer state, the new halves gathered at arrival
+  int8 = jaxring.codecs.int8()
+  for codec, fast, shard, rtol in ((None, (), "none", 1e-6), (None, "local", "none", 1e-6),
+                                   (int8, "local", "none", 0.03),
+                                   (None, "local", "optimizer", 1e-6),
+                                   (int8, "local", "optimizer", 0.03)):
     want, _ = run(make("program", codec))
-    got, state = run(make("host", codec, fast=fast))
+    got, state = run(make("host", codec, fast=fast, shard=shard))
+    if shard == "optimizer":
+      n = [sum(np.size(params0[k]) for k in frag if frag[k] == f) for f in range(FRAGMENTS)]
+      if [np.size(x) for x in state.outer_params] != [-(-m // 2) for m in n] and codec is None:
+        fail(f"rank {rank}: FAIL the outer parameters are not this rank's half: "
+             f"{[np.shape(x) for x in state.outer_params]} of {n}")
     for t, (w, g) in enumerate(zip(want, got)):
       (wp, wo), (gp, go) = w, g
       for k in wp:
@@ -106,7 +117,8 @@ def main() -> int:
         if not err <= rtol:
           fail(f"rank {rank}: FAIL {codec} step {t + 1} {k}: host differs from program by {err}")
         # the outer parameters agree outside their fragment's transfer window
-        if not in_window(t + 1, frag[k]) and not np.abs(go[k] - wo[k]).max() / scale <= rtol:
+        if shard == "none" and not in_window(t + 1, frag[k]) and \
+            not np.abs(go[k] - wo[k]).max() / scale <= rtol:
           fail(f"rank {rank}: FAIL {codec} step {t + 1} outer {k} differs")
     # (local rank 1's half of these small fragments is int8's block padding: no residual)
     if codec is not None and local == 0:
@@ -116,7 +128,7 @@ def main() -> int:
         fail(f"rank {rank}: FAIL int8's residual is zero: the codec did not apply")
     # every member of the slow axis holds the same outer parameters
     outer = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(got[-1][1])])
-    if not np.array_equal(comm.allgather(outer)[0], outer):
+    if not np.array_equal((comm if shard == "none" else node_comm).allgather(outer)[0], outer):
       fail(f"rank {rank}: FAIL {codec}: the outer parameters differ between ranks")
   print(f"rank {rank}: OK")
   return 0

@@ -45,12 +45,15 @@ import optax
 from jax import lax
 
 from jaxring._src import fuse, vma
-from jaxring._src.collectives import all_gather, axis_names, pmean, validate_compression
+from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
+from jaxring._src.optim.diloco_share import Shares
 from jaxring._src.transport import host_exchange, mpi_axis
 
 TRANSFERS = ("program", "host")
+SHARDS = ("none", "optimizer")
 SLOW_AXES_ATTR = "diloco_axes"   # on update: the axes it syncs, for a train step's check
+SHARD_ATTR = "diloco_shard"
 _instances = itertools.count()
 
 
@@ -111,7 +114,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
            outer: optax.GradientTransformation | None = None, compression: Any = None,
            error_feedback: bool = True, fragments: int = 1, delay: int = 0,
            warmup_steps: int = 0, algorithm: Any = "auto", fast_axes: Any = (),
-           transfer: str = "program") -> optax.GradientTransformation:
+           transfer: str = "program", shard: str = "none") -> optax.GradientTransformation:
   """An optax transformation that syncs the slow axis every ``every`` steps (see the module
   docstring).
 
@@ -136,6 +139,13 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       during the ``delay`` steps (needs ``delay >= 1`` and the slow axis bound to MPI; with
       ``fast_axes``, MPI-bound too, a member sends its ``1/size`` share of the fragment and the
       shares are gathered over the fast axes when they arrive).
+    shard: ``"none"``: every member keeps the whole outer state; ``"optimizer"`` (with
+      ``fast_axes``): each member of the fast axes keeps its ``1/size`` share of the outer
+      parameters, the outer optimizer's state and the residual, flat per fragment, and takes
+      the outer step on it (the outer optimizer must then be elementwise, as SGD, Nesterov and
+      Adam are); the sync averages the shares over the slow axis only and an ``all_gather``
+      over the fast axes puts the new outer parameters together. Call ``init`` and ``update``
+      where the fast axes are bound.
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -162,6 +172,12 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     raise NotImplementedError(f"diloco(transfer='host') gathers each member's encoded "
                               f"pseudo-gradient; {compression!r} wraps the whole all-reduce "
                               "instead: use transfer='program' with it")
+  if shard not in SHARDS:
+    raise ValueError(f"diloco: shard must be one of {SHARDS}, got {shard!r}")
+  sharded = shard == "optimizer"
+  if sharded and not axis_names(fast_axes):
+    raise ValueError("diloco(shard='optimizer') splits the outer state over the fast axes: "
+                     "name them, e.g. fast_axes='local' (the axes a replicated model spans)")
   validate_compression(compression)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
   axes = axis_names(axis)
@@ -170,6 +186,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   keeps_residual = bool(error_feedback) and lossy
 
   instance = next(_instances)   # names this transform's host-side transfers
+  align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
+  shares = Shares(fast_axes, align, mpi_only=host)   # the members' shares of a fragment
 
   def _pending(pieces):
     """Per fragment: (the outer parameters waiting to be applied, the local ones when sent);
@@ -184,38 +202,28 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
                        "runs no transfer beside the steps: use transfer='program' there)")
     return host_exchange.exchange_for(binding)
 
-  def share():
-    """(this member's index, members) on the fast axes: each sends its share of a fragment."""
-    fast = axis_names(fast_axes)
-    if not fast:
-      return 0, 1
-    binding = mpi_axis.lookup(fast)
-    if binding is None:
-      raise ValueError(f"diloco(transfer='host'): the fast axes {fast} are not bound to MPI; "
-                       "bind them with jaxring.distributed.bind_mpi_axis, or leave fast_axes "
-                       "empty (every member then sends the whole fragment)")
-    return binding.rank, binding.size
-
-  def layout(n):
-    """(this member's offset, its share's length, the padded length) of an ``n``-value flat."""
-    align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
-    r, k = share()
-    m = -(-n // (k * align)) * align
-    return r * m, m, k * m
-
   def key(p):
     return f"diloco {instance} fragment {p}"
 
-  def host_send(p, pseudo, res_p):
-    """Starts fragment ``p``'s transfer (this member's share of it); returns its next
-    residual (or None)."""
-    ex, idxs = exchange(), range(len(pseudo))
-    flat = fuse.concat(pseudo, idxs, jnp.float32)
+  def flat(piece):
+    return fuse.concat(piece, range(len(piece)), jnp.float32)
+
+  def share_of(piece):
+    """This member's share of a fragment's values, in their dtype (f32 if they differ)."""
+    return shares.take(fuse.concat(piece, range(len(piece)), jnp.result_type(*piece)))
+
+  def pseudo_share(outer_p, local_p):
+    """This member's share of a fragment's pseudo-gradient (f32)."""
+    if sharded:   # the outer parameters are the share already
+      return outer_p.astype(jnp.float32) - shares.take(flat(local_p))
+    return shares.take(flat(pseudo_of(outer_p, local_p)))
+
+  def host_send(p, mine, res_p):
+    """Starts fragment ``p``'s transfer, ``mine`` this member's share of its pseudo-gradient;
+    returns its next residual (or None)."""
+    ex = exchange()
     if res_p is not None:
-      flat = flat + fuse.concat(res_p, idxs, jnp.float32)
-    n = flat.shape[0]
-    start, m, total = layout(n)
-    mine = lax.dynamic_slice(jnp.pad(flat, (0, total - n)), (start,), (m,))
+      mine = mine + (res_p if sharded else shares.take(flat(res_p)))
     if compression is None:
       host_exchange.start_in_program(ex, key(p), "sum", [mine])
       return res_p
@@ -225,28 +233,38 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       return None
     # the residual keeps what the codec left out of this member's share; the others' shares
     # are their senders' to carry
-    err = jnp.zeros((total,), jnp.float32).at[start:start + m].set(
-        mine - compression.decode(payload, jnp.float32))[:n]
+    err = mine - compression.decode(payload, jnp.float32)
+    if sharded:
+      return err
+    idxs = range(len(res_p))
+    err = shares.place(err, sum(int(np.size(x)) for x in res_p))
     return [e.astype(r.dtype) for e, r in zip(fuse.split(err, res_p, idxs), res_p)]
 
-  def host_receive(p, like):
-    """Fragment ``p``'s averaged pseudo-gradient, leaves shaped like ``like`` (f32)."""
-    ex, idxs = exchange(), range(len(like))
-    n = sum(int(np.size(x)) for x in like)
-    _, m, _ = layout(n)
+  def host_receive(p, n):
+    """This member's share of fragment ``p``'s averaged pseudo-gradient (f32), of ``n`` values."""
+    ex = exchange()
+    _, m, _ = shares.layout(n)
     members = ex.comm.Get_size()
     if compression is None:
       (total,) = host_exchange.finish_in_program(ex, key(p), "sum",
                                                  [jax.ShapeDtypeStruct((m,), jnp.float32)])
-      mean = total / jnp.float32(members)
-    else:
-      shapes = jax.eval_shape(lambda x: compression.encode(x, jnp.float32),
-                              jax.ShapeDtypeStruct((m,), jnp.float32))
-      rows = host_exchange.finish_in_program(ex, key(p), "gather", list(shapes))
-      mean = jax.vmap(lambda *pl: compression.decode(pl, jnp.float32))(*rows).mean(axis=0)
-    if share()[1] > 1:   # the shares back from the other members of the fast axes
-      mean = all_gather(mean, axis_names(fast_axes), tiled=True)
-    return fuse.split(mean[:n], like, idxs, jnp.float32)
+      return total / jnp.float32(members)
+    shapes = jax.eval_shape(lambda x: compression.encode(x, jnp.float32),
+                            jax.ShapeDtypeStruct((m,), jnp.float32))
+    rows = host_exchange.finish_in_program(ex, key(p), "gather", list(shapes))
+    return jax.vmap(lambda *pl: compression.decode(pl, jnp.float32))(*rows).mean(axis=0)
+
+  def outer_from_share(avg, ostate, outer_p, local_p):
+    """The outer step from this member's share ``avg`` of a fragment's averaged
+    pseudo-gradient: (the new outer parameters whole, as kept, the outer state)."""
+    n, idxs = sum(int(np.size(x)) for x in local_p), range(len(local_p))
+    if sharded:   # the step on the share; the members' new shares put together
+      (new,), ostate = outer_step([avg], ostate, [outer_p])
+      whole = fuse.split(shares.gather(new, n), local_p, idxs)
+      return [w.astype(x.dtype) for w, x in zip(whole, local_p)], new, ostate
+    new, ostate = outer_step(fuse.split(shares.gather(avg, n), outer_p, idxs, jnp.float32),
+                             ostate, outer_p)
+    return new, new, ostate
 
   def pseudo_of(outer_p, local_p):
     """A fragment's pseudo-gradient: what the outer parameters lost since the last sync (f32)."""
@@ -265,22 +283,40 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     its = [iter(p) for p in pieces]
     return jax.tree_util.tree_unflatten(treedef, [next(its[f]) for f in frag_of])
 
+  def kept_outer(pieces):
+    """The outer parameters as the state keeps them: per fragment, this member's share with
+    ``shard="optimizer"``, else the leaves."""
+    if not sharded:
+      return None
+    return tuple(share_of(x) if x else jnp.zeros((0,), jnp.float32) for x in pieces)
+
   def init(params):
     frag_of = fragment_of(params, fragments)
     pieces, _ = parts(params, frag_of)
-    residual = zeros_per_member(params, axes) if keeps_residual else None
+    own = set(axes if bound(axes) else ())
+    if sharded:
+      own |= set(shares.axes if bound(shares.axes) else ())
+      outer_kept = kept_outer(pieces)
+      residual = tuple(jnp.zeros_like(x, jnp.float32) for x in outer_kept) if keeps_residual \
+          else None
+      outer_states = tuple(outer.init([x]) for x in outer_kept)
+    else:
+      outer_kept = params
+      residual = zeros_per_member(params, axes) if keeps_residual else None
+      outer_states = tuple(outer.init(p) for p in pieces)
     pending = _pending(pieces) if delay else None
-    state = DiLoCoState(jnp.zeros((), jnp.int32), inner.init(params), params,
-                        tuple(outer.init(p) for p in pieces), residual, pending)
+    state = DiLoCoState(jnp.zeros((), jnp.int32), inner.init(params), outer_kept, outer_states,
+                        residual, pending)
     # each member's own (update's results are typed so; a scan over steps needs both alike)
-    varying = set(axes if bound(axes) else ()).union(
-        *(vma.varying_axes(x) for x in jax.tree_util.tree_leaves(params)))
+    varying = own.union(*(vma.varying_axes(x) for x in jax.tree_util.tree_leaves(params)))
     varying = tuple(sorted(varying, key=str))
     return jax.tree_util.tree_map(lambda x: vma.pvary(x, varying), state)
 
   def sync(pseudo, residual):
-    """The pseudo-gradient averaged over the slow axis (and the residual carried)."""
-    sync_axes = tuple(dict.fromkeys(axis_names(fast_axes) + _spanned.get() + axes))
+    """The pseudo-gradient averaged over the slow axis (and the residual carried); a share is
+    averaged over the slow axis only."""
+    sync_axes = axes if sharded else tuple(
+        dict.fromkeys(axis_names(fast_axes) + _spanned.get() + axes))
     if compression is None:
       return pmean(pseudo, sync_axes, algorithm=algorithm), residual
     if residual is None:
@@ -307,78 +343,80 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       g = pmean(grads, axes, algorithm=algorithm)
       updates, inner_state = inner.update(g, state.inner, params)
       new = optax.apply_updates(params, updates)
-      return updates, state._replace(count=count + 1, inner=inner_state, outer_params=new,
-                                     pending=_pending(parts(new, frag_of)[0]) if delay else None)
+      pieces = parts(new, frag_of)[0]
+      return updates, state._replace(count=count + 1, inner=inner_state,
+                                     outer_params=kept_outer(pieces) if sharded else new,
+                                     pending=_pending(pieces) if delay else None)
 
     def local(_):
       updates, inner_state = inner.update(grads, state.inner, params)
       new = optax.apply_updates(params, updates)
       t = count - warmup + 1                     # this inner step's number after the warm-up
       pieces, treedef = parts(new, frag_of)
-      outer_pieces = parts(state.outer_params, frag_of)[0]
-      res_pieces = None if state.residual is None else parts(state.residual, frag_of)[0]
-      outer_states, residuals = list(state.outer), res_pieces
+      by_fragment = (lambda x: list(x)) if sharded else (  # noqa: E731
+          lambda x: parts(x, frag_of)[0])
+      outer_pieces = by_fragment(state.outer_params)
+      residuals = None if state.residual is None else by_fragment(state.residual)
+      outer_states = list(state.outer)
       pending = None if state.pending is None else list(state.pending)
       for p in range(fragments):
         offset = p * every // fragments
         due = ((t - offset) % every == 0) & (t - offset > 0)            # sent at this step
         arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
-        if host and not pieces[p]:   # more fragments than leaves: nothing to move
+        if (host or sharded) and not pieces[p]:   # more fragments than leaves: nothing to move
           continue
+        res_p = None if residuals is None else residuals[p]
         if host:
           def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
             x_p, outer_p, ostate, sent = args
-            new_outer, ostate = outer_step(host_receive(p, outer_p), ostate, outer_p)
-            return ([(n + (x - s)).astype(x.dtype) for n, x, s in zip(new_outer, x_p, sent)],
-                    new_outer, ostate)
+            n = sum(int(np.size(x)) for x in x_p)
+            whole, outer_p, ostate = outer_from_share(host_receive(p, n), ostate, outer_p, x_p)
+            return ([(w + (x - s)).astype(x.dtype) for w, x, s in zip(whole, x_p, sent)],
+                    outer_p, ostate)
 
           def send(args, p=p):
             local_p, outer_p, res_p = args
-            return host_send(p, pseudo_of(outer_p, local_p), res_p)
+            return host_send(p, pseudo_share(outer_p, local_p), res_p)
 
           (sent_from,) = pending[p]
           pieces[p], outer_pieces[p], outer_states[p] = cond(
               arrives, arrive, lambda a: a[:3],
               (pieces[p], outer_pieces[p], outer_states[p], list(sent_from)))
-          res_p = None if residuals is None else residuals[p]
           res_p = cond(due, send, lambda a: a[2], (pieces[p], outer_pieces[p], res_p))
-          if residuals is not None:
-            residuals[p] = res_p
           pending[p] = (tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], sent_from)),)
-          continue
-        if delay:   # a result sent ``delay`` steps ago arrives: apply it, keep the progress since
-          waiting, sent_from = pending[p]
-          pieces[p] = [jnp.where(arrives, w + (x - s), x).astype(x.dtype)
-                       for x, w, s in zip(pieces[p], waiting, sent_from)]
+        else:
+          if delay:   # a result sent ``delay`` steps ago arrives: apply it, keep the progress
+            waiting, sent_from = pending[p]
+            pieces[p] = [jnp.where(arrives, w + (x - s), x).astype(x.dtype)
+                         for x, w, s in zip(pieces[p], waiting, sent_from)]
 
-        def do_sync(args):
-          local_p, outer_p, ostate, res_p = args
-          avg, res_p = sync(pseudo_of(outer_p, local_p), res_p)
-          new_outer, ostate = outer_step(avg, ostate, outer_p)
-          return new_outer, ostate, res_p
+          def do_sync(args):   # (the new outer parameters whole, as kept, the outer state, res)
+            local_p, outer_p, ostate, res_p = args
+            if sharded:
+              (avg,), res = sync([pseudo_share(outer_p, local_p)],
+                                 None if res_p is None else [res_p])
+              return (*outer_from_share(avg, ostate, outer_p, local_p),
+                      None if res is None else res[0])
+            avg, res_p = sync(pseudo_of(outer_p, local_p), res_p)
+            new_outer, ostate = outer_step(avg, ostate, outer_p)
+            return [n.astype(x.dtype) for n, x in zip(new_outer, local_p)], new_outer, ostate, res_p
 
-        def no_sync(args):
-          _, outer_p, ostate, res_p = args
-          return outer_p, ostate, res_p
-
-        res_p = None if residuals is None else residuals[p]
-        new_outer, ostate, res_p = cond(due, do_sync, no_sync,
-                                        (pieces[p], outer_pieces[p], outer_states[p], res_p))
-        outer_states[p] = ostate
+          whole, outer_pieces[p], outer_states[p], res_p = cond(
+              due, do_sync, lambda a: a, (pieces[p], outer_pieces[p], outer_states[p], res_p))
+          if delay:   # applied later; until then the member goes on from its own parameters
+            pending[p] = (tuple(jnp.where(due, n, w) for n, w in zip(whole, pending[p][0])),
+                          tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], pending[p][1])))
+          else:
+            pieces[p] = whole
         if residuals is not None:
           residuals[p] = res_p
-        if delay:   # applied later; until then the member goes on from its own parameters
-          pending[p] = (tuple(jnp.where(due, n, w) for n, w in zip(new_outer, pending[p][0])),
-                        tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], pending[p][1])))
-        else:
-          pieces[p] = [jnp.where(due, n, x).astype(x.dtype) for n, x in zip(new_outer, pieces[p])]
-        outer_pieces[p] = new_outer
       new_params = join(pieces, frag_of, treedef)
       updates = jax.tree_util.tree_map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
-      residual = None if residuals is None else join(residuals, frag_of, treedef)
+      kept = (lambda x: tuple(x)) if sharded else (  # noqa: E731
+          lambda x: join(x, frag_of, treedef))
       return updates, state._replace(
-          count=count + 1, inner=inner_state, outer_params=join(outer_pieces, frag_of, treedef),
-          outer=tuple(outer_states), residual=residual,
+          count=count + 1, inner=inner_state, outer_params=kept(outer_pieces),
+          outer=tuple(outer_states), residual=None if residuals is None else kept(residuals),
           pending=None if pending is None else tuple(pending))
 
     if not warmup:
@@ -386,9 +424,15 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return cond(count < warmup, warm, local, None)
 
   setattr(update, SLOW_AXES_ATTR, axes)   # what a train step checks its slow axes against
+  setattr(update, SHARD_ATTR, shard)
   return optax.GradientTransformation(init, update)
 
 
 def synced_axes(tx) -> tuple | None:
   """The slow axes a :func:`diloco` transformation syncs (None for any other ``tx``)."""
   return getattr(getattr(tx, "update", None), SLOW_AXES_ATTR, None)
+
+
+def outer_shard(tx) -> str | None:
+  """A :func:`diloco` transformation's ``shard`` (None for any other ``tx``)."""
+  return getattr(getattr(tx, "update", None), SHARD_ATTR, None)
