@@ -7,10 +7,11 @@ in the all-gather too, ``{"params": int8, "grads": int8}``). Memory is ``step.me
 batch)``: parameters, optimizer state and error-feedback residuals on one device, and the compiled
 step's peak (arguments + outputs not aliased + temporaries).
 
-DiLoCo rows (``--seeds`` seeds each, the same seeds and batches for every contender): synchronous
-data parallel (the flat mesh, every step's gradients averaged over the 8 devices) against
-``jaxring.diloco`` on 2 nodes x 4 devices synced every ``--diloco-every`` steps (AdamW inside,
-gradients averaged over a node's 4 devices): DiLoCo's outer Nesterov SGD (0.7, 0.9), and plain
+DiLoCo rows (``--seeds`` seeds each, the same seeds and batches for every contender, each run
+``--diloco-steps`` steps, 600 by default: 30 outer steps at H = 20): synchronous data parallel
+(the flat mesh, every step's gradients averaged over the 8 devices) against ``jaxring.diloco``
+on 2 nodes x 4 devices synced every ``--diloco-every`` steps (AdamW inside, gradients averaged
+over a node's 4 devices): DiLoCo's outer Nesterov SGD (0.7, 0.9), and plain
 averaging (``optax.sgd(1.0)``), uncompressed and int8 with error feedback. Each contender's eval
 loss is given as the mean over the seeds and against the synchronous one's mean.
 
@@ -20,6 +21,7 @@ Launch:
   python -m recipes.bench_lm --num-steps 100 --config.width=128
   python -m recipes.bench_lm --rows=params/none,params/int8 --config.seed=1   # some rows
   python -m recipes.bench_lm --rows= --diloco-every=10    # the DiLoCo rows only
+  python -m recipes.bench_lm --rows= --diloco-steps=200   # DiLoCo on the recipe's own budget
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def measure(config, names=None) -> list[dict]:
   return rows
 
 
-def measure_diloco(config, every: int, seeds: int) -> list[dict]:
+def measure_diloco(config, every: int, seeds: int, steps: int) -> list[dict]:
   """Each :data:`DILOCO` contender trained over ``seeds`` seeds: its eval losses, their mean and
   its mean against the synchronous contender's."""
   from recipes import lm
@@ -86,13 +88,16 @@ def measure_diloco(config, every: int, seeds: int) -> list[dict]:
     losses, walls = [], []
     outer_lr, momentum = outer or (config.diloco_outer_lr, config.diloco_outer_momentum)
     for seed in range(config.seed, config.seed + seeds):
-      run = dataclasses.replace(config, seed=seed, progress=False, diloco_every=0 if outer is None
+      run = dataclasses.replace(config, seed=seed, progress=False, num_steps=steps,
+                                diloco_every=0 if outer is None
                                 else every, diloco_compression=codec, diloco_outer_lr=outer_lr,
                                 diloco_outer_momentum=momentum)
       start = time.perf_counter()
-      losses.append(lm.train_and_evaluate(run)["final"]["eval_loss"])
+      summary = lm.train_and_evaluate(run)
+      losses.append(summary["final"]["eval_loss"])
       walls.append(time.perf_counter() - start)
-    rows.append({"contender": name, "every": 1 if outer is None else every,
+    rows.append({"contender": name, "every": 1 if outer is None else every, "steps": steps,
+                 "entropy_floor": summary["entropy_floor"],
                  "outer": outer, "compression": codec, "eval_losses": losses,
                  "eval_loss_mean": sum(losses) / len(losses), "wall_s": walls})
     print(f"  {name}: eval loss {rows[-1]['eval_loss_mean']:.4f} over {seeds} seeds", flush=True)
@@ -135,7 +140,8 @@ def main(argv=None) -> int:
   if "-h" in argv or "--help" in argv:
     print(__doc__.strip() + "\n\n--rows=SHARD/GRADS,... picks rows (none/none, params/none, "
           "none/int8, params/int8; --rows= none); --seeds=S (3) and --diloco-every=H (20; 0: no "
-          "DiLoCo rows); the recipe's own options (python -m recipes.lm --help) set the config.")
+          "DiLoCo rows), --diloco-steps=N (600: each DiLoCo row's steps); the recipe's own "
+          "options (python -m recipes.lm --help) set the config.")
     return 0
   import jax
 
@@ -143,14 +149,15 @@ def main(argv=None) -> int:
   from recipes import lm
 
   ours = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv
-          if a.startswith(("--rows=", "--seeds=", "--diloco-every="))}
+          if a.startswith(("--rows=", "--seeds=", "--diloco-every=", "--diloco-steps="))}
   names = ours["--rows"].split(",") if "--rows" in ours else None
   config = lm.parse_args([a for a in argv if a.split("=", 1)[0] not in ours])
   jaxring.distributed.initialize(local_device_count=config.cpu_devices or None)
   load_before = os.getloadavg()
   rows = measure(config, names) if names != [""] else []
   every = int(ours.get("--diloco-every", 20))
-  diloco = measure_diloco(config, every, int(ours.get("--seeds", 3))) if every else []
+  diloco = measure_diloco(config, every, int(ours.get("--seeds", 3)),
+                          int(ours.get("--diloco-steps", 600))) if every else []
   if rows:
     print(format_table(rows))
   if diloco:
