@@ -93,7 +93,7 @@ def test_the_state_params_are_the_outer_parameters_as_of_the_last_sync():
 
 
 @pytest.mark.parametrize("codec", [jr.codecs.int8(block_size=4),
-                                   jr.codecs.topk_chunks(0.25, chunk_size=2, per_tensor=False)],
+                                   jr.codecs.topk_chunks(0.25, chunk_size=1, per_tensor=False)],
                          ids=["int8", "topk"])
 def test_a_codec_with_error_feedback_equals_the_shard_map_form(codec):
   kw = dict(axis="node", every=3, compression=codec)

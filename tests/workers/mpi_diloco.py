@@ -10,7 +10,8 @@ the outer step waits for the transfer, the local parameters do not), whether eac
 whole fragment or its half (``fast_axes="local"``); with int8 and error feedback the host form
 (each member's codes gathered) stays within int8's rounding of the program form (a
 ring that requantizes per hop) and carries a non-zero residual; with ``shard="optimizer"`` too,
-a rank keeping only its half of the outer state. ``--check stall``: the ranks of
+a rank keeping only its half of the outer state; and the program form with ``fast_axes`` (each
+rank its half of the sync) equals it. ``--check stall``: the ranks of
 node 1 never sync (``every`` beyond the run); the others must give up within
 ``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow axis. Prints ``rank R: OK``.
 """
@@ -97,13 +98,15 @@ def main() -> int:
   # uncompressed: every member sends the whole fragment, or its half (fast_axes="local": the
   # halves gathered over local at arrival); int8 + EF: its half; shard="optimizer": it keeps
   # and steps only its half of the outer state, the new halves gathered at arrival
+  # (and in the program, a member's half averaged over node, the halves gathered over local)
   int8 = jaxring.codecs.int8()
-  for codec, fast, shard, rtol in ((None, (), "none", 1e-6), (None, "local", "none", 1e-6),
-                                   (int8, "local", "none", 0.03),
-                                   (None, "local", "optimizer", 1e-6),
-                                   (int8, "local", "optimizer", 0.03)):
+  for how, codec, fast, shard, rtol in (
+      ("host", None, (), "none", 1e-6), ("host", None, "local", "none", 1e-6),
+      ("host", int8, "local", "none", 0.03), ("host", None, "local", "optimizer", 1e-6),
+      ("host", int8, "local", "optimizer", 0.03), ("program", None, "local", "none", 1e-6),
+      ("program", None, "local", "optimizer", 1e-6)):
     want, _ = run(make("program", codec))
-    got, state = run(make("host", codec, fast=fast, shard=shard))
+    got, state = run(make(how, codec, fast=fast, shard=shard))
     if shard == "optimizer":
       n = [sum(np.size(params0[k]) for k in frag if frag[k] == f) for f in range(FRAGMENTS)]
       if [np.size(x) for x in state.outer_params] != [-(-m // 2) for m in n] and codec is None:
@@ -115,7 +118,7 @@ def main() -> int:
         scale = np.abs(wp[k]).max() + 1e-6
         err = np.abs(gp[k] - wp[k]).max() / scale
         if not err <= rtol:
-          fail(f"rank {rank}: FAIL {codec} step {t + 1} {k}: host differs from program by {err}")
+          fail(f"rank {rank}: FAIL {how} {codec} {fast} {shard} step {t + 1} {k}: differs by {err}")
         # the outer parameters agree outside their fragment's transfer window
         if shard == "none" and not in_window(t + 1, frag[k]) and \
             not np.abs(go[k] - wo[k]).max() / scale <= rtol:

@@ -131,21 +131,18 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     warmup_steps: synchronous data-parallel steps first.
     algorithm: the pseudo-gradients' reduction (as :func:`jaxring.psum`).
     fast_axes: axes over which the parameters are the same on every member (the fast levels a
-      replicated model spans, e.g. ``"local"``): the sync averages over them too, which changes
-      the plan, not the result: reduced level by level (``hierarchical``, or the transport's own
-      all-reduce over all the axes), a member sends ``1/size`` of its pseudo-gradient over the
-      slow links instead of all of it.
+      replicated model spans, e.g. ``"local"``): this changes the plan, not the result: each
+      member averages only its ``1/size`` share of a fragment over the slow axis (sends that
+      over the slow links, in the program or, with ``transfer="host"``, by the host thread) and
+      an ``all_gather`` over the fast axes puts the shares back together.
     transfer: ``"program"``: the sync inside the step's program; ``"host"``: by a host thread
-      during the ``delay`` steps (needs ``delay >= 1`` and the slow axis bound to MPI; with
-      ``fast_axes``, MPI-bound too, a member sends its ``1/size`` share of the fragment and the
-      shares are gathered over the fast axes when they arrive).
+      during the ``delay`` steps (needs ``delay >= 1`` and the slow axis, and any
+      ``fast_axes``, bound to MPI).
     shard: ``"none"``: every member keeps the whole outer state; ``"optimizer"`` (with
-      ``fast_axes``): each member of the fast axes keeps its ``1/size`` share of the outer
-      parameters, the outer optimizer's state and the residual, flat per fragment, and takes
-      the outer step on it (the outer optimizer must then be elementwise, as SGD, Nesterov and
-      Adam are); the sync averages the shares over the slow axis only and an ``all_gather``
-      over the fast axes puts the new outer parameters together. Call ``init`` and ``update``
-      where the fast axes are bound.
+      ``fast_axes``): each keeps only its share of the outer parameters, the outer optimizer's
+      state and the residual, flat per fragment, and takes the outer step on it (the outer
+      optimizer must be elementwise, as SGD, Nesterov and Adam are). Call ``init`` and
+      ``update`` where the fast axes are bound.
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -187,7 +184,15 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
 
   instance = next(_instances)   # names this transform's host-side transfers
   align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
-  shares = Shares(fast_axes, align, mpi_only=host)   # the members' shares of a fragment
+  made: dict = {}
+
+  def shares() -> Shares:
+    """The members' shares of a fragment over the fast axes (``fast_axes`` and those a train
+    step says its model spans)."""
+    fast = tuple(dict.fromkeys(axis_names(fast_axes) + _spanned.get()))
+    if fast not in made:
+      made[fast] = Shares(fast, align, mpi_only=host)
+    return made[fast]
 
   def _pending(pieces):
     """Per fragment: (the outer parameters waiting to be applied, the local ones when sent);
@@ -210,20 +215,33 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
 
   def share_of(piece):
     """This member's share of a fragment's values, in their dtype (f32 if they differ)."""
-    return shares.take(fuse.concat(piece, range(len(piece)), jnp.result_type(*piece)))
+    return shares().take(fuse.concat(piece, range(len(piece)), jnp.result_type(*piece)))
 
   def pseudo_share(outer_p, local_p):
     """This member's share of a fragment's pseudo-gradient (f32)."""
     if sharded:   # the outer parameters are the share already
-      return outer_p.astype(jnp.float32) - shares.take(flat(local_p))
-    return shares.take(flat(pseudo_of(outer_p, local_p)))
+      return outer_p.astype(jnp.float32) - shares().take(flat(local_p))
+    return shares().take(flat(pseudo_of(outer_p, local_p)))
+
+  def residual_share(res_p):
+    """This member's share of a fragment's residual (kept so with ``shard="optimizer"``; else
+    the leaves, zero outside the share)."""
+    return res_p if sharded or res_p is None else shares().take(flat(res_p))
+
+  def residual_kept(err, res_p):
+    """``err``, this member's share of the next residual, as the state keeps it."""
+    if sharded or err is None:
+      return err
+    idxs = range(len(res_p))
+    err = shares().place(err, sum(int(np.size(x)) for x in res_p))
+    return [e.astype(r.dtype) for e, r in zip(fuse.split(err, res_p, idxs), res_p)]
 
   def host_send(p, mine, res_p):
     """Starts fragment ``p``'s transfer, ``mine`` this member's share of its pseudo-gradient;
     returns its next residual (or None)."""
     ex = exchange()
     if res_p is not None:
-      mine = mine + (res_p if sharded else shares.take(flat(res_p)))
+      mine = mine + residual_share(res_p)
     if compression is None:
       host_exchange.start_in_program(ex, key(p), "sum", [mine])
       return res_p
@@ -233,17 +251,12 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       return None
     # the residual keeps what the codec left out of this member's share; the others' shares
     # are their senders' to carry
-    err = mine - compression.decode(payload, jnp.float32)
-    if sharded:
-      return err
-    idxs = range(len(res_p))
-    err = shares.place(err, sum(int(np.size(x)) for x in res_p))
-    return [e.astype(r.dtype) for e, r in zip(fuse.split(err, res_p, idxs), res_p)]
+    return residual_kept(mine - compression.decode(payload, jnp.float32), res_p)
 
   def host_receive(p, n):
     """This member's share of fragment ``p``'s averaged pseudo-gradient (f32), of ``n`` values."""
     ex = exchange()
-    _, m, _ = shares.layout(n)
+    _, m, _ = shares().layout(n)
     members = ex.comm.Get_size()
     if compression is None:
       (total,) = host_exchange.finish_in_program(ex, key(p), "sum",
@@ -260,9 +273,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     n, idxs = sum(int(np.size(x)) for x in local_p), range(len(local_p))
     if sharded:   # the step on the share; the members' new shares put together
       (new,), ostate = outer_step([avg], ostate, [outer_p])
-      whole = fuse.split(shares.gather(new, n), local_p, idxs)
+      whole = fuse.split(shares().gather(new, n), local_p, idxs)
       return [w.astype(x.dtype) for w, x in zip(whole, local_p)], new, ostate
-    new, ostate = outer_step(fuse.split(shares.gather(avg, n), outer_p, idxs, jnp.float32),
+    new, ostate = outer_step(fuse.split(shares().gather(avg, n), outer_p, idxs, jnp.float32),
                              ostate, outer_p)
     return new, new, ostate
 
@@ -295,7 +308,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     pieces, _ = parts(params, frag_of)
     own = set(axes if bound(axes) else ())
     if sharded:
-      own |= set(shares.axes if bound(shares.axes) else ())
+      own |= set(shares().axes if bound(shares().axes) else ())
       outer_kept = kept_outer(pieces)
       residual = tuple(jnp.zeros_like(x, jnp.float32) for x in outer_kept) if keeps_residual \
           else None
@@ -313,16 +326,12 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return jax.tree_util.tree_map(lambda x: vma.pvary(x, varying), state)
 
   def sync(pseudo, residual):
-    """The pseudo-gradient averaged over the slow axis (and the residual carried); a share is
-    averaged over the slow axis only."""
-    sync_axes = axes if sharded else tuple(
-        dict.fromkeys(axis_names(fast_axes) + _spanned.get() + axes))
+    """The pseudo-gradient averaged over the slow axis (and the residual carried)."""
     if compression is None:
-      return pmean(pseudo, sync_axes, algorithm=algorithm), residual
+      return pmean(pseudo, axes, algorithm=algorithm), residual
     if residual is None:
-      return pmean(pseudo, sync_axes, algorithm=algorithm, compression=compression), None
-    return mean_with_error(pseudo, residual, sync_axes, algorithm=algorithm,
-                           compression=compression)
+      return pmean(pseudo, axes, algorithm=algorithm, compression=compression), None
+    return mean_with_error(pseudo, residual, axes, algorithm=algorithm, compression=compression)
 
   def update(grads, state: DiLoCoState, params=None):
     if params is None:
@@ -392,11 +401,11 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
 
           def do_sync(args):   # (the new outer parameters whole, as kept, the outer state, res)
             local_p, outer_p, ostate, res_p = args
-            if sharded:
-              (avg,), res = sync([pseudo_share(outer_p, local_p)],
-                                 None if res_p is None else [res_p])
+            if shares().axes:   # each member its share, over the slow axis; gathered back
+              res = residual_share(res_p)
+              (avg,), res = sync([pseudo_share(outer_p, local_p)], None if res is None else [res])
               return (*outer_from_share(avg, ostate, outer_p, local_p),
-                      None if res is None else res[0])
+                      None if res is None else residual_kept(res[0], res_p))
             avg, res_p = sync(pseudo_of(outer_p, local_p), res_p)
             new_outer, ostate = outer_step(avg, ostate, outer_p)
             return [n.astype(x.dtype) for n, x in zip(new_outer, local_p)], new_outer, ostate, res_p
