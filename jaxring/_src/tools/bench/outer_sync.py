@@ -10,11 +10,11 @@ One MPI rank per device (``jaxring cluster run --transport mpi``, ``--nodes`` x
   gradients over the ranks bound as ``(local, node)`` every step (int8 on the node level);
 * ``local pmean only``: the gradients averaged over ``local`` and no outer sync ever: the step
   DiLoCo would take if its outer sync cost nothing;
-* ``diloco H=.. P=.. in program``: ``jaxring.diloco(every=H, fragments=P)``, gradients averaged
-  over ``local``, each fragment's sync inside the step's program (XLA:CPU runs it in the step);
-* ``diloco H=.. P=.. host d=..`` (and ``int8``): ``transfer="host", delay=d, fast_axes="local"``:
-  the sync moved by a host thread over MPI during the next ``d`` steps, each rank sending its
-  node's half.
+* ``diloco H=.. P=.. in program``: ``jaxring.diloco(every=H, fragments=P, fast_axes="local")``,
+  gradients averaged over ``local``, each fragment's sync inside the step's program (XLA:CPU
+  runs it in the step), each rank averaging its node's half over ``node``;
+* ``diloco H=.. P=.. host d=..`` (and ``int8``): ``transfer="host", delay=d``, the same halves
+  moved by a host thread over MPI during the next ``d`` steps.
 
 Contenders take turns of ``H`` steps each (every fragment syncs once a turn, and with the host
 transfer a turn starts ``d`` steps after a send, so none is in flight across turns: ``d`` must be
@@ -101,7 +101,7 @@ def worker(args) -> int:
       tx = jaxring.diloco(inner, axis="node", every=args.every, fragments=args.fragments,
                           delay=0 if kind == "program" else args.delay,
                           transfer="program" if kind == "program" else "host",
-                          fast_axes=() if kind == "program" else "local",
+                          fast_axes="local",
                           compression=None if codec is None else int8)
       reduce = lambda g: jaxring.pmean(g, "local")   # noqa: E731
 
