@@ -63,10 +63,11 @@ class DiLoCoState(NamedTuple):
   Attributes:
     count: inner steps taken (int32).
     inner: the inner optimizer's state.
-    outer_params: the parameters as of the last sync (the same on every member).
-    outer: the outer optimizer's state, one per fragment.
+    outer_params: the parameters as of the last sync (the same on every member); with
+      ``shard="optimizer"`` this member's flat share of each fragment's.
+    outer: the outer optimizer's state, one per fragment (of the share, so split).
     residual: this member's error-feedback residual of the pseudo-gradient (None without a codec
-      or without error feedback).
+      or without error feedback; so split too).
     pending: with ``delay``: per fragment, the outer parameters waiting to be applied and the
       local parameters at the time they were sent; with ``transfer="host"`` the local ones only,
       the outer step waiting for the transfer (None without a delay).
