@@ -22,8 +22,8 @@ below ``H / P``), ``--reps`` turns; a turn's time is the slowest rank's, after a
 mean ms per step (median over turns), compute utilization (``compute alone``'s step time over the
 contender's, median of the per-turn ratios), the same against ``local pmean only`` (what is left
 of the outer sync's cost), the time the host transfers were waited for, and the bytes each node
-put on its link per step (``tx_bytes`` of its interface) and how many times fewer than
-``per-step pmean none``'s.
+put on its link per step (``tx_bytes`` of its interface, all turns' bytes over all their steps)
+and how many times fewer than ``per-step pmean none``'s.
 
 Example:
   sudo jaxring bench outer-sync                         # 10mbit, 100mbit and 1gbit links
@@ -164,14 +164,17 @@ def rows_of(recs: list[dict], link: str) -> list[dict]:
   for name, r in by.items():
     n = r["steps"]
     ms = statistics.median(r["turn_seconds"]) / n * 1e3
+    # bytes: all turns' over all their steps (a sync is one event: which turn its bytes land
+    # in depends on where the link's queue is when a turn ends)
     row = {"link": link, "contender": name, "ms_per_step": ms,
-           "bytes_per_step": statistics.median(r["tx_per_turn"]) / n}
+           "bytes_per_step": statistics.fmean(r["tx_per_turn"]) / n,
+           "tx_per_turn": list(r["tx_per_turn"])}
     for key, ref in (("utilization", alone), ("of_local_only", by.get(LOCAL))):
       if ref is not None:
         row[key] = statistics.median(a / c for a, c in zip(ref["turn_seconds"], r["turn_seconds"]))
     row["waited_ms_per_step"] = statistics.median(r.get("waited_per_turn") or [0.0]) / n * 1e3
     if base is not None and row["bytes_per_step"] > 0:
-      row["fewer_bytes"] = statistics.median(base["tx_per_turn"]) / n / row["bytes_per_step"]
+      row["fewer_bytes"] = statistics.fmean(base["tx_per_turn"]) / n / row["bytes_per_step"]
     rows.append(row)
   return rows
 
