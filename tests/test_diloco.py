@@ -271,7 +271,7 @@ def outer_state_sizes(tx):
   return np.asarray(jax.jit(f)(X[:, None]))[0]
 
 
-def test_split_outer_state_is_a_share_and_int8_stays_within_its_rounding():
+def test_split_outer_state_is_a_share_and_int8_matches_the_whole():
   # 6 values: a share of 2 (padded to 8 over 4 devices) of parameters and momentum each
   whole = outer_state_sizes(jr.diloco(optax.sgd(LR), axis="node", every=3, fast_axes="local"))
   split = outer_state_sizes(jr.diloco(optax.sgd(LR), axis="node", every=3, fast_axes="local",
@@ -280,8 +280,8 @@ def test_split_outer_state_is_a_share_and_int8_stays_within_its_rounding():
   kw = dict(axis="node", every=3, fast_axes="local", compression=jr.codecs.int8())
   got = train(jr.diloco(optax.sgd(LR), shard="optimizer", **kw), False)
   plain = train(jr.diloco(optax.sgd(LR), **kw), False)
-  for k in P0:
-    np.testing.assert_allclose(got[k], plain[k], rtol=0, atol=2e-2)
+  for k in P0:   # the same shares synced: only where the outer step runs differs
+    np.testing.assert_allclose(got[k], plain[k], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got[k][0], got[k][7])   # one outer model after the sync
 
 

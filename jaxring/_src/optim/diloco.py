@@ -53,7 +53,6 @@ from jaxring._src.transport import host_exchange, mpi_axis
 TRANSFERS = ("program", "host")
 SHARDS = ("none", "optimizer")
 SLOW_AXES_ATTR = "diloco_axes"   # on update: the axes it syncs, for a train step's check
-SHARD_ATTR = "diloco_shard"
 _instances = itertools.count()
 
 
@@ -214,6 +213,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   def flat(piece):
     return fuse.concat(piece, range(len(piece)), jnp.float32)
 
+  def size(piece):
+    return sum(int(np.size(x)) for x in piece)
+
   def share_of(piece):
     """This member's share of a fragment's values, in their dtype (f32 if they differ)."""
     return shares().take(fuse.concat(piece, range(len(piece)), jnp.result_type(*piece)))
@@ -234,7 +236,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     if sharded or err is None:
       return err
     idxs = range(len(res_p))
-    err = shares().place(err, sum(int(np.size(x)) for x in res_p))
+    err = shares().place(err, size(res_p))
     return [e.astype(r.dtype) for e, r in zip(fuse.split(err, res_p, idxs), res_p)]
 
   def host_send(p, mine, res_p):
@@ -271,7 +273,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   def outer_from_share(avg, ostate, outer_p, local_p):
     """The outer step from this member's share ``avg`` of a fragment's averaged
     pseudo-gradient: (the new outer parameters whole, as kept, the outer state)."""
-    n, idxs = sum(int(np.size(x)) for x in local_p), range(len(local_p))
+    n, idxs = size(local_p), range(len(local_p))
     if sharded:   # the step on the share; the members' new shares put together
       (new,), ostate = outer_step([avg], ostate, [outer_p])
       whole = fuse.split(shares().gather(new, n), local_p, idxs)
@@ -298,10 +300,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return jax.tree_util.tree_unflatten(treedef, [next(its[f]) for f in frag_of])
 
   def kept_outer(pieces):
-    """The outer parameters as the state keeps them: per fragment, this member's share with
-    ``shard="optimizer"``, else the leaves."""
-    if not sharded:
-      return None
+    """With ``shard="optimizer"``, the outer parameters as the state keeps them: per fragment,
+    this member's share."""
     return tuple(share_of(x) if x else jnp.zeros((0,), jnp.float32) for x in pieces)
 
   def init(params):
@@ -379,8 +379,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
         if host:
           def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
             x_p, outer_p, ostate, sent = args
-            n = sum(int(np.size(x)) for x in x_p)
-            whole, outer_p, ostate = outer_from_share(host_receive(p, n), ostate, outer_p, x_p)
+            whole, outer_p, ostate = outer_from_share(host_receive(p, size(x_p)), ostate,
+                                                      outer_p, x_p)
             return ([(w + (x - s)).astype(x.dtype) for w, x, s in zip(whole, x_p, sent)],
                     outer_p, ostate)
 
@@ -434,7 +434,6 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return cond(count < warmup, warm, local, None)
 
   setattr(update, SLOW_AXES_ATTR, axes)   # what a train step checks its slow axes against
-  setattr(update, SHARD_ATTR, shard)
   return optax.GradientTransformation(init, update)
 
 
@@ -442,7 +441,3 @@ def synced_axes(tx) -> tuple | None:
   """The slow axes a :func:`diloco` transformation syncs (None for any other ``tx``)."""
   return getattr(getattr(tx, "update", None), SLOW_AXES_ATTR, None)
 
-
-def outer_shard(tx) -> str | None:
-  """A :func:`diloco` transformation's ``shard`` (None for any other ``tx``)."""
-  return getattr(getattr(tx, "update", None), SHARD_ATTR, None)
