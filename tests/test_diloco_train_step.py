@@ -200,3 +200,87 @@ def test_nnx_objects_train_as_the_train_state_does():
     np.testing.assert_allclose(getattr(model, k).get_value(), state.params[k], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(optimizer.opt_state.local[k].get_value(), local_rows(state)[k],
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kw", [dict(every=1), dict(every=3), dict(every=3, warmup_steps=2)],
+                         ids=["H1", "H3", "H3-warmup2"])
+def test_batchnorm_statistics_cross_the_slow_axis_only_at_a_sync(kw):
+  """A BatchNorm on the inputs: its running statistics do not depend on the parameters, so a
+  float64 NumPy EMA per node, averaged over the nodes where the parameters sync, is exact."""
+  import flax.linen as nn
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(1)(nn.BatchNorm(use_running_average=False, momentum=0.9)(x))
+
+  model = Model()
+  variables = model.init(jax.random.key(0), X[0])
+  tx = jr.diloco(optax.sgd(LR), axis="node", **kw)
+  state = jr.TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                               batch_stats=variables["batch_stats"])
+
+  @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
+  def step(state, batch):
+    def f(params):
+      out, upd = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                                batch["x"], mutable=["batch_stats"])
+      return jnp.mean((out - batch["y"]) ** 2), upd["batch_stats"]
+    (value, stats), grads = jr.value_and_grad(f, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads).replace(batch_stats=stats), {"loss": value}
+
+  x64 = X.astype(np.float64)
+  target = [{"mean": x64[4 * n:4 * n + 4].mean(1).mean(0),
+             "var": x64[4 * n:4 * n + 4].var(1).mean(0)} for n in range(2)]
+  node = [{"mean": np.zeros(5), "var": np.ones(5)} for _ in range(2)]
+  synced = dict(node[0])
+  warmup = kw.get("warmup_steps", 0)
+  for s in range(7):
+    state, _ = step(state, BATCH)
+    node = [{k: 0.9 * node[n][k] + 0.1 * target[n][k] for k in target[n]} for n in range(2)]
+    t = s - warmup + 1
+    if t <= 0 or t % kw["every"] == 0:   # a sync: the nodes' statistics averaged
+      synced = {k: (node[0][k] + node[1][k]) / 2 for k in synced}
+      node = [dict(synced), dict(synced)]
+    rows = state.opt_state.local_stats["BatchNorm_0"]
+    for k in synced:
+      np.testing.assert_allclose(state.batch_stats["BatchNorm_0"][k], synced[k], rtol=1e-5,
+                                 atol=1e-7)
+      for i in range(8):
+        np.testing.assert_allclose(rows[k][i], node[i // 4][k], rtol=1e-5, atol=1e-7)
+  if kw["every"] > 1:   # between syncs the nodes' own statistics differ
+    assert not np.allclose(rows["mean"][0], rows["mean"][4])
+
+
+def test_nnx_batchnorm_holds_the_statistics_of_the_last_sync():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self):
+      self.bn = nnx.BatchNorm(5, momentum=0.9, rngs=nnx.Rngs(0))
+      self.lin = nnx.Linear(5, 1, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.lin(self.bn(x))
+
+  @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
+  def step(model, optimizer, batch):
+    value, grads = jr.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+    optimizer.update(model, grads)
+    return {"loss": value}
+
+  model = Model()
+  optimizer = nnx.Optimizer(model, jr.diloco(optax.sgd(LR), axis="node", every=3), wrt=nnx.Param)
+  x64 = X.astype(np.float64)
+  target = [x64[4 * n:4 * n + 4].mean(1).mean(0) for n in range(2)]
+  node = [np.zeros(5), np.zeros(5)]
+  for s in range(4):
+    step(model, optimizer, BATCH)
+    node = [0.9 * node[n] + 0.1 * target[n] for n in range(2)]
+    if s == 2:   # the sync at step 3
+      synced = (node[0] + node[1]) / 2
+      node = [synced, synced]
+  np.testing.assert_allclose(model.bn.mean.get_value(), synced, rtol=1e-5, atol=1e-7)
+  rows = np.asarray(jax.tree.leaves(optimizer.opt_state.local_stats)[0])   # bn's mean, per replica
+  for i in range(8):
+    np.testing.assert_allclose(rows[i], node[i // 4], rtol=1e-5, atol=1e-7)

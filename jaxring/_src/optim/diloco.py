@@ -52,7 +52,7 @@ from jaxring._src.transport import host_exchange, mpi_axis
 
 TRANSFERS = ("program", "host")
 SHARDS = ("none", "optimizer")
-SLOW_AXES_ATTR = "diloco_axes"   # on update: the axes it syncs, for a train step's check
+PLAN_ATTR = "diloco_plan"   # on update: its slow axes and schedule, for a train step
 _instances = itertools.count()
 
 
@@ -72,6 +72,7 @@ class DiLoCoState(NamedTuple):
       the outer step waiting for the transfer (None without a delay).
     local: None here; in a :func:`jaxring.train_step`'s state, each replica's own parameters
       (the state's ``params`` then being the outer ones; jaxring._src.train.diloco_layout).
+    local_stats: likewise its own BatchNorm statistics (the state's as of the last sync).
   """
 
   count: Any
@@ -81,6 +82,7 @@ class DiLoCoState(NamedTuple):
   residual: Any = None
   pending: Any = None
   local: Any = None
+  local_stats: Any = None
 
 
 _spanned: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxring_diloco_spans",
@@ -433,11 +435,12 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       return local(None)
     return cond(count < warmup, warm, local, None)
 
-  setattr(update, SLOW_AXES_ATTR, axes)   # what a train step checks its slow axes against
+  setattr(update, PLAN_ATTR, {"axes": axes, "every": every, "warmup": warmup})
   return optax.GradientTransformation(init, update)
 
 
-def synced_axes(tx) -> tuple | None:
-  """The slow axes a :func:`diloco` transformation syncs (None for any other ``tx``)."""
-  return getattr(getattr(tx, "update", None), SLOW_AXES_ATTR, None)
+def plan_of(tx) -> dict | None:
+  """A :func:`diloco` transformation's slow ``axes`` and schedule (``every``, ``warmup``);
+  None for any other ``tx``."""
+  return getattr(getattr(tx, "update", None), PLAN_ATTR, None)
 

@@ -24,13 +24,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src.optim.diloco import DiLoCoState, synced_axes
+from jaxring._src.optim.diloco import DiLoCoState, plan_of
+from jaxring._src.train.grad import replica_mean
 
 # the fields of a DiLoCoState each replica keeps its own of, in a train step's state
-ROWS = ("inner", "residual", "pending", "local")
+ROWS = ("inner", "residual", "pending", "local", "local_stats")
 
 
 def is_diloco(state) -> bool:
@@ -55,7 +57,8 @@ def check(state, cfg) -> None:
         f"train_step: grad_axes={cfg.reduce_axes} leaves {slow} unreduced, which only "
         "jaxring.diloco as the state's optimizer syncs (the replicas would drift apart): "
         "tx=jaxring.diloco(inner, axis=..., every=H), or drop grad_axes")
-  synced = synced_axes(getattr(state, "tx", None)) if is_diloco(state) else None
+  plan = plan_of(getattr(state, "tx", None)) if is_diloco(state) else None
+  synced = None if plan is None else plan["axes"]
   if synced is not None and set(synced) != set(slow):
     missing = tuple(a for a in slow if a not in synced)
     raise ValueError(
@@ -88,6 +91,8 @@ def stored(state, replicas: int, mesh, axis_name):
       lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (replicas,) + np.shape(x)), t)
   fields = {"local": state.params, "inner": opt.inner, "residual": opt.residual,
             "pending": opt.pending}
+  if getattr(state, "batch_stats", None) is not None:
+    fields["local_stats"] = state.batch_stats
   split = NamedSharding(mesh, P(axis_name))
   made = jax.jit(lambda f: {k: rows(v) for k, v in f.items()},
                  out_shardings={k: jax.tree_util.tree_map(lambda _: split, v)
@@ -104,6 +109,8 @@ def user_view(state):
   """Inside the step: this replica's values, as ``jr.diloco`` has them in a ``shard_map``."""
   opt = state.opt_state
   row = {f: jax.tree_util.tree_map(lambda r: r[0], getattr(opt, f)) for f in ROWS}
+  if row["local_stats"] is not None:
+    state = state.replace(batch_stats=row["local_stats"])
   return state.replace(params=row["local"],
                        opt_state=opt._replace(outer_params=state.params, **row))
 
@@ -120,3 +127,24 @@ def from_user(new):
   local = jax.tree_util.tree_map(lambda x: x[None], new.params)
   return new.replace(params=opt.outer_params, opt_state=opt._replace(
       outer_params=_placeholders(opt.outer_params), local=local, **row))
+
+
+def settle_stats(old, new, cfg):
+  """BatchNorm statistics under DiLoCo: each replica's averaged over the fast axes every step
+  and over the slow ones too only where the parameters sync (a warm-up step, the first
+  fragment's sync), so the slow links carry nothing between syncs. The state's ``batch_stats``
+  are those of the last sync (with its ``params``, the model an evaluation takes); each
+  replica's own are kept in ``opt_state.local_stats``. ``old`` is the state as kept."""
+  stats = getattr(new, "batch_stats", None)
+  if stats is None:
+    return new
+  plan = plan_of(getattr(old, "tx", None)) or {"every": 1, "warmup": 0}
+  t = old.opt_state.count - plan["warmup"] + 1   # this inner step's number after the warm-up
+  syncs = (t <= 0) | (t % plan["every"] == 0)
+  stats = replica_mean(stats, cfg.reduce_axes)
+  stats = lax.cond(syncs, lambda s: replica_mean(s, cfg.slow_axes), lambda s: s, stats)
+  kept = jax.tree_util.tree_map(lambda s, o: jnp.where(syncs, s, o).astype(jnp.result_type(o)),
+                                stats, old.batch_stats)
+  rows = jax.tree_util.tree_map(lambda s, o: s.astype(jnp.result_type(o))[None], stats,
+                                old.batch_stats)
+  return new.replace(batch_stats=kept, opt_state=new.opt_state._replace(local_stats=rows))

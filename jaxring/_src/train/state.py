@@ -3,7 +3,8 @@
 Fields added to :class:`flax.training.train_state.TrainState` (keyword-only, so a subclass may
 still add fields without defaults, as Flax's examples do):
 
-* ``batch_stats``: BatchNorm's mutable statistics (averaged over the replicas after every step);
+* ``batch_stats``: BatchNorm's mutable statistics (averaged over the replicas after every step;
+  under ``jaxring.diloco``, over a node each step and over all at a sync: train/diloco_layout);
 * ``rng``: a PRNG key; :meth:`TrainState.step_rng` derives this step's (and this replica's) key;
 * ``residuals``: error-feedback residuals, one set per replica, as :class:`Residuals`;
 * ``loss_scale``: a :class:`~jaxring.train.DynamicLossScale` for fp16.

@@ -365,9 +365,7 @@ class TrainStep:
       new_residuals = ctx.new_residuals
     if diloco:   # the slow links carry the syncs only: each node's own metrics, (nodes,) each
       metrics = replica_mean(metrics, cfg.reduce_axes)
-      if getattr(new_state, "batch_stats", None) is not None:   # replicated: every replica's
-        new_state = new_state.replace(batch_stats=replica_mean(new_state.batch_stats,
-                                                               cfg.axis_name))
+      new_state = diloco_layout.settle_stats(state, new_state, cfg)
     elif getattr(new_state, "batch_stats", None) is not None:   # one pmean with the metrics
       stats, metrics = replica_mean((new_state.batch_stats, metrics), cfg.axis_name)
       new_state = new_state.replace(batch_stats=stats)
