@@ -153,6 +153,9 @@ def test_refusals():
   with pytest.raises(ValueError, match="train_step keeps the outer state whole"):
     run(jr.diloco(optax.sgd(LR), every=3, fast_axes="local", shard="optimizer"), 1,
         grad_axes="local")
+  for kw in (dict(grad_axes="local"), {}):   # inside a chain: the step could not keep its rows
+    with pytest.raises(ValueError, match=r"put the others inside it.*jaxring.diloco\(optax.ch"):
+      run(optax.chain(optax.clip_by_global_norm(1.0), tx), 1, **kw)
   # the step leaves "node" to the optimizer, which syncs "local": the nodes would drift apart
   wrong = jr.diloco(optax.sgd(LR), axis="local", every=3)
   with pytest.raises(ValueError, match=r"nothing would sync \('node',\).*axis='node'"):

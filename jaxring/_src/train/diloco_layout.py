@@ -47,6 +47,12 @@ def is_stored(state) -> bool:
 def check(state, cfg) -> None:
   """A DiLoCo state needs a step that leaves the slow axis to it, and only it does."""
   slow = cfg.slow_axes
+  if not is_diloco(state) and _holds_diloco(getattr(state, "opt_state", None)):
+    raise ValueError(
+        "train_step: the state's optimizer holds jaxring.diloco inside another transformation "
+        "(optax.chain, a wrapper); the step keeps DiLoCo's per-replica state only when "
+        "jaxring.diloco is the optimizer itself: put the others inside it, "
+        "jaxring.diloco(optax.chain(optax.clip_by_global_norm(1.0), inner), axis=..., every=H)")
   if is_diloco(state) and not slow:
     raise ValueError(
         "train_step: the state's optimizer is jaxring.diloco, which syncs the slow axis every H "
@@ -70,6 +76,11 @@ def check(state, cfg) -> None:
   if is_diloco(state) and cfg.shard != "none":
     raise ValueError("train_step: jaxring.diloco with shard=" + repr(cfg.shard) + " is not "
                      "supported; use shard='none' (each replica keeps its own parameters)")
+
+
+def _holds_diloco(tree) -> bool:
+  kind = lambda x: isinstance(x, DiLoCoState)  # noqa: E731
+  return any(map(kind, jax.tree_util.tree_leaves(tree, is_leaf=kind)))
 
 
 def specs(state, state_specs, axis_name):
