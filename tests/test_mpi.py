@@ -222,6 +222,19 @@ def test_diloco_host_transfer_equals_the_in_program_sync():
 
 
 @skip_without_mpi
+@pytest.mark.timeout(150)
+def test_diloco_host_transfer_a_checkpoint_in_flight_resumes_exactly(tmp_path):
+  # each rank's orbax checkpoint at step 5, fragment 0's transfer sent at 4 and due at 6: the
+  # save waits for it and keeps its result, the resumed transform (made anew) gets it back
+  rc, out, _ = mpirun(4, "--check", "resume", "--dir", str(tmp_path), timeout=130,
+                      worker="mpi_diloco.py")
+  assert rc == 0, f"mpirun exited {rc}\n{out[-6000:]}"
+  for rank in range(4):
+    assert f"rank {rank}: OK resumed" in out, out[-6000:]
+    assert os.path.isdir(tmp_path / f"rank{rank}" / "5" / "transfers"), out[-6000:]
+
+
+@skip_without_mpi
 @pytest.mark.timeout(120)
 def test_diloco_host_transfer_a_node_never_sends_is_named_not_a_hang():
   rc, out, seconds = mpirun(4, "--check", "stall", timeout=100, worker="mpi_diloco.py",

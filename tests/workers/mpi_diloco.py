@@ -11,7 +11,8 @@ whole fragment or its half (``fast_axes="local"``); with int8 and error feedback
 (each member's codes gathered) stays within int8's rounding of the program form (a
 ring that requantizes per hop) and carries a non-zero residual; with ``shard="optimizer"`` too,
 a rank keeping only its half of the outer state; and the program form with ``fast_axes`` (each
-rank its half of the sync) equals it. ``--check stall``: the ranks of
+rank its half of the sync) equals it. ``--check resume``: a checkpoint taken with a transfer in
+flight resumes exactly. ``--check stall``: the ranks of
 node 1 never sync (``every`` beyond the run); the others must give up within
 ``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow axis. Prints ``rank R: OK``.
 """
@@ -27,7 +28,8 @@ STEPS, EVERY, FRAGMENTS, DELAY = 15, 4, 2, 2
 
 def main() -> int:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--check", choices=("equal", "stall"), required=True)
+  ap.add_argument("--check", choices=("equal", "stall", "resume"), required=True)
+  ap.add_argument("--dir", help="--check resume: where each rank writes its checkpoints")
   args = ap.parse_args()
   from mpi4py import MPI
 
@@ -52,13 +54,16 @@ def main() -> int:
   def loss(p):
     return jnp.mean((a @ p["w"] + p["b"] - b) ** 2) + 0.1 * jnp.sum((p["v"] - 2.0) ** 2)
 
-  def run(tx):
+  def stepper(tx):
     @jax.jit
     def step(params, state):
       g = jaxring.pmean(jax.grad(loss)(params), "local")
       updates, state = tx.update(g, state, params)
       return optax.apply_updates(params, updates), state
+    return step
 
+  def run(tx):
+    step = stepper(tx)
     params, state, seen = params0, tx.init(params0), []
     for _ in range(STEPS):
       params, state = step(params, state)
@@ -87,6 +92,9 @@ def main() -> int:
       fail(f"rank {rank}: FAIL no error although node 1 never synced")
     print(f"rank {rank}: OK (never synced, as told)")
     return 0
+
+  if args.check == "resume":
+    return resume(make, stepper, params0, rank, args.dir, fail)
 
   from jaxring._src.optim.diloco import fragment_of
   frag = dict(zip(sorted(params0), fragment_of(params0, FRAGMENTS)))
@@ -134,6 +142,37 @@ def main() -> int:
     if not np.array_equal((comm if shard == "none" else node_comm).allgather(outer)[0], outer):
       fail(f"rank {rank}: FAIL {codec}: the outer parameters differ between ranks")
   print(f"rank {rank}: OK")
+  return 0
+
+
+def resume(make, stepper, params0, rank, directory, fail) -> int:
+  """Each rank checkpoints (params, diloco state) at step 5, fragment 0's transfer sent at step
+  4 and due at 6 (in flight), and resumes in a transform made anew: bit-identical to going on."""
+  import os
+
+  import jax
+
+  import jaxring
+
+  def go(step, params, state, n):
+    for _ in range(n):
+      params, state = step(params, state)
+    return params, state
+
+  codec = jaxring.codecs.int8()
+  tx = make("host", codec, fast="local", shard="optimizer")
+  params, state = go(stepper(tx), params0, tx.init(params0), 5)
+  ckpt = jaxring.train.Checkpointer(os.path.join(directory, f"rank{rank}"))
+  ckpt.save({"params": params, "opt": state}, step=5)
+  ckpt.wait_until_finished()
+  straight = go(stepper(tx), params, state, 6)
+  again = make("host", codec, fast="local", shard="optimizer")
+  restored, _ = ckpt.restore({"params": params0, "opt": again.init(params0)})
+  resumed = go(stepper(again), restored["params"], restored["opt"], 6)
+  for a, b in zip(jax.tree_util.tree_leaves(straight), jax.tree_util.tree_leaves(resumed)):
+    if not np.array_equal(np.asarray(a), np.asarray(b)):
+      fail(f"rank {rank}: FAIL the resumed run differs from the straight one")
+  print(f"rank {rank}: OK resumed")
   return 0
 
 

@@ -210,7 +210,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return host_exchange.exchange_for(binding)
 
   def key(p):
-    return f"diloco {instance} fragment {p}"
+    return host_exchange.Key(f"diloco {instance}", f"fragment {p}")
 
   def flat(piece):
     return fuse.concat(piece, range(len(piece)), jnp.float32)

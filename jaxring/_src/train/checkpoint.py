@@ -4,6 +4,9 @@ What makes a resumed run bit-identical to an uninterrupted one is saving *everyt
 reads: parameters, optimizer state, step, RNG key, BatchNorm statistics, the loss scale, each
 replica's error-feedback residuals (sharded arrays: every replica's own) and the data iterator's
 position (JSON). Restoring into a template state puts each array back with the template's sharding.
+A save taken while a host-side transfer is in flight (``jaxring.diloco(transfer="host")``
+between a fragment's send and its arrival) waits for it and keeps its result; the restore gives
+it back to the resumed step (jaxring._src.transport.host_exchange).
 
 A save is atomic: orbax writes into ``<step>.orbax-checkpoint-tmp-*`` and renames it to ``<step>``
 only after every file is written (the rename is atomic on POSIX file systems), so a crash in the
@@ -30,12 +33,14 @@ import numpy as np
 
 from jaxring._src.train import checksums, nnx_step
 from jaxring._src.train.state import residual_tree, with_residual_tree
+from jaxring._src.transport import host_exchange
 
 log = logging.getLogger(__name__)
 
 _CHECKSUMS = "checksums"           # the orbax item holding the record
 _MARK = "jaxring_checksums"        # in the step's custom metadata: a record was written
 _RESIDUALS = "residuals"           # per replica, so not among the state's leaves (train/state.py)
+_TRANSFERS = "transfers"           # host-side transfers in flight: their results
 # Files orbax's StandardCheckpointHandler cannot restore without (it names none of them when one
 # is gone: a missing _METADATA surfaces as a pytree-structure mismatch).
 _REQUIRED_STATE_FILES = ("_METADATA",)
@@ -126,6 +131,20 @@ def _remap_residual(saved, template):
                         template.sharding)
 
 
+def _abstract_transfers(saved: dict) -> list:
+  """Host arrays shaped as the saved transfers' results (the record's ``[i]`` paths)."""
+  entries = sorted(saved["arrays"].items(), key=lambda kv: int(kv[0].strip("[]")))
+  return [np.empty(e["shape"], e["dtype"]) for _, e in entries]
+
+
+def _restore_transfers(saved: dict, arrays: list) -> None:
+  """Gives the saved transfers' results back to the host exchanges, for the resumed step."""
+  at = 0
+  for name, owner, part, n in saved["index"]:
+    host_exchange.restore(name, host_exchange.Key(owner, part), arrays[at:at + n])
+    at += n
+
+
 def _root_cause(exc: BaseException) -> str:
   """The first line of the innermost exception: tensorstore's own words, not orbax's wrapping."""
   seen = set()
@@ -185,7 +204,8 @@ class Checkpointer:
     # per item).
     handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                 _CHECKSUMS: ocp.JsonCheckpointHandler(),
-                _RESIDUALS: ocp.StandardCheckpointHandler()}
+                _RESIDUALS: ocp.StandardCheckpointHandler(),
+                _TRANSFERS: ocp.StandardCheckpointHandler()}
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def save(self, state, *, data_state: dict | None = None, step: int | None = None,
@@ -212,6 +232,11 @@ class Checkpointer:
     if residuals is not None:
       items[_RESIDUALS] = ocp.args.StandardSave(residuals)
       record[_RESIDUALS] = checksums.record(residuals)
+    if flight := host_exchange.in_flight():   # after record(): the step's sends have started
+      arrays = [a for v in flight.values() for a in v]
+      items[_TRANSFERS] = ocp.args.StandardSave(arrays)
+      record[_TRANSFERS] = {"arrays": checksums.record(arrays), "index": [
+          [name, key.owner, key.part, len(v)] for (name, key), v in flight.items()]}
     items[_CHECKSUMS] = ocp.args.JsonSave(record)
     args = ocp.args.Composite(**items)
     return self._manager.save(step, args=args, force=True, custom_metadata={_MARK: 1})
@@ -270,6 +295,8 @@ class Checkpointer:
         remap_to, abstract_residuals = residuals, jax.tree_util.tree_map(
             lambda a: _replicated_like(a, (saved,) + tuple(a.shape[1:])), abstract_residuals)
       items[_RESIDUALS] = ocp.args.StandardRestore(abstract_residuals)
+    if recorded and _TRANSFERS in record:
+      items[_TRANSFERS] = ocp.args.StandardRestore(_abstract_transfers(record[_TRANSFERS]))
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as exc:  # noqa: BLE001 - orbax/tensorstore raise many kinds
@@ -282,7 +309,9 @@ class Checkpointer:
       record = _checked_record(step, self.step_path(step), restored[_CHECKSUMS])
       self._raise_mismatch(step, abstract, abstract_residuals, record)
       self._verify(step, state, restored[_RESIDUALS] if _RESIDUALS in items else None,
-                   data, record)
+                   data, record, restored[_TRANSFERS] if _TRANSFERS in items else None)
+    if _TRANSFERS in items:
+      _restore_transfers(record[_TRANSFERS], restored[_TRANSFERS])
     if _RESIDUALS in items:
       res = restored[_RESIDUALS]
       if remap_to is not None:
@@ -344,12 +373,16 @@ class Checkpointer:
       return f"{', '.join(missing)} is missing"
     return f"orbax could not read it: {_root_cause(exc)}"
 
-  def _verify(self, step: int, state, residuals, data: dict, record: dict) -> None:
+  def _verify(self, step: int, state, residuals, data: dict, record: dict,
+              transfers=None) -> None:
     problems, unverified = checksums.verify(state, record["arrays"])
     if residuals is not None and _RESIDUALS in record:
       more, more_unverified = checksums.verify(residuals, record[_RESIDUALS])
       problems += [f"residuals{p}" for p in more]
       unverified += more_unverified
+    if _TRANSFERS in record:
+      problems += [f"transfers{p}" for p in checksums.verify(
+          transfers, record[_TRANSFERS]["arrays"])[0]]
     if checksums.crc32_json(data) != record.get("data"):
       problems.append("the data position differs from the one saved")
     if unverified:

@@ -14,6 +14,11 @@ members when it gives up.
 Every member must start the same transfers in the same order (MPI's rule for collectives on one
 communicator); the programs that call :func:`start_in_program` and :func:`finish_in_program` do,
 since they run the same schedule.
+
+A checkpoint taken between a start and its finish keeps the transfers' results
+(:func:`in_flight` waits for them) and gives them back with :func:`restore`: the resumed
+program's :meth:`Exchange.finish` takes the one with its key's ``part`` (a transform made anew
+has another ``owner``).
 """
 from __future__ import annotations
 
@@ -31,6 +36,18 @@ from jaxring._src.reliability.watchdog import DEFAULT_FAILURE_TIMEOUT_S, failure
 from jaxring._src.transport.mpi import mpi_module
 
 KINDS = ("sum", "gather")
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+  """A transfer's name: ``owner`` is its caller in this process (e.g. ``"diloco 3"``), ``part``
+  what it moves (``"fragment 1"``), named alike by a resumed process."""
+
+  owner: str
+  part: str
+
+  def __str__(self) -> str:
+    return f"{self.owner} {self.part}"
 
 
 @dataclasses.dataclass
@@ -84,7 +101,7 @@ class Exchange:
       outputs = [np.empty((n, *a.shape), a.dtype) for a in inputs]
     with self._lock:
       if key in self._open:
-        raise RuntimeError(f"jaxring: a host-side transfer {key!r} over {self.name!r} was started "
+        raise RuntimeError(f"jaxring: a host-side transfer '{key}' over {self.name!r} was started "
                            "again before the last one was finished")
       requests = [self.comm.Iallreduce(a, o, op=MPI.SUM) if kind == "sum" else
                   self.comm.Iallgather(a, o) for a, o in zip(inputs, outputs)]
@@ -96,27 +113,35 @@ class Exchange:
     """The result of the transfer started with ``key``, once every member has sent its part.
 
     Raises:
-      KeyError: no transfer ``key`` was started (e.g. a state restored from a checkpoint taken
-        while it was in flight).
+      KeyError: no transfer ``key`` was started, nor restored from a checkpoint.
       TimeoutError: it did not complete within ``timeout_s``: a member stopped or is behind.
     """
     with self._lock:
       transfer = self._open.get(key)
     if transfer is None:
-      raise KeyError(f"jaxring: no host-side transfer {key!r} over {self.name!r} is in flight "
-                     "(was the state restored from a checkpoint taken while one was?)")
+      return _restored_result(self.name, key)
+    outputs = self._wait(key, transfer)
+    with self._lock:   # (kept until done: MPI may still read its inputs)
+      del self._open[key]
+    return outputs
+
+  def results(self) -> dict[Key, list[np.ndarray]]:
+    """Every open transfer's result, waited for and left open (each still to be finished)."""
+    with self._lock:
+      open_ = dict(self._open)
+    return {key: self._wait(key, t) for key, t in open_.items()}
+
+  def _wait(self, key, transfer: _Transfer) -> list[np.ndarray]:
     t0 = time.monotonic()
     left = transfer.started + self.timeout_s - t0
     done = transfer.done.wait(max(left, 0.0))
     self.waited_s += time.monotonic() - t0
     if not done:
       raise TimeoutError(
-          f"jaxring: the host-side transfer {key!r} over {self.name!r} (rank "
+          f"jaxring: the host-side transfer '{key}' over {self.name!r} (rank "
           f"{self.comm.Get_rank()} of {self.comm.Get_size()}) started "
           f"{time.monotonic() - transfer.started:.0f} s ago has not completed: a member of "
           f"{self.name!r} stopped or is behind (JAXRING_FAILURE_TIMEOUT sets this wait)")
-    with self._lock:
-      del self._open[key]
     return transfer.outputs
 
   def _poll(self) -> None:
@@ -135,6 +160,29 @@ class Exchange:
 
 
 _exchanges: dict[int, Exchange] = {}
+_restored: dict[str, dict[Key, list[np.ndarray]]] = {}   # by exchange name: from a checkpoint
+
+
+def in_flight() -> dict[tuple[str, Key], list[np.ndarray]]:
+  """The results of this process's transfers started and not yet finished, by (exchange name,
+  key), waited for: what a checkpoint taken now keeps."""
+  return {(e.name, k): v for e in list(_exchanges.values()) for k, v in e.results().items()}
+
+
+def restore(name: str, key: Key, outputs) -> None:
+  """Gives back a transfer's result a checkpoint kept: the next ``finish`` of ``key.part`` over
+  the exchange ``name`` returns it."""
+  _restored.setdefault(name, {})[key] = [np.asarray(o) for o in outputs]
+
+
+def _restored_result(name: str, key) -> list[np.ndarray]:
+  kept = _restored.get(name, {})
+  same = [k for k in kept if k == key or (isinstance(key, Key) and k.part == key.part)]
+  if len(same) != 1:
+    raise KeyError(f"jaxring: no host-side transfer '{key}' over {name!r} is in flight"
+                   + (f" (a checkpoint restored {len(same)} of its part)" if same else
+                      " nor was restored with a checkpoint"))
+  return kept.pop(same[0])
 
 
 def exchange_for(binding) -> Exchange:
