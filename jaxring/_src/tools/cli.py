@@ -28,6 +28,7 @@ BENCHES = {
     "faults": "jaxring._src.tools.bench.faults",
     "fsdp": "jaxring._src.tools.bench.fsdp",
     "outer-sync": "jaxring._src.tools.bench.outer_sync",
+    "diloco-quality": "jaxring._src.tools.bench.diloco_quality",
 }
 #: Benchmarks that are recipes (they train the recipes' models): run as ``python -m <module>``.
 RECIPE_BENCHES = {"resnet50": "recipes.bench_resnet50"}

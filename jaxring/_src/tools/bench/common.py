@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -115,6 +116,13 @@ def machine() -> dict:
   return {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
           "jax": jax.__version__, "devices": [str(d) for d in jax.devices()][:4],
           "device_count": jax.device_count(), "allocator": allocator()}
+
+
+def git_commit() -> str | None:
+  """The checkout's HEAD (short), or None outside a git checkout."""
+  out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       cwd=os.path.dirname(__file__)).stdout.strip()
+  return out or None
 
 
 def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:

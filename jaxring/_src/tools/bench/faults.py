@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import time
 
 from jaxring._src.tools.bench import common, fault_scenarios
@@ -119,11 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                                ("detection_s", "detected after s", ".1f"),
                                ("seconds", "row s", ".0f"), ("note", "note", "")])
   import jax
-  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=os.path.dirname(__file__)).stdout.strip()
   payload = {"bench": "faults", "args": vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-             "commit": commit, "jax": jax.__version__, "cpu_count": os.cpu_count(),
-             "kernel": os.uname().release, "rows": results}
+             "commit": common.git_commit() or "", "jax": jax.__version__,
+             "cpu_count": os.cpu_count(), "kernel": os.uname().release, "rows": results}
   path = common.write_json("faults", payload, args.out_dir)
   print(f"wrote {path}")
   return 0 if all(r["passed"] is not False for r in results) else 1

@@ -1,0 +1,139 @@
+"""``jaxring bench diloco-quality``: ``jaxring.diloco``'s test accuracy at equal steps against
+synchronous data parallel, on ``bench tta``'s task and GroupNorm ResNet, over seeds.
+
+8 members as 4 nodes x 2 devices (the emulated cluster's shape, in one process: no link is
+timed, only quality), 16 images each a step, each member walking its shard of ``hard_shapes``
+as ``bench tta``'s members do; momentum SGD (0.9) with a cosine from ``--lr`` to 0 over
+``--steps``. Every contender is ``@jaxring.train_step`` on one ``("node", "local")`` mesh:
+
+* ``synchronous``: each step's gradients averaged over all 8 members;
+* ``diloco H=<H> <outer> warmup=<W>``: ``jaxring.diloco(that SGD, axis="node", every=H,
+  outer=..., warmup_steps=W)`` with ``grad_axes="local"``; ``nesterov`` is DiLoCo's outer SGD
+  (0.7, Nesterov momentum 0.9), ``average`` the outer SGD at 1 (post-local SGD's averaging).
+  Evaluated on the outer parameters (``state.params``, the last sync's).
+
+Per contender: the mean, the seeds' figures and the gap to synchronous (points). Prints a
+table, writes ``benchmarks/results/diloco-quality.json``.
+
+  jaxring bench diloco-quality                                # H=20, warm-up 300, 3 seeds
+  jaxring bench diloco-quality --every 20,100 --outer average,nesterov --warmup 0,300
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+from jaxring._src.tools.bench import common
+
+MOMENTUM = 0.9
+OUTER = {"nesterov": (0.7, 0.9), "average": (1.0, 0.0)}
+
+
+def contenders(every, outers, warmups) -> list[tuple]:
+  """(name, H, outer, warm-up) of every contender; synchronous first (H None)."""
+  rows = [("synchronous", None, None, 0)]
+  for h, outer, w in itertools.product(every, outers, warmups):
+    rows.append((f"diloco H={h} {outer} warmup={w}", h, outer, w))
+  return rows
+
+
+def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
+          batch: int = 16, model: str = "resnet_gn") -> float:
+  """Test accuracy (%) after ``steps`` steps of one contender (``every`` None: synchronous)."""
+  import jax
+  import numpy as np
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxring as jr
+  from jaxring._src.tools.bench.convergence import learning_rate
+  from jaxring._src.tools.bench.models import MODELS
+  from jaxring._src.tools.bench.tta import Batches, _loss
+
+  xtr, ytr, xte, yte = data
+  init, logits_fn = MODELS[model]
+  inner = optax.sgd(learning_rate(lr, "cosine", steps), momentum=MOMENTUM)
+  kw = {}
+  tx = inner
+  if every is not None:
+    rate, momentum = OUTER[outer]
+    tx = jr.diloco(inner, axis="node", every=every, warmup_steps=warmup,
+                   outer=optax.sgd(rate, momentum=momentum or None, nesterov=momentum > 0))
+    kw["grad_axes"] = "local"
+
+  @jr.train_step(mesh, axis_name=("node", "local"), **kw)
+  def step(state, b):
+    loss, grads = jr.value_and_grad(_loss)(state.params, b, model)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+  members = mesh.devices.size
+  batches = Batches(xtr, ytr, members, batch, list(range(members)),
+                    NamedSharding(mesh, P(("node", "local"))))
+  state = step.prepare(jr.TrainState.create(apply_fn=None, params=init(jax.random.key(seed)),
+                                            tx=tx))
+  for t in range(steps):
+    state, _ = step(state, batches(t))
+  params = jax.tree.map(np.asarray, state.params)
+  if not all(np.isfinite(p).all() for p in jax.tree.leaves(params)):
+    return float("nan")
+  return float((np.asarray(jax.jit(logits_fn)(params, xte)).argmax(1) == yte).mean() * 100)
+
+
+def run(args) -> list[dict]:
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType
+
+  from jaxring._src.data.hard_shapes import hard_shapes
+  if jax.device_count() < 8:
+    raise SystemExit("jaxring bench diloco-quality: needs 8 devices; on a CPU run it with "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  mesh = jax.make_mesh((4, 2), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
+  data = hard_shapes()
+  seeds = range(args.first_seed, args.first_seed + args.seeds)
+  rows = []
+  for name, h, outer, w in contenders(_ints(args.every), args.outer.split(","),
+                                      _ints(args.warmup)):
+    t0 = time.perf_counter()
+    accs = [train(h, outer, w, steps=args.steps, lr=args.lr, seed=s, data=data, mesh=mesh)
+            for s in seeds]
+    row = {"contender": name, "every": h, "outer": outer, "warmup": w, "seeds": list(seeds),
+           "accuracy": accs, "mean": float(np.mean(accs)), "seconds": time.perf_counter() - t0}
+    row["gap"] = row["mean"] - rows[0]["mean"] if rows else 0.0
+    print(f"  {name}: {row['mean']:.2f} ({', '.join(f'{a:.2f}' for a in accs)}), gap "
+          f"{row['gap']:+.2f} points, {row['seconds']:.0f} s", flush=True)
+    rows.append(row)
+  return rows
+
+
+def _ints(text: str) -> list[int]:
+  return [int(v) for v in text.split(",") if v]
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="jaxring bench diloco-quality", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--every", default="20", help="comma-separated H (inner steps a sync)")
+  ap.add_argument("--outer", default="average", help=f"comma-separated, of {sorted(OUTER)}")
+  ap.add_argument("--warmup", default="300", help="comma-separated synchronous steps first")
+  ap.add_argument("--steps", type=int, default=3000)
+  ap.add_argument("--lr", type=float, default=0.05, help="the cosine's peak")
+  ap.add_argument("--seeds", type=int, default=3)
+  ap.add_argument("--first-seed", type=int, default=0)
+  ap.add_argument("--out-dir", default=None)
+  args = ap.parse_args(argv)
+  if bad := set(args.outer.split(",")) - set(OUTER):
+    ap.error(f"--outer: unknown {sorted(bad)}; of {sorted(OUTER)}")
+  common.set_cpu_devices(8)
+  rows = run(args)
+  for r in rows:
+    r["per_seed"] = " / ".join(f"{a:.2f}" for a in r["accuracy"])
+  common.print_table(rows, [("contender", "contender", ""), ("mean", "mean %", ".2f"),
+                            ("per_seed", "seeds", ""), ("gap", "gap (points)", "+.2f")])
+  path = common.write_json("diloco-quality", {"machine": common.machine(),
+                                              "commit": common.git_commit(),
+                                              "args": vars(args), "rows": rows}, args.out_dir)
+  print(f"wrote {path}")
+  return 0
