@@ -74,9 +74,9 @@ def main() -> int:
     print(message, flush=True)
     comm.Abort(3)
 
-  def make(transfer, codec=None, every=EVERY, fast=(), shard="none"):
+  def make(transfer, codec=None, every=EVERY, fast=(), shard="none", delay=DELAY):
     return jaxring.diloco(optax.adam(0.05), axis="node", every=every, fragments=FRAGMENTS,
-                          delay=DELAY, fast_axes=fast, shard=shard,
+                          delay=delay, fast_axes=fast, shard=shard,
                           compression=codec, transfer=transfer)
 
   if args.check == "stall":
@@ -99,27 +99,34 @@ def main() -> int:
   from jaxring._src.optim.diloco import fragment_of
   frag = dict(zip(sorted(params0), fragment_of(params0, FRAGMENTS)))
 
-  def in_window(t, f):   # sent at s (every EVERY from its offset), arrived at s + DELAY
-    s = t - (t - f * EVERY // FRAGMENTS) % EVERY
-    return s - f * EVERY // FRAGMENTS > 0 and t < s + DELAY
+  def window(delay):
+    def in_window(t, f):   # sent at s (every EVERY from its offset), arrived at s + delay
+      s = t - (t - f * EVERY // FRAGMENTS) % EVERY
+      return s - f * EVERY // FRAGMENTS > 0 and t < s + delay
+    return in_window
 
   # uncompressed: every member sends the whole fragment, or its half (fast_axes="local": the
   # halves gathered over local at arrival); int8 + EF: its half; shard="optimizer": it keeps
   # and steps only its half of the outer state, the new halves gathered at arrival
   # (and in the program, a member's half averaged over node, the halves gathered over local)
   int8 = jaxring.codecs.int8()
-  for how, codec, fast, shard, rtol in (
-      ("host", None, (), "none", 1e-6), ("host", None, "local", "none", 1e-6),
-      ("host", int8, "local", "none", 0.03), ("host", None, "local", "optimizer", 1e-6),
-      ("host", int8, "local", "optimizer", 0.03), ("program", None, "local", "none", 1e-6),
-      ("program", None, "local", "optimizer", 1e-6)):
-    want, _ = run(make("program", codec))
-    got, state = run(make(how, codec, fast=fast, shard=shard))
+  # (int8 with delay 2: each rank's chunks all-to-all, averaged and gathered a step later; with
+  # delay 1 its codes gathered)
+  for how, codec, fast, shard, rtol, delay in (
+      ("host", None, (), "none", 1e-6, DELAY), ("host", None, "local", "none", 1e-6, DELAY),
+      ("host", int8, "local", "none", 0.03, DELAY), ("host", int8, "local", "none", 0.03, 1),
+      ("host", None, "local", "optimizer", 1e-6, DELAY),
+      ("host", int8, "local", "optimizer", 0.03, DELAY),
+      ("program", None, "local", "none", 1e-6, DELAY),
+      ("program", None, "local", "optimizer", 1e-6, DELAY)):
+    want, _ = run(make("program", codec, delay=delay))
+    got, state = run(make(how, codec, fast=fast, shard=shard, delay=delay))
     if shard == "optimizer":
       n = [sum(np.size(params0[k]) for k in frag if frag[k] == f) for f in range(FRAGMENTS)]
       if [np.size(x) for x in state.outer_params] != [-(-m // 2) for m in n] and codec is None:
         fail(f"rank {rank}: FAIL the outer parameters are not this rank's half: "
              f"{[np.shape(x) for x in state.outer_params]} of {n}")
+    in_window = window(delay)
     for t, (w, g) in enumerate(zip(want, got)):
       (wp, wo), (gp, go) = w, g
       for k in wp:

@@ -21,8 +21,8 @@ thread moves it over MPI while the next ``delay`` inner steps run (jaxring._src.
 host_exchange); the outer step is taken when it arrives. XLA:CPU runs no collective beside a
 program's computation nor a second program beside it, so this is the form whose transfer overlaps
 the steps. Uncompressed, the members' pseudo-gradients are summed (``Iallreduce``); with a codec
-each member's encoded pseudo-gradient (plus its residual) is gathered and decoded, and the
-residual keeps what the codec left out of its own.
+(plus the residual, which keeps what the codec left out of a member's own) the bytes are a
+ring's, in two stages (jaxring._src.optim.diloco_host).
 
 ``warmup_steps``: synchronous data parallel first (gradients averaged over the slow axis too,
 the outer parameters following the model), as post-local SGD starts (Lin et al. 2020).
@@ -47,8 +47,8 @@ from jax import lax
 from jaxring._src import fuse, vma
 from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
+from jaxring._src.optim.diloco_host import HostSync
 from jaxring._src.optim.diloco_share import Shares
-from jaxring._src.transport import host_exchange, mpi_axis
 
 TRANSFERS = ("program", "host")
 SHARDS = ("none", "optimizer")
@@ -184,7 +184,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   lossy = compression is not None and getattr(compression, "lossy", True)
   keeps_residual = bool(error_feedback) and lossy
 
-  instance = next(_instances)   # names this transform's host-side transfers
+  hosted = HostSync(axes, compression, delay, next(_instances)) if host else None
   align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
   made: dict = {}
 
@@ -200,17 +200,6 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     """Per fragment: (the outer parameters waiting to be applied, the local ones when sent);
     with ``transfer="host"`` the local ones only (the outer step waits for the transfer)."""
     return tuple((tuple(p),) if host else (tuple(p), tuple(p)) for p in pieces)
-
-  def exchange():
-    binding = mpi_axis.lookup(axes)
-    if binding is None:
-      raise ValueError(f"diloco(transfer='host'): the slow axis {axes} is not bound to MPI; "
-                       "bind it with jaxring.distributed.bind_mpi_axis (under shard_map XLA:CPU "
-                       "runs no transfer beside the steps: use transfer='program' there)")
-    return host_exchange.exchange_for(binding)
-
-  def key(p):
-    return host_exchange.Key(f"diloco {instance}", f"fragment {p}")
 
   def flat(piece):
     return fuse.concat(piece, range(len(piece)), jnp.float32)
@@ -244,33 +233,12 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   def host_send(p, mine, res_p):
     """Starts fragment ``p``'s transfer, ``mine`` this member's share of its pseudo-gradient;
     returns its next residual (or None)."""
-    ex = exchange()
     if res_p is not None:
       mine = mine + residual_share(res_p)
-    if compression is None:
-      host_exchange.start_in_program(ex, key(p), "sum", [mine])
-      return res_p
-    payload = compression.encode(mine, jnp.float32)
-    host_exchange.start_in_program(ex, key(p), "gather", list(payload))
-    if res_p is None:
-      return None
+    sent = hosted.send(p, mine)
     # the residual keeps what the codec left out of this member's share; the others' shares
     # are their senders' to carry
-    return residual_kept(mine - compression.decode(payload, jnp.float32), res_p)
-
-  def host_receive(p, n):
-    """This member's share of fragment ``p``'s averaged pseudo-gradient (f32), of ``n`` values."""
-    ex = exchange()
-    _, m, _ = shares().layout(n)
-    members = ex.comm.Get_size()
-    if compression is None:
-      (total,) = host_exchange.finish_in_program(ex, key(p), "sum",
-                                                 [jax.ShapeDtypeStruct((m,), jnp.float32)])
-      return total / jnp.float32(members)
-    shapes = jax.eval_shape(lambda x: compression.encode(x, jnp.float32),
-                            jax.ShapeDtypeStruct((m,), jnp.float32))
-    rows = host_exchange.finish_in_program(ex, key(p), "gather", list(shapes))
-    return jax.vmap(lambda *pl: compression.decode(pl, jnp.float32))(*rows).mean(axis=0)
+    return None if res_p is None else residual_kept(mine - sent, res_p)
 
   def outer_from_share(avg, ostate, outer_p, local_p):
     """The outer step from this member's share ``avg`` of a fragment's averaged
@@ -381,8 +349,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
         if host:
           def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
             x_p, outer_p, ostate, sent = args
-            whole, outer_p, ostate = outer_from_share(host_receive(p, size(x_p)), ostate,
-                                                      outer_p, x_p)
+            avg = hosted.receive(p, shares().layout(size(x_p))[1])
+            whole, outer_p, ostate = outer_from_share(avg, ostate, outer_p, x_p)
             return ([(w + (x - s)).astype(x.dtype) for w, x, s in zip(whole, x_p, sent)],
                     outer_p, ostate)
 
@@ -394,6 +362,11 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
           pieces[p], outer_pieces[p], outer_states[p] = cond(
               arrives, arrive, lambda a: a[:3],
               (pieces[p], outer_pieces[p], outer_states[p], list(sent_from)))
+          if hosted.staged:   # stage 2: this member's chunk averaged, its gather started
+            h = t - hosted.midway - offset
+            halfway = (h % every == 0) & (h > 0)
+            m = shares().layout(size(pieces[p]))[1]
+            cond(halfway, lambda _, p=p, m=m: hosted.reduce(p, m), lambda _: None, None)
           res_p = cond(due, send, lambda a: a[2], (pieces[p], outer_pieces[p], res_p))
           pending[p] = (tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], sent_from)),)
         else:

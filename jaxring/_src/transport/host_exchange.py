@@ -35,7 +35,7 @@ from jax.experimental import io_callback
 from jaxring._src.reliability.watchdog import DEFAULT_FAILURE_TIMEOUT_S, failure_timeout
 from jaxring._src.transport.mpi import mpi_module
 
-KINDS = ("sum", "gather")
+KINDS = ("sum", "gather", "alltoall")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,21 +90,27 @@ class Exchange:
 
   def start(self, key: Hashable, kind: str, arrays) -> None:
     """Starts the ``kind`` (``"sum"``: every member's arrays added; ``"gather"``: stacked, one
-    row per member in rank order) of ``arrays``; :meth:`finish` with ``key`` returns it."""
+    row per member in rank order; ``"alltoall"``: row ``j`` of each array, one row per member,
+    to member ``j``, which gets every member's in rank order) of ``arrays``; :meth:`finish` with
+    ``key`` returns it."""
     if kind not in KINDS:
       raise ValueError(f"jaxring: an exchange is one of {KINDS}, got {kind!r}")
     MPI, n = mpi_module(), self.comm.Get_size()
     inputs = [np.array(a, copy=True, order="C") for a in arrays]   # the device may reuse them
-    if kind == "sum":
-      outputs = [np.empty_like(a) for a in inputs]
-    else:
+    if kind == "alltoall" and any(a.shape[:1] != (n,) for a in inputs):
+      raise ValueError(f"jaxring: an alltoall over {self.name!r} takes one row per member "
+                       f"({n}); got shapes {[a.shape for a in inputs]}")
+    if kind == "gather":
       outputs = [np.empty((n, *a.shape), a.dtype) for a in inputs]
+    else:
+      outputs = [np.empty_like(a) for a in inputs]
     with self._lock:
       if key in self._open:
         raise RuntimeError(f"jaxring: a host-side transfer '{key}' over {self.name!r} was started "
                            "again before the last one was finished")
-      requests = [self.comm.Iallreduce(a, o, op=MPI.SUM) if kind == "sum" else
-                  self.comm.Iallgather(a, o) for a, o in zip(inputs, outputs)]
+      start = {"sum": lambda a, o: self.comm.Iallreduce(a, o, op=MPI.SUM),
+               "gather": self.comm.Iallgather, "alltoall": self.comm.Ialltoall}[kind]
+      requests = [start(a, o) for a, o in zip(inputs, outputs)]
       self._open[key] = _Transfer(requests, outputs, inputs, time.monotonic())
       self.bytes_sent += sum(a.nbytes for a in inputs)
     self._wake.set()
@@ -210,7 +216,7 @@ def finish_in_program(exchange: Exchange, key: Hashable, kind: str, like) -> lis
   """Inside a traced program: the result of the transfer ``key`` (see :meth:`Exchange.start`),
   for arrays shaped like ``like``, waited for when the program runs there."""
   n = exchange.comm.Get_size()
-  shapes = [jax.ShapeDtypeStruct(np.shape(a) if kind == "sum" else (n, *np.shape(a)), a.dtype)
+  shapes = [jax.ShapeDtypeStruct((n, *np.shape(a)) if kind == "gather" else np.shape(a), a.dtype)
             for a in like]
   return list(io_callback(functools.partial(_finished, exchange, key), shapes, ordered=True))
 
