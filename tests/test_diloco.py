@@ -145,8 +145,9 @@ def test_a_compressed_outer_sync_loses_nothing_with_error_feedback(codec):
 
 
 def test_residual_carries_what_the_codec_left_out():
+  # every=2, 4 steps: after each sync, what the outer moves + the mean residual = the exact sum
   mesh = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
-  tx = jr.diloco(optax.sgd(LR), axis="node", every=1, outer=optax.sgd(1.0),
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=2, outer=optax.sgd(1.0),
                  compression=jr.codecs.int8())
   axes = ("node", "local")
 
@@ -180,6 +181,9 @@ def test_arguments_are_checked():
     jr.diloco(optax.sgd(0.1), every=0)
   with pytest.raises(ValueError, match="delay=3 must be below every=3"):
     jr.diloco(optax.sgd(0.1), every=3, delay=3)
+  with pytest.raises(ValueError, match="every=1.*use shard='none'"):
+    jr.diloco(optax.sgd(0.1), every=1, fast_axes="local", shard="optimizer",
+              compression=jr.codecs.int8())
 
 
 def test_in_an_nnx_optimizer_and_a_linen_train_state_inside_shard_map():

@@ -5,8 +5,10 @@ reduced over the fast levels only, with the inner optimizer. At a sync it averag
 axis its pseudo-gradient, what the outer parameters lost since the last sync (``outer - local``),
 compressed and with error feedback if asked; the outer optimizer (SGD with Nesterov momentum by
 default) steps the outer parameters with it, and every member restarts from them, keeping its
-inner optimizer state (Douillard et al. 2023, DiLoCo). With ``every=1``, ``outer=optax.sgd(1.0)``
-and no codec this is synchronous data parallel: the pseudo-gradient is the inner update.
+inner optimizer state (Douillard et al. 2023, DiLoCo). With ``every=1`` the gradients are
+averaged over the slow axis before the inner step (the pseudo-gradients then agree), so with
+``outer=optax.sgd(1.0)`` and no codec this is synchronous data parallel for any inner optimizer
+(averaging each member's Adam update instead would not be).
 
 Streaming (Douillard et al. 2025): with ``fragments=P`` the parameters are cut into ``P``
 fragments of about equal bytes (whole leaves, in tree order); fragment ``p`` syncs at the inner
@@ -174,6 +176,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   if shard not in SHARDS:
     raise ValueError(f"diloco: shard must be one of {SHARDS}, got {shard!r}")
   sharded = shard == "optimizer"
+  if sharded and int(every) == 1 and compression is not None and error_feedback:
+    raise ValueError("diloco(every=1) averages the gradients themselves, whose residual "
+                     "shard='optimizer' does not split: use shard='none' at every=1")
   if sharded and not axis_names(fast_axes):
     raise ValueError("diloco(shard='optimizer') splits the outer state over the fast axes: "
                      "name them, e.g. fast_axes='local' (the axes a replicated model spans)")
@@ -329,14 +334,17 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
                                      pending=_pending(pieces) if delay else None)
 
     def local(_):
-      updates, inner_state = inner.update(grads, state.inner, params)
+      g, residual = grads, state.residual
+      if every == 1:   # each step syncs: the gradients averaged first, so that any inner
+        g, residual = sync(grads, residual)   # optimizer steps as in synchronous data parallel
+      updates, inner_state = inner.update(g, state.inner, params)
       new = optax.apply_updates(params, updates)
       t = count - warmup + 1                     # this inner step's number after the warm-up
       pieces, treedef = parts(new, frag_of)
       by_fragment = (lambda x: list(x)) if sharded else (  # noqa: E731
           lambda x: parts(x, frag_of)[0])
       outer_pieces = by_fragment(state.outer_params)
-      residuals = None if state.residual is None else by_fragment(state.residual)
+      residuals = None if residual is None else by_fragment(residual)
       outer_states = list(state.outer)
       pending = None if state.pending is None else list(state.pending)
       for p in range(fragments):
@@ -377,12 +385,14 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
 
           def do_sync(args):   # (the new outer parameters whole, as kept, the outer state, res)
             local_p, outer_p, ostate, res_p = args
+            slow_mean = (lambda v, r: (v, r)) if every == 1 else sync  # noqa: E731 (averaged)
             if shares().axes:   # each member its share, over the slow axis; gathered back
               res = residual_share(res_p)
-              (avg,), res = sync([pseudo_share(outer_p, local_p)], None if res is None else [res])
+              (avg,), res = slow_mean([pseudo_share(outer_p, local_p)],
+                                      None if res is None else [res])
               return (*outer_from_share(avg, ostate, outer_p, local_p),
                       None if res is None else residual_kept(res[0], res_p))
-            avg, res_p = sync(pseudo_of(outer_p, local_p), res_p)
+            avg, res_p = slow_mean(pseudo_of(outer_p, local_p), res_p)
             new_outer, ostate = outer_step(avg, ostate, outer_p)
             return [n.astype(x.dtype) for n, x in zip(new_outer, local_p)], new_outer, ostate, res_p
 
