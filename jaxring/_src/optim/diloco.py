@@ -88,18 +88,32 @@ class DiLoCoState(NamedTuple):
 
 
 _spanned: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxring_diloco_spans",
-                                                                 default=())
+                                                                 default=((), ()))
 
 
 @contextlib.contextmanager
-def spanning(axes: tuple):
-  """Inside, a diloco sync averages over ``axes`` too (as its ``fast_axes``): a train step says
-  so of the fast axes its replicated model spans."""
-  token = _spanned.set(tuple(axes))
+def spanning(axes: tuple, slow: tuple = ()):
+  """Inside, a diloco sync averages over ``axes`` too (as its ``fast_axes``), and must sync
+  ``slow``: a train step says so of the fast axes its replicated model spans and of those it
+  leaves unreduced."""
+  token = _spanned.set((tuple(axes), tuple(slow)))
   try:
     yield
   finally:
     _spanned.reset(token)
+
+
+def _check_slow(axes: tuple) -> None:
+  """A train step leaves its slow axes to the diloco it runs: ``axes`` must be those."""
+  fast, slow = _spanned.get()
+  if slow and set(axes) != set(slow):
+    missing = tuple(a for a in slow if a not in axes)
+    raise ValueError(
+        f"train_step: the step leaves {slow} to jaxring.diloco (grad_axes={fast}), but the "
+        f"state's jaxring.diloco syncs axis={axes}: "
+        + (f"nothing would sync {missing}; " if missing else "")
+        + f"give jaxring.diloco(..., axis={slow if len(slow) > 1 else slow[0]!r}) or "
+        "grad_axes= the other axes of the step")
 
 
 def fragment_of(params, fragments: int) -> list[int]:
@@ -196,7 +210,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   def shares() -> Shares:
     """The members' shares of a fragment over the fast axes (``fast_axes`` and those a train
     step says its model spans)."""
-    fast = tuple(dict.fromkeys(axis_names(fast_axes) + _spanned.get()))
+    fast = tuple(dict.fromkeys(axis_names(fast_axes) + _spanned.get()[0]))
     if fast not in made:
       made[fast] = Shares(fast, align, mpi_only=host)
     return made[fast]
@@ -312,6 +326,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   def update(grads, state: DiLoCoState, params=None):
     if params is None:
       raise ValueError("diloco: update(grads, state, params) needs the parameters")
+    _check_slow(axes)
     frag_of = fragment_of(params, fragments)
     count = state.count
     # every value here is this member's: typed varying over every axis anything varies over, so

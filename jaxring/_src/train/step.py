@@ -339,7 +339,8 @@ class TrainStep:
       ctx.note_split(ctx.shard.blocks, ctx.shard.dims)
       if self._view is not None:   # the optimizer's whole-leaf math, on blocks
         user_state = user_state.replace(tx=self._view)
-    with step_context(ctx), spanning(cfg.reduce_axes if diloco else ()):
+    span = (cfg.reduce_axes, cfg.slow_axes) if diloco else ((), ())   # what diloco syncs
+    with step_context(ctx), spanning(*span):
       try:
         new_state, metrics = guards.state_and_metrics(self._fn(user_state, batch, *args),
                                                       type(state))
