@@ -12,8 +12,9 @@ as ``bench tta``'s members do; momentum SGD (0.9) with a cosine from ``--lr`` to
   (0.7, Nesterov momentum 0.9), ``average`` the outer SGD at 1 (post-local SGD's averaging).
   Evaluated on the outer parameters (``state.params``, the last sync's).
 
-Per contender: the mean, the seeds' figures and the gap to synchronous (points). Prints a
-table, writes ``benchmarks/results/diloco-quality.json``.
+Per contender: the mean, the seeds' figures and the gap to synchronous (points), seed by seed
+(the same initialization and batches: the seeds' spread of several points is not in it). Prints
+a table, writes ``benchmarks/results/diloco-quality.json``.
 
   jaxring bench diloco-quality                                # H=20, warm-up 300, 3 seeds
   jaxring bench diloco-quality --every 20,100 --outer average,nesterov --warmup 0,300
@@ -39,8 +40,9 @@ def contenders(every, outers, warmups) -> list[tuple]:
 
 
 def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
-          batch: int = 16, model: str = "resnet_gn") -> float:
-  """Test accuracy (%) after ``steps`` steps of one contender (``every`` None: synchronous)."""
+          batch: int = 16, model: str = "resnet_gn"):
+  """The parameters after ``steps`` steps of one contender (``every`` None: synchronous): the
+  outer ones for DiLoCo, as NumPy arrays."""
   import jax
   import numpy as np
   import optax
@@ -52,8 +54,8 @@ def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
   from jaxring._src.tools.bench.models import MODELS
   from jaxring._src.tools.bench.tta import Batches, _loss
 
-  xtr, ytr, xte, yte = data
-  init, logits_fn = MODELS[model]
+  xtr, ytr = data[:2]
+  init = MODELS[model][0]
   inner = optax.sgd(learning_rate(lr, "cosine", steps), momentum=MOMENTUM)
   kw = {}
   tx = inner
@@ -75,15 +77,33 @@ def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
                                             tx=tx))
   for t in range(steps):
     state, _ = step(state, batches(t))
-  params = jax.tree.map(np.asarray, state.params)
+  return jax.tree.map(np.asarray, state.params)
+
+
+def accuracy(params, data, model: str = "resnet_gn") -> float:
+  """Test accuracy (%) of ``params`` (NaN where training diverged)."""
+  import jax
+  import numpy as np
+
+  from jaxring._src.tools.bench.models import MODELS
   if not all(np.isfinite(p).all() for p in jax.tree.leaves(params)):
     return float("nan")
-  return float((np.asarray(jax.jit(logits_fn)(params, xte)).argmax(1) == yte).mean() * 100)
+  logits = jax.jit(MODELS[model][1])(params, data[2])
+  return float((np.asarray(logits).argmax(1) == data[3]).mean() * 100)
+
+
+def row_of(name: str, every, outer, warmup, seeds, accs, base=None) -> dict:
+  """A contender's row; ``base``: synchronous's, whose accuracies the gaps are paired with (by
+  seed: the same initialization and batches, so the seeds' spread is not in them)."""
+  import numpy as np
+  gaps = [a - b for a, b in zip(accs, base["accuracy"])] if base else [0.0] * len(accs)
+  return {"contender": name, "every": every, "outer": outer, "warmup": warmup,
+          "seeds": list(seeds), "accuracy": list(accs), "mean": float(np.mean(accs)),
+          "gaps": gaps, "gap": float(np.mean(gaps))}
 
 
 def run(args) -> list[dict]:
   import jax
-  import numpy as np
   from jax.sharding import AxisType
 
   from jaxring._src.data.hard_shapes import hard_shapes
@@ -97,13 +117,13 @@ def run(args) -> list[dict]:
   for name, h, outer, w in contenders(_ints(args.every), args.outer.split(","),
                                       _ints(args.warmup)):
     t0 = time.perf_counter()
-    accs = [train(h, outer, w, steps=args.steps, lr=args.lr, seed=s, data=data, mesh=mesh)
-            for s in seeds]
-    row = {"contender": name, "every": h, "outer": outer, "warmup": w, "seeds": list(seeds),
-           "accuracy": accs, "mean": float(np.mean(accs)), "seconds": time.perf_counter() - t0}
-    row["gap"] = row["mean"] - rows[0]["mean"] if rows else 0.0
+    accs = [accuracy(train(h, outer, w, steps=args.steps, lr=args.lr, seed=s, data=data,
+                           mesh=mesh), data) for s in seeds]
+    row = row_of(name, h, outer, w, seeds, accs, rows[0] if rows else None)
+    row["seconds"] = time.perf_counter() - t0
     print(f"  {name}: {row['mean']:.2f} ({', '.join(f'{a:.2f}' for a in accs)}), gap "
-          f"{row['gap']:+.2f} points, {row['seconds']:.0f} s", flush=True)
+          f"{row['gap']:+.2f} points ({', '.join(f'{g:+.2f}' for g in row['gaps'])}), "
+          f"{row['seconds']:.0f} s", flush=True)
     rows.append(row)
   return rows
 
@@ -130,8 +150,10 @@ def main(argv=None) -> int:
   rows = run(args)
   for r in rows:
     r["per_seed"] = " / ".join(f"{a:.2f}" for a in r["accuracy"])
+    r["per_seed_gap"] = " / ".join(f"{g:+.2f}" for g in r["gaps"])
   common.print_table(rows, [("contender", "contender", ""), ("mean", "mean %", ".2f"),
-                            ("per_seed", "seeds", ""), ("gap", "gap (points)", "+.2f")])
+                            ("per_seed", "seeds", ""), ("gap", "gap (points)", "+.2f"),
+                            ("per_seed_gap", "per seed", "")])
   path = common.write_json("diloco-quality", {"machine": common.machine(),
                                               "commit": common.git_commit(),
                                               "args": vars(args), "rows": rows}, args.out_dir)
