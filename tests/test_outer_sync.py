@@ -26,6 +26,10 @@ def test_rows_read_utilization_against_the_step_with_no_collective_turn_by_turn(
   # bytes: all turns over all steps (a sync's bytes land in one turn), not a turn's median
   assert host["bytes_per_step"] == pytest.approx(6.0)
   assert host["fewer_bytes"] == pytest.approx(100 / 6)
+  # what the sync adds to the local-only step's 1 B (the bench's own coordination) against
+  # what the per-step pmean adds to it
+  assert host["fewer_sync_bytes"] == pytest.approx((100 - 1) / (6 - 1))
+  assert "fewer_sync_bytes" not in rows[outer_sync.LOCAL]
   assert "fewer_bytes" not in rows[outer_sync.ALONE]   # it sent nothing
   assert rows[outer_sync.ALONE]["utilization"] == pytest.approx(1.0)
 

@@ -23,7 +23,8 @@ mean ms per step (median over turns), compute utilization (``compute alone``'s s
 contender's, median of the per-turn ratios), the same against ``local pmean only`` (what is left
 of the outer sync's cost), the time the host transfers were waited for, and the bytes each node
 put on its link per step (``tx_bytes`` of its interface, all turns' bytes over all their steps)
-and how many times fewer than ``per-step pmean none``'s.
+and how many times fewer than ``per-step pmean none``'s; the same of the bytes a row adds to
+``local pmean only``'s (the bench's own per-turn coordination crosses the links too).
 
 Example:
   sudo jaxring bench outer-sync                         # 10mbit, 100mbit and 1gbit links
@@ -176,6 +177,20 @@ def rows_of(recs: list[dict], link: str) -> list[dict]:
     if base is not None and row["bytes_per_step"] > 0:
       row["fewer_bytes"] = statistics.fmean(base["tx_per_turn"]) / n / row["bytes_per_step"]
     rows.append(row)
+  return with_sync_ratios(rows)
+
+
+def with_sync_ratios(rows: list[dict]) -> list[dict]:
+  """Adds ``fewer_sync_bytes`` to one link's rows that sync the nodes: the bytes each adds to
+  ``local pmean only``'s (the same step with no outer sync; what is left is the bench's own
+  per-turn coordination), against what the per-step pmean adds to it."""
+  by = {r["contender"]: r for r in rows}
+  if LOCAL not in by or PMEAN not in by:
+    return rows
+  idle = by[LOCAL]["bytes_per_step"]
+  for r in rows:
+    if r["contender"] not in (ALONE, LOCAL) and r["bytes_per_step"] > idle:
+      r["fewer_sync_bytes"] = (by[PMEAN]["bytes_per_step"] - idle) / (r["bytes_per_step"] - idle)
   return rows
 
 
@@ -233,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("of_local_only", "of local-only", ".3f"),
                             ("waited_ms_per_step", "waited ms/step", ".2f"),
                             ("bytes_per_step", "node link B/step", ".0f"),
-                            ("fewer_bytes", "x fewer bytes", ".0f")])
+                            ("fewer_bytes", "x fewer bytes", ".0f"),
+                            ("fewer_sync_bytes", "x fewer, the sync's", ".0f")])
   path = common.write_json("outer-sync", {"machine": common.machine(), "args": vars(args),
                                           "rows": rows, "failed": failed}, args.out_dir)
   print(f"wrote {path}")
