@@ -110,25 +110,21 @@ def test_a_codec_with_error_feedback_equals_the_shard_map_form(codec):
 
 
 def test_the_functional_form():
-  tx = jr.diloco(optax.sgd(LR), axis="node", every=3)
-  wrong = jr.diloco(optax.sgd(LR), axis="local", every=3)
+  def functional(tx):
+    @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
+    def step(params, opt_state, batch):
+      _, grads = jr.value_and_grad(loss)(params, batch["x"], batch["y"])
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, {}
+    return step
 
-  @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
-  def wrong_step(params, opt_state, batch):
-    _, grads = jr.value_and_grad(loss)(params, batch["x"], batch["y"])
-    updates, opt_state = wrong.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {}
+  wrong = jr.diloco(optax.sgd(LR), axis="local", every=3)
   params = jax.tree.map(jnp.asarray, P0)
   with pytest.raises(ValueError, match=r"nothing would sync \('node',\)"):   # as the others
-    wrong_step(params, wrong.init(params), BATCH)
+    functional(wrong)(params, wrong.init(params), BATCH)
 
-  @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
-  def step(params, opt_state, batch):
-    _, grads = jr.value_and_grad(loss)(params, batch["x"], batch["y"])
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, {}
-
-  params = jax.tree.map(jnp.asarray, P0)
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=3)
+  step = functional(tx)
   opt_state = tx.init(params)
   for _ in range(7):
     params, opt_state, _ = step(params, opt_state, BATCH)
