@@ -433,12 +433,16 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       return local(None)
     return cond(count < warmup, warm, local, None)
 
-  setattr(update, PLAN_ATTR, {"axes": axes, "every": every, "warmup": warmup})
+  def first_fragment_syncs(count):   # a warm-up step, or fragment 0's sync (offset 0, below)
+    t = count - warmup + 1
+    return (t <= 0) | (t % every == 0)
+
+  setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs})
   return optax.GradientTransformation(init, update)
 
 
 def plan_of(tx) -> dict | None:
-  """A :func:`diloco` transformation's slow ``axes`` and schedule (``every``, ``warmup``);
-  None for any other ``tx``."""
+  """A :func:`diloco` transformation's slow ``axes`` and ``syncs(count)``: whether the step
+  after ``count`` inner steps is a warm-up step or syncs fragment 0; None for any other ``tx``."""
   return getattr(getattr(tx, "update", None), PLAN_ATTR, None)
 

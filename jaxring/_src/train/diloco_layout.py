@@ -139,9 +139,8 @@ def settle_stats(old, new, cfg):
   stats = getattr(new, "batch_stats", None)
   if stats is None:
     return new
-  plan = plan_of(getattr(old, "tx", None)) or {"every": 1, "warmup": 0}
-  t = old.opt_state.count - plan["warmup"] + 1   # this inner step's number after the warm-up
-  syncs = (t <= 0) | (t % plan["every"] == 0)
+  plan = plan_of(getattr(old, "tx", None))
+  syncs = True if plan is None else plan["syncs"](old.opt_state.count)
   stats = replica_mean(stats, cfg.reduce_axes)
   stats = lax.cond(syncs, lambda s: replica_mean(s, cfg.slow_axes), lambda s: s, stats)
   kept = jax.tree_util.tree_map(lambda s, o: jnp.where(syncs, s, o).astype(jnp.result_type(o)),
