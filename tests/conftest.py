@@ -24,6 +24,14 @@ _flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_co
 if "--xla_backend_optimization_level" not in _flags:
   _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
+# XLA's persistent compilation cache, one folder for the whole run: pytest-xdist's workers inherit
+# the controller's (setdefault) and multiproc.clean_env hands it to every process a test starts,
+# so a program compiled once (an eager op every fresh process compiles, a worker's reference run
+# repeated by each case) is read back, not compiled again. Entries are keyed by the program, the
+# devices and XLA_FLAGS; executables with host callbacks are never cached. The folder goes with
+# the controller's temporary folder.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_CACHE_ROOT, "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

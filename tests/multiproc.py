@@ -34,7 +34,8 @@ def clean_env(**extra: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAXRING_", "JAX_", "XLA_", "PMI_", "OMPI_", "SLURM_"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  for name in ("JAXRING_CACHE_DIR", "JAXRING_FLIGHT_DIR"):   # conftest's temporary folders
+  for name in ("JAXRING_CACHE_DIR", "JAXRING_FLIGHT_DIR", "JAX_COMPILATION_CACHE_DIR",
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"):   # conftest's (temporary folders)
     if name in os.environ:
       env[name] = os.environ[name]
   extra = {k: str(v) for k, v in extra.items()}

@@ -280,6 +280,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     upd, ostate = outer.update([a.astype(o.dtype) for a, o in zip(avg, outer_p)], ostate, outer_p)
     return optax.apply_updates(outer_p, upd), ostate
 
+  def at(t, lag):   # inner step t (from 1 after the warm-up) lies lag steps after a sync time
+    return ((t - lag) % every == 0) & (t - lag > 0)
+
   def parts(tree, frag_of):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     return [[x for x, f in zip(leaves, frag_of) if f == p] for p in range(fragments)], treedef
@@ -364,8 +367,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       pending = None if state.pending is None else list(state.pending)
       for p in range(fragments):
         offset = p * every // fragments
-        due = ((t - offset) % every == 0) & (t - offset > 0)            # sent at this step
-        arrives = ((t - delay - offset) % every == 0) & (t - delay - offset > 0)
+        due, arrives = at(t, offset), at(t, offset + delay)   # sent / its result back
         if (host or sharded) and not pieces[p]:   # more fragments than leaves: nothing to move
           continue
         res_p = None if residuals is None else residuals[p]
@@ -386,10 +388,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
               arrives, arrive, lambda a: a[:3],
               (pieces[p], outer_pieces[p], outer_states[p], list(sent_from)))
           if hosted.staged:   # stage 2: this member's chunk averaged, its gather started
-            h = t - hosted.midway - offset
-            halfway = (h % every == 0) & (h > 0)
             m = shares().layout(size(pieces[p]))[1]
-            cond(halfway, lambda _, p=p, m=m: hosted.reduce(p, m), lambda _: None, None)
+            cond(at(t, offset + hosted.midway), lambda _, p=p, m=m: hosted.reduce(p, m),
+                 lambda _: None, None)
           res_p = cond(due, send, lambda a: a[2], (pieces[p], outer_pieces[p], res_p))
           pending[p] = (tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], sent_from)),)
         else:
@@ -433,9 +434,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       return local(None)
     return cond(count < warmup, warm, local, None)
 
-  def first_fragment_syncs(count):   # a warm-up step, or fragment 0's sync (offset 0, below)
+  def first_fragment_syncs(count):   # a warm-up step, or fragment 0's sync
     t = count - warmup + 1
-    return (t <= 0) | (t % every == 0)
+    return (t <= 0) | at(t, 0)
 
   setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs})
   return optax.GradientTransformation(init, update)

@@ -14,7 +14,9 @@ One MPI rank per device (``jaxring cluster run --transport mpi``, ``--nodes`` x
   gradients averaged over ``local``, each fragment's sync inside the step's program (XLA:CPU
   runs it in the step), each rank averaging its node's half over ``node``;
 * ``diloco H=.. P=.. host d=..`` (and ``int8``): ``transfer="host", delay=d``, the same halves
-  moved by a host thread over MPI during the next ``d`` steps.
+  moved by a host thread over MPI during the next ``d`` steps;
+* ``diloco H=.. P=.. in program topk``: the program's sync with ``--topk`` and error feedback
+  (top-k wraps the whole all-reduce, so it has no host form; SparseLoCo's sparsity).
 
 Contenders take turns of ``H`` steps each (every fragment syncs once a turn, and with the host
 transfer a turn starts ``d`` steps after a send, so none is in flight across turns: ``d`` must be
@@ -52,7 +54,8 @@ def names(every: int, fragments: int, delay: int) -> dict:
   base = f"diloco H={every} P={fragments}"
   return {ALONE: ("alone", None), PMEAN: ("pmean", None), "per-step pmean int8": ("pmean", "int8"),
           LOCAL: ("local", None), f"{base} in program": ("program", None),
-          f"{base} host d={delay}": ("host", None), f"{base} host d={delay} int8": ("host", "int8")}
+          f"{base} host d={delay}": ("host", None), f"{base} host d={delay} int8": ("host", "int8"),
+          f"{base} in program topk": ("program", "topk")}
 
 
 def worker(args) -> int:
@@ -89,21 +92,20 @@ def worker(args) -> int:
     return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, b["x"]), b["y"]).mean()
 
   inner = optax.sgd(0.03, momentum=0.9)
-  int8 = jaxring.codecs.int8()
+  codecs = {None: None, "int8": jaxring.codecs.int8(), "topk": jaxring.codecs.parse(args.topk)}
 
   def make(kind, codec):
     if kind in ("alone", "pmean"):
       tx = inner
       reduce = {"alone": lambda g: g, "pmean": lambda g: jaxring.pmean(
-          g, "data", compression=None if codec is None else {"node": int8})}[kind]
+          g, "data", compression=None if codec is None else {"node": codecs[codec]})}[kind]
     elif kind == "local":
       tx, reduce = inner, lambda g: jaxring.pmean(g, "local")   # noqa: E731
     else:
       tx = jaxring.diloco(inner, axis="node", every=args.every, fragments=args.fragments,
                           delay=0 if kind == "program" else args.delay,
                           transfer="program" if kind == "program" else "host",
-                          fast_axes="local",
-                          compression=None if codec is None else int8)
+                          fast_axes="local", compression=codecs[codec])
       reduce = lambda g: jaxring.pmean(g, "local")   # noqa: E731
 
     @jax.jit
@@ -204,6 +206,9 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--every", type=int, default=100, help="H: inner steps between syncs")
   ap.add_argument("--fragments", type=int, default=4, help="P: streaming fragments")
   ap.add_argument("--delay", type=int, default=20, help="d: steps a host transfer may take")
+  ap.add_argument("--topk", default="topk:0.01:64",
+                  help="the top-k contender's codec (a node's half of a fragment holds 4.6k-7k "
+                  "values: 64-value chunks let 1%% of them be chosen)")
   ap.add_argument("--reps", type=int, default=3, help="turns of H steps per contender")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds per link's job")
   ap.add_argument("--out-dir", default=None)
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
   name, rows, failed = "jro", [], []
   worker_args = ["--worker", "--devices-per-node", str(args.devices_per_node), "--batch",
                  str(args.batch), "--every", str(args.every), "--fragments", str(args.fragments),
-                 "--delay", str(args.delay), "--reps", str(args.reps)]
+                 "--delay", str(args.delay), "--reps", str(args.reps), "--topk", args.topk]
   for link in filter(None, args.links.split(",")):
     if netns.load_state(name) is not None:
       netns.down(name)
