@@ -11,7 +11,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jaxring as jr
-from jaxring._src.optim.diloco import fragment_of
+from jaxring._src.optim.diloco_parts import fragment_of
 
 LR, STEPS = 0.05, 12
 RNG = np.random.default_rng(0)
@@ -297,3 +297,34 @@ def test_split_outer_state_needs_the_fast_axes():
   tx = jr.diloco(optax.sgd(0.1), every=3, fast_axes="local", shard="optimizer")
   with pytest.raises(ValueError, match=r"fast axes \('local',\) are not bound here; call"):
     tx.init(P0)
+
+
+@pytest.mark.parametrize("kw", [dict(every=3, compression=jr.codecs.int8()),
+                                dict(every=4, fragments=2, delay=1),
+                                dict(every=3, fast_axes="local", shard="optimizer")],
+                         ids=["H3-int8", "H4-fragments2-delay1", "H3-split"])
+def test_outer_state_in_host_memory_changes_nothing(kw):
+  """outer_memory="host": the outer parameters, the outer momentum and the residual live in host
+  memory between syncs (checked on a step's returned state) and the run, a scan inside
+  shard_map, is the device form's bit for bit."""
+  make = lambda memory: jr.diloco(optax.sgd(LR), axis="node", outer_memory=memory, **kw)  # noqa: E731
+  got, want = train(make("host"), True), train(make("device"), True)
+  for k in P0:
+    np.testing.assert_array_equal(got[k], want[k])
+  mesh = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
+  tx, axes = make("host"), ("node", "local")
+
+  def one_step(x, y):
+    p = jax.tree.map(lambda a: jax.lax.pcast(jnp.asarray(a), axes, to="varying"), P0)
+    s = tx.init(p)
+    g = jax.lax.pmean(jax.grad(loss)(p, x[0], y[0]), "local")
+    _, s = tx.update(g, s, p)
+    return jax.tree.map(lambda a: a[None], s)
+
+  state = jax.jit(jax.shard_map(one_step, mesh=mesh, in_specs=(P(axes), P(axes)),
+                                out_specs=P(axes)))(X, Y)
+  kinds = lambda t: {a.sharding.memory_kind for a in jax.tree.leaves(t)}  # noqa: E731
+  assert kinds((state.outer_params, state.outer)) == {"pinned_host"}, state
+  assert kinds(state.residual) <= {"pinned_host"} and kinds(state.count) == {"device"}
+  with pytest.raises(ValueError, match="outer_memory must be one of"):
+    jr.diloco(optax.sgd(0.1), every=3, outer_memory="disk")

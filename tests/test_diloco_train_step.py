@@ -109,6 +109,22 @@ def test_a_codec_with_error_feedback_equals_the_shard_map_form(codec):
   assert any(np.abs(r).max() > 0 for r in jax.tree.leaves(state.opt_state.residual))   # lossy
 
 
+def test_outer_state_in_host_memory_through_the_step():
+  # the outer momentum and the residual rows stay in host memory between steps; the state's
+  # params (the outer parameters: the model an evaluation reads) and the replicas' own stay on
+  # the device; the run is the device form's bit for bit
+  kw = dict(axis="node", every=3, compression=jr.codecs.int8(block_size=4),
+            outer=optax.sgd(0.7, momentum=0.9, nesterov=True))
+  host, _ = run(jr.diloco(optax.sgd(LR), outer_memory="host", **kw), 7, grad_axes="local")
+  device, _ = run(jr.diloco(optax.sgd(LR), **kw), 7, grad_axes="local")
+  for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(device)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  kinds = lambda t: {a.sharding.memory_kind for a in jax.tree.leaves(t)}  # noqa: E731
+  opt = host.opt_state
+  assert kinds((opt.outer, opt.residual)) == {"pinned_host"}, opt
+  assert kinds((host.params, opt.local, opt.inner, opt.count)) == {"device"}
+
+
 def test_the_functional_form():
   def functional(tx):
     @jr.train_step(mesh(), axis_name=AXES, grad_axes="local")
@@ -134,9 +150,10 @@ def test_the_functional_form():
 
 
 @pytest.mark.slow   # orbax writes and restores a trained state (~5 s)
-def test_a_checkpoint_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("memory", ["device", "host"])
+def test_a_checkpoint_resumes_exactly(tmp_path, memory):
   tx = jr.diloco(optax.sgd(LR), axis="node", every=4, fragments=2, delay=1,
-                 compression=jr.codecs.int8(block_size=4))
+                 compression=jr.codecs.int8(block_size=4), outer_memory=memory)
   step = make_step(grad_axes="local")
   state, _ = run(tx, 5, step)
   ckpt = jr.train.Checkpointer(tmp_path)

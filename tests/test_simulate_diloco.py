@@ -98,7 +98,7 @@ def test_a_delay_hides_at_most_tau_steps_of_free_link_time():
 
 
 def test_fragments_are_jaxring_dilocos_and_share_the_sync():
-  from jaxring._src.optim.diloco import fragment_of
+  from jaxring._src.optim.diloco_parts import fragment_of
   layers = cli.load_model("resnet50")
   leaves = [np.zeros(lay.params, np.float32) for lay in layers]
   assert diloco.fragments_of(layers, 4) == tuple(fragment_of(leaves, 4))

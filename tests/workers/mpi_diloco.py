@@ -96,7 +96,7 @@ def main() -> int:
   if args.check == "resume":
     return resume(make, stepper, params0, rank, args.dir, fail)
 
-  from jaxring._src.optim.diloco import fragment_of
+  from jaxring._src.optim.diloco_parts import fragment_of
   frag = dict(zip(sorted(params0), fragment_of(params0, FRAGMENTS)))
 
   def window(delay):

@@ -35,8 +35,6 @@ The transform is an ``optax.GradientTransformation`` over one member's values: c
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
 from typing import Any, NamedTuple
 
@@ -50,11 +48,12 @@ from jaxring._src import fuse, vma
 from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
 from jaxring._src.optim.diloco_host import HostSync
+from jaxring._src.optim.diloco_parts import (MEMORIES, PLAN_ATTR, check_slow, fragment_of,
+                                             placed, spanned)
 from jaxring._src.optim.diloco_share import Shares
 
 TRANSFERS = ("program", "host")
 SHARDS = ("none", "optimizer")
-PLAN_ATTR = "diloco_plan"   # on update: its slow axes and schedule, for a train step
 _instances = itertools.count()
 
 
@@ -87,52 +86,12 @@ class DiLoCoState(NamedTuple):
   local_stats: Any = None
 
 
-_spanned: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxring_diloco_spans",
-                                                                 default=((), ()))
-
-
-@contextlib.contextmanager
-def spanning(axes: tuple, slow: tuple = ()):
-  """Inside, a diloco sync averages over ``axes`` too (as its ``fast_axes``), and must sync
-  ``slow``: a train step says so of the fast axes its replicated model spans and of those it
-  leaves unreduced."""
-  token = _spanned.set((tuple(axes), tuple(slow)))
-  try:
-    yield
-  finally:
-    _spanned.reset(token)
-
-
-def _check_slow(axes: tuple) -> None:
-  """A train step leaves its slow axes to the diloco it runs: ``axes`` must be those."""
-  fast, slow = _spanned.get()
-  if slow and set(axes) != set(slow):
-    missing = tuple(a for a in slow if a not in axes)
-    raise ValueError(
-        f"train_step: the step leaves {slow} to jaxring.diloco (grad_axes={fast}), but the "
-        f"state's jaxring.diloco syncs axis={axes}: "
-        + (f"nothing would sync {missing}; " if missing else "")
-        + f"give jaxring.diloco(..., axis={slow if len(slow) > 1 else slow[0]!r}) or "
-        "grad_axes= the other axes of the step")
-
-
-def fragment_of(params, fragments: int) -> list[int]:
-  """Each leaf's fragment: whole leaves in tree order, a leaf in the fragment its bytes' middle
-  falls in (``fragments`` equal shares of the total)."""
-  leaves = jax.tree_util.tree_leaves(params)
-  sizes = [int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in leaves]
-  total, done, out = max(sum(sizes), 1), 0, []
-  for s in sizes:
-    out.append(min(fragments - 1, int((done + s / 2) * fragments / total)))
-    done += s
-  return out
-
-
 def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: int,
            outer: optax.GradientTransformation | None = None, compression: Any = None,
            error_feedback: bool = True, fragments: int = 1, delay: int = 0,
            warmup_steps: int = 0, algorithm: Any = "auto", fast_axes: Any = (),
-           transfer: str = "program", shard: str = "none") -> optax.GradientTransformation:
+           transfer: str = "program", shard: str = "none",
+           outer_memory: str = "device") -> optax.GradientTransformation:
   """An optax transformation that syncs the slow axis every ``every`` steps (see the module
   docstring).
 
@@ -161,6 +120,11 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       state and the residual, flat per fragment, and takes the outer step on it (the outer
       optimizer must be elementwise, as SGD, Nesterov and Adam are). Call ``init`` and
       ``update`` where the fast axes are bound.
+    outer_memory: ``"host"``: the outer parameters, the outer optimizer's state and the
+      residual, which only a sync reads, are kept in host memory (on a GPU, pinned host memory)
+      and brought to the device for a sync only; ``"device"`` keeps them there. Under
+      ``jaxring.train_step`` the outer parameters are the state's ``params`` (the model) and
+      stay on the device.
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -187,6 +151,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     raise NotImplementedError(f"diloco(transfer='host') gathers each member's encoded "
                               f"pseudo-gradient; {compression!r} wraps the whole all-reduce "
                               "instead: use transfer='program' with it")
+  if outer_memory not in MEMORIES:
+    raise ValueError(f"diloco: outer_memory must be one of {MEMORIES}, got {outer_memory!r}")
   if shard not in SHARDS:
     raise ValueError(f"diloco: shard must be one of {SHARDS}, got {shard!r}")
   sharded = shard == "optimizer"
@@ -206,11 +172,25 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   hosted = HostSync(axes, compression, delay, next(_instances)) if host else None
   align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
   made: dict = {}
+  offload = outer_memory == "host"
+
+  def home(tree, params=False):
+    """The outer state (``params``: the outer parameters) where it is kept between syncs."""
+    if not offload or (params and spanned()[1]):   # a train step's params are its model
+      return tree
+    return placed(tree, "host")
+
+  def fetch(tree):   # the outer state on the device, for a sync
+    return placed(tree, "device") if offload else tree
+
+  def settled(state: DiLoCoState) -> DiLoCoState:
+    return state._replace(outer_params=home(state.outer_params, params=True),
+                          outer=home(state.outer), residual=home(state.residual))
 
   def shares() -> Shares:
     """The members' shares of a fragment over the fast axes (``fast_axes`` and those a train
     step says its model spans)."""
-    fast = tuple(dict.fromkeys(axis_names(fast_axes) + _spanned.get()[0]))
+    fast = tuple(dict.fromkeys(axis_names(fast_axes) + spanned()[0]))
     if fast not in made:
       made[fast] = Shares(fast, align, mpi_only=host)
     return made[fast]
@@ -316,7 +296,11 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     # each member's own (update's results are typed so; a scan over steps needs both alike)
     varying = own.union(*(vma.varying_axes(x) for x in jax.tree_util.tree_leaves(params)))
     varying = tuple(sorted(varying, key=str))
-    return jax.tree_util.tree_map(lambda x: vma.pvary(x, varying), state)
+    state = jax.tree_util.tree_map(lambda x: vma.pvary(x, varying), state)
+    # in a program (a scan's carry must keep its types); an eager init's stays on the device,
+    # for a train step to lay out, and the first update moves it
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
+    return settled(state) if traced else state
 
   def sync(pseudo, residual):
     """The pseudo-gradient averaged over the slow axis (and the residual carried)."""
@@ -326,10 +310,23 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       return pmean(pseudo, axes, algorithm=algorithm, compression=compression), None
     return mean_with_error(pseudo, residual, axes, algorithm=algorithm, compression=compression)
 
+  def outer_sync(local_p, outer_p, ostate, res_p):
+    """A fragment's sync in the program: (the new outer parameters whole, as kept, the outer
+    state, the residual)."""
+    slow_mean = (lambda v, r: (v, r)) if every == 1 else sync  # noqa: E731 (averaged already)
+    if shares().axes:   # each member its share, over the slow axis; gathered back
+      res = residual_share(res_p)
+      (avg,), res = slow_mean([pseudo_share(outer_p, local_p)], None if res is None else [res])
+      return (*outer_from_share(avg, ostate, outer_p, local_p),
+              None if res is None else residual_kept(res[0], res_p))
+    avg, res_p = slow_mean(pseudo_of(outer_p, local_p), res_p)
+    new_outer, ostate = outer_step(avg, ostate, outer_p)
+    return [n.astype(x.dtype) for n, x in zip(new_outer, local_p)], new_outer, ostate, res_p
+
   def update(grads, state: DiLoCoState, params=None):
     if params is None:
       raise ValueError("diloco: update(grads, state, params) needs the parameters")
-    _check_slow(axes)
+    check_slow(axes)
     frag_of = fragment_of(params, fragments)
     count = state.count
     # every value here is this member's: typed varying over every axis anything varies over, so
@@ -347,14 +344,15 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       updates, inner_state = inner.update(g, state.inner, params)
       new = optax.apply_updates(params, updates)
       pieces = parts(new, frag_of)[0]
-      return updates, state._replace(count=count + 1, inner=inner_state,
-                                     outer_params=kept_outer(pieces) if sharded else new,
-                                     pending=_pending(pieces) if delay else None)
+      return updates, settled(state._replace(
+          count=count + 1, inner=inner_state, outer_params=kept_outer(pieces) if sharded else new,
+          pending=_pending(pieces) if delay else None))
 
     def local(_):
       g, residual = grads, state.residual
       if every == 1:   # each step syncs: the gradients averaged first, so that any inner
-        g, residual = sync(grads, residual)   # optimizer steps as in synchronous data parallel
+        g, residual = sync(grads, fetch(residual))   # optimizer steps as in synchronous DP
+        residual = home(residual)
       updates, inner_state = inner.update(g, state.inner, params)
       new = optax.apply_updates(params, updates)
       t = count - warmup + 1                     # this inner step's number after the warm-up
@@ -375,13 +373,13 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
           def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
             x_p, outer_p, ostate, sent = args
             avg = hosted.receive(p, shares().layout(size(x_p))[1])
-            whole, outer_p, ostate = outer_from_share(avg, ostate, outer_p, x_p)
+            whole, outer_p, ostate = outer_from_share(avg, *fetch((ostate, outer_p)), x_p)
             return ([(w + (x - s)).astype(x.dtype) for w, x, s in zip(whole, x_p, sent)],
-                    outer_p, ostate)
+                    home(outer_p, params=True), home(ostate))
 
           def send(args, p=p):
-            local_p, outer_p, res_p = args
-            return host_send(p, pseudo_share(outer_p, local_p), res_p)
+            local_p, outer_p, res_p = fetch(args)
+            return home(host_send(p, pseudo_share(outer_p, local_p), res_p))
 
           (sent_from,) = pending[p]
           pieces[p], outer_pieces[p], outer_states[p] = cond(
@@ -400,17 +398,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
                          for x, w, s in zip(pieces[p], waiting, sent_from)]
 
           def do_sync(args):   # (the new outer parameters whole, as kept, the outer state, res)
-            local_p, outer_p, ostate, res_p = args
-            slow_mean = (lambda v, r: (v, r)) if every == 1 else sync  # noqa: E731 (averaged)
-            if shares().axes:   # each member its share, over the slow axis; gathered back
-              res = residual_share(res_p)
-              (avg,), res = slow_mean([pseudo_share(outer_p, local_p)],
-                                      None if res is None else [res])
-              return (*outer_from_share(avg, ostate, outer_p, local_p),
-                      None if res is None else residual_kept(res[0], res_p))
-            avg, res_p = slow_mean(pseudo_of(outer_p, local_p), res_p)
-            new_outer, ostate = outer_step(avg, ostate, outer_p)
-            return [n.astype(x.dtype) for n, x in zip(new_outer, local_p)], new_outer, ostate, res_p
+            local_p, outer_p, ostate, res_p = fetch(args)
+            whole, outer_p, ostate, res_p = outer_sync(local_p, outer_p, ostate, res_p)
+            return whole, home(outer_p, params=True), home(ostate), home(res_p)
 
           whole, outer_pieces[p], outer_states[p], res_p = cond(
               due, do_sync, lambda a: a, (pieces[p], outer_pieces[p], outer_states[p], res_p))
@@ -425,11 +415,12 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       updates = jax.tree_util.tree_map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
       kept = (lambda x: tuple(x)) if sharded else (  # noqa: E731
           lambda x: join(x, frag_of, treedef))
-      return updates, state._replace(
+      return updates, settled(state._replace(
           count=count + 1, inner=inner_state, outer_params=kept(outer_pieces),
           outer=tuple(outer_states), residual=None if residuals is None else kept(residuals),
-          pending=None if pending is None else tuple(pending))
+          pending=None if pending is None else tuple(pending)))
 
+    state = settled(state)   # (from init, or restored from a checkpoint, on the device)
     if not warmup:
       return local(None)
     return cond(count < warmup, warm, local, None)
@@ -438,12 +429,6 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     t = count - warmup + 1
     return (t <= 0) | at(t, 0)
 
-  setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs})
+  setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs,
+                              "memory": outer_memory})
   return optax.GradientTransformation(init, update)
-
-
-def plan_of(tx) -> dict | None:
-  """A :func:`diloco` transformation's slow ``axes`` and ``syncs(count)``: whether the step
-  after ``count`` inner steps is a warm-up step or syncs fragment 0; None for any other ``tx``."""
-  return getattr(getattr(tx, "update", None), PLAN_ATTR, None)
-

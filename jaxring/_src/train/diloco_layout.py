@@ -28,7 +28,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxring._src.optim.diloco import DiLoCoState, plan_of
+from jaxring._src.optim.diloco import DiLoCoState
+from jaxring._src.optim.diloco_parts import plan_of
 from jaxring._src.train.grad import replica_mean
 
 # the fields of a DiLoCoState each replica keeps its own of, in a train step's state

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxring._src.codecs.base import accum_dtype
 from jaxring._src.optim.compose import has_per_parameter_state
 from jaxring._src.optim.sparse import is_sparsifying
-from jaxring._src.optim.diloco import spanning
+from jaxring._src.optim.diloco_parts import spanning
 from jaxring._src.train import (
   diloco_layout,
   functional,

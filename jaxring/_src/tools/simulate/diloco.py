@@ -83,7 +83,7 @@ def fragments_of(layers: Sequence[Layer], fragments: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=64)
 def _fragments(sizes: tuple[int, ...], fragments: int) -> tuple[int, ...]:
-  from jaxring._src.optim.diloco import fragment_of
+  from jaxring._src.optim.diloco_parts import fragment_of
   # zero-stride views: the rule reads sizes and dtypes only
   return tuple(fragment_of([np.broadcast_to(np.float32(0), (n,)) for n in sizes], fragments))
 

@@ -1,0 +1,74 @@
+"""The parts of :func:`jaxring.diloco` that are not its step: how the parameters are cut into
+fragments, what a train step tells the transformation (the axes its model spans, those it leaves
+to the sync) and what it reads back (the plan), and where the outer state is kept."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PLAN_ATTR = "diloco_plan"   # on update: its slow axes and schedule, for a train step
+MEMORIES = ("device", "host")
+
+_spanned: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxring_diloco_spans",
+                                                                 default=((), ()))
+
+
+@contextlib.contextmanager
+def spanning(axes: tuple, slow: tuple = ()):
+  """Inside, a diloco sync averages over ``axes`` too (as its ``fast_axes``), and must sync
+  ``slow``: a train step says so of the fast axes its replicated model spans and of those it
+  leaves unreduced."""
+  token = _spanned.set((tuple(axes), tuple(slow)))
+  try:
+    yield
+  finally:
+    _spanned.reset(token)
+
+
+def check_slow(axes: tuple) -> None:
+  """A train step leaves its slow axes to the diloco it runs: ``axes`` must be those."""
+  fast, slow = spanned()
+  if slow and set(axes) != set(slow):
+    missing = tuple(a for a in slow if a not in axes)
+    raise ValueError(
+        f"train_step: the step leaves {slow} to jaxring.diloco (grad_axes={fast}), but the "
+        f"state's jaxring.diloco syncs axis={axes}: "
+        + (f"nothing would sync {missing}; " if missing else "")
+        + f"give jaxring.diloco(..., axis={slow if len(slow) > 1 else slow[0]!r}) or "
+        "grad_axes= the other axes of the step")
+
+
+def fragment_of(params, fragments: int) -> list[int]:
+  """Each leaf's fragment: whole leaves in tree order, a leaf in the fragment its bytes' middle
+  falls in (``fragments`` equal shares of the total)."""
+  leaves = jax.tree_util.tree_leaves(params)
+  sizes = [int(np.size(x)) * jnp.dtype(jnp.result_type(x)).itemsize for x in leaves]
+  total, done, out = max(sum(sizes), 1), 0, []
+  for s in sizes:
+    out.append(min(fragments - 1, int((done + s / 2) * fragments / total)))
+    done += s
+  return out
+
+
+def spanned() -> tuple[tuple, tuple]:
+  """(the fast axes a train step's replicated model spans, the slow axes it leaves unreduced)."""
+  return _spanned.get()
+
+
+def plan_of(tx) -> dict | None:
+  """A :func:`jaxring.diloco` transformation's slow ``axes``, ``syncs(count)`` (whether the step
+  after ``count`` inner steps is a warm-up step or syncs fragment 0) and ``memory`` (its
+  ``outer_memory``); None for any other ``tx``."""
+  return getattr(getattr(tx, "update", None), PLAN_ATTR, None)
+
+
+
+def placed(tree, memory: str):
+  """``tree``'s arrays in ``memory`` (``"host"``: the host memory beside the device, pinned where
+  the platform has it; ``"device"``), inside a program or out of one."""
+  space = jax.memory.Space.Host if memory == "host" else jax.memory.Space.Device
+  return jax.tree_util.tree_map(lambda x: jax.device_put(x, space), tree)
