@@ -124,7 +124,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       residual, which only a sync reads, are kept in host memory (on a GPU, pinned host memory)
       and brought to the device for a sync only; ``"device"`` keeps them there. Under
       ``jaxring.train_step`` the outer parameters are the state's ``params`` (the model) and
-      stay on the device.
+      stay on the device. Not with ``transfer="host"`` yet.
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -153,6 +153,10 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
                               "instead: use transfer='program' with it")
   if outer_memory not in MEMORIES:
     raise ValueError(f"diloco: outer_memory must be one of {MEMORIES}, got {outer_memory!r}")
+  if host and outer_memory == "host":
+    raise NotImplementedError("diloco(transfer='host', outer_memory='host') is not supported "
+                              "yet: keep outer_memory='device' with the host transfer, or use "
+                              "transfer='program'")
   if shard not in SHARDS:
     raise ValueError(f"diloco: shard must be one of {SHARDS}, got {shard!r}")
   sharded = shard == "optimizer"
