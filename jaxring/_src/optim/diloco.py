@@ -433,6 +433,5 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     t = count - warmup + 1
     return (t <= 0) | at(t, 0)
 
-  setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs,
-                              "memory": outer_memory})
+  setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs})
   return optax.GradientTransformation(init, update)

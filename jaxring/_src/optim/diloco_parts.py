@@ -60,11 +60,10 @@ def spanned() -> tuple[tuple, tuple]:
 
 
 def plan_of(tx) -> dict | None:
-  """A :func:`jaxring.diloco` transformation's slow ``axes``, ``syncs(count)`` (whether the step
-  after ``count`` inner steps is a warm-up step or syncs fragment 0) and ``memory`` (its
-  ``outer_memory``); None for any other ``tx``."""
+  """A :func:`jaxring.diloco` transformation's slow ``axes`` and ``syncs(count)``: whether the
+  step after ``count`` inner steps is a warm-up step or syncs fragment 0; None for any other
+  ``tx``."""
   return getattr(getattr(tx, "update", None), PLAN_ATTR, None)
-
 
 
 def placed(tree, memory: str):
