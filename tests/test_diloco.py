@@ -328,5 +328,5 @@ def test_outer_state_in_host_memory_changes_nothing(kw):
   assert kinds(state.residual) <= {"pinned_host"} and kinds(state.count) == {"device"}
   with pytest.raises(ValueError, match="outer_memory must be one of"):
     jr.diloco(optax.sgd(0.1), every=3, outer_memory="disk")
-  with pytest.raises(NotImplementedError, match="keep outer_memory='device' with the host"):
+  with pytest.raises(NotImplementedError, match="transfer='host' moves the sync by ordered"):
     jr.diloco(optax.sgd(0.1), every=3, delay=1, transfer="host", outer_memory="host")

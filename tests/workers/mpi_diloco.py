@@ -5,16 +5,17 @@ Ranks ``2 * node + local``: ``local`` is bound to the two ranks of a node, ``nod
 with the same local rank. Each rank fits its own least-squares problem (its data drawn from
 ``default_rng((node, local))``), its gradients averaged over ``local`` by ``jaxring.pmean``, then
 ``jaxring.diloco(optax.adam, every=4, fragments=2, delay=2)`` steps it. ``--check equal``:
-uncompressed, the host form's parameters after every step equal the program form's (rtol 1e-6;
-the outer step waits for the transfer, the local parameters do not), whether each rank sends the
-whole fragment or its half (``fast_axes="local"``); with int8 and error feedback the host form
-(each member's codes gathered) stays within int8's rounding of the program form (a
-ring that requantizes per hop) and carries a non-zero residual; with ``shard="optimizer"`` too,
-a rank keeping only its half of the outer state; and the program form with ``fast_axes`` (each
-rank its half of the sync) equals it. ``--check resume``: a checkpoint taken with a transfer in
-flight resumes exactly. ``--check stall``: the ranks of
-node 1 never sync (``every`` beyond the run); the others must give up within
-``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow axis. Prints ``rank R: OK``.
+uncompressed, the host form's parameters after every step equal the program form's (rtol 1e-6; the
+outer step waits for the transfer, the local parameters do not), whether each rank sends the whole
+fragment or its half (``fast_axes="local"``); with int8 and error feedback the host form (each
+member's codes gathered) stays within int8's rounding of the program form (a ring that requantizes
+per hop) and carries a non-zero residual; with ``shard="optimizer"`` too, a rank keeping only its
+half of the outer state; and the program form with ``fast_axes`` (each rank its half of the sync)
+equals it; ``outer_memory="host"`` is refused over MPI-bound axes (jax cannot lower its moves beside
+MPI's ordered effects). ``--check resume``: a checkpoint taken with a transfer in flight resumes
+exactly. ``--check stall``: the ranks of node 1 never sync (``every`` beyond the run); the others
+must give up within ``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow axis. Prints ``rank
+R: OK``.
 """
 from __future__ import annotations
 
@@ -74,10 +75,11 @@ def main() -> int:
     print(message, flush=True)
     comm.Abort(3)
 
-  def make(transfer, codec=None, every=EVERY, fast=(), shard="none", delay=DELAY):
+  def make(transfer, codec=None, every=EVERY, fast=(), shard="none", delay=DELAY,
+           memory="device"):
     return jaxring.diloco(optax.adam(0.05), axis="node", every=every, fragments=FRAGMENTS,
                           delay=delay, fast_axes=fast, shard=shard,
-                          compression=codec, transfer=transfer)
+                          compression=codec, transfer=transfer, outer_memory=memory)
 
   if args.check == "stall":
     try:
@@ -95,6 +97,14 @@ def main() -> int:
 
   if args.check == "resume":
     return resume(make, stepper, params0, rank, args.dir, fail)
+
+  # outer_memory="host" beside MPI's ordered effects: refused by name, not jax's safe_zip error
+  try:
+    run(make("program", fast="local", memory="host"))
+    fail(f"rank {rank}: FAIL outer_memory='host' over MPI-bound axes ran")
+  except NotImplementedError as exc:
+    if "bound to MPI" not in str(exc):
+      fail(f"rank {rank}: FAIL the refusal does not say why: {exc}")
 
   from jaxring._src.optim.diloco_parts import fragment_of
   frag = dict(zip(sorted(params0), fragment_of(params0, FRAGMENTS)))

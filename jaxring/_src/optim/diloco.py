@@ -48,8 +48,8 @@ from jaxring._src import fuse, vma
 from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
 from jaxring._src.optim.diloco_host import HostSync
-from jaxring._src.optim.diloco_parts import (MEMORIES, PLAN_ATTR, check_slow, fragment_of,
-                                             placed, spanned)
+from jaxring._src.optim.diloco_parts import (MEMORIES, PLAN_ATTR, check_memory, check_slow,
+                                             fragment_of, placed, spanned)
 from jaxring._src.optim.diloco_share import Shares
 
 TRANSFERS = ("program", "host")
@@ -124,7 +124,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       residual, which only a sync reads, are kept in host memory (on a GPU, pinned host memory)
       and brought to the device for a sync only; ``"device"`` keeps them there. Under
       ``jaxring.train_step`` the outer parameters are the state's ``params`` (the model) and
-      stay on the device. Not with ``transfer="host"`` yet.
+      stay on the device. Not over MPI-bound axes (nor ``transfer="host"``): jax cannot lower
+      a move to host memory beside their ordered effects.
 
   Returns:
     An ``optax.GradientTransformation``; ``update(grads, state, params)`` needs ``params``.
@@ -153,10 +154,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
                               "instead: use transfer='program' with it")
   if outer_memory not in MEMORIES:
     raise ValueError(f"diloco: outer_memory must be one of {MEMORIES}, got {outer_memory!r}")
-  if host and outer_memory == "host":
-    raise NotImplementedError("diloco(transfer='host', outer_memory='host') is not supported "
-                              "yet: keep outer_memory='device' with the host transfer, or use "
-                              "transfer='program'")
+  check_memory(outer_memory, (), host)
   if shard not in SHARDS:
     raise ValueError(f"diloco: shard must be one of {SHARDS}, got {shard!r}")
   sharded = shard == "optimizer"
@@ -331,6 +329,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     if params is None:
       raise ValueError("diloco: update(grads, state, params) needs the parameters")
     check_slow(axes)
+    check_memory(outer_memory, axes + shares().axes)
     frag_of = fragment_of(params, fragments)
     count = state.count
     # every value here is this member's: typed varying over every axis anything varies over, so

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxring._src.transport import mpi_axis
+
 PLAN_ATTR = "diloco_plan"   # on update: its slow axes and schedule, for a train step
 MEMORIES = ("device", "host")
 
@@ -64,6 +66,23 @@ def plan_of(tx) -> dict | None:
   step after ``count`` inner steps is a warm-up step or syncs fragment 0; None for any other
   ``tx``."""
   return getattr(getattr(tx, "update", None), PLAN_ATTR, None)
+
+
+def check_memory(memory: str, axes: tuple, host: bool = False) -> None:
+  """``outer_memory="host"`` needs the sync's ``axes`` bound by ``shard_map``/``pmap`` and the
+  sync in the program: a program with an ordered effect (an MPI-bound axis's collectives, the
+  host transfer's callbacks) and a move between memory spaces fails to lower in jax (0.10 to
+  0.11.1 at least: its lowering pairs the effects' tokens with the results' memory kinds one list
+  out of step)."""
+  mpi = tuple(a for a in axes if mpi_axis.lookup((a,)) is not None)
+  if memory == "host" and (host or mpi):
+    raise NotImplementedError(
+        "diloco(outer_memory='host'): "
+        + ("transfer='host' moves the sync by ordered callbacks" if host else
+           f"the axes {mpi} are bound to MPI, whose collectives are ordered effects")
+        + ", which jax cannot lower beside a move to host memory (its lowering raises "
+        "'safe_zip() argument 1 has length ...'); keep outer_memory='device' there (an MPI "
+        "rank's device is host memory already), or sync over shard_map's axes in the program")
 
 
 def placed(tree, memory: str):
