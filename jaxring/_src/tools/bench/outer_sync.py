@@ -206,9 +206,10 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--every", type=int, default=100, help="H: inner steps between syncs")
   ap.add_argument("--fragments", type=int, default=4, help="P: streaming fragments")
   ap.add_argument("--delay", type=int, default=20, help="d: steps a host transfer may take")
-  ap.add_argument("--topk", default="topk:0.01:64",
+  ap.add_argument("--topk", default="topk:0.01:64+bf16",
                   help="the top-k contender's codec (a node's half of a fragment holds 4.6k-7k "
-                  "values: 64-value chunks let 1%% of them be chosen)")
+                  "values: 64-value chunks let 1%% of them be chosen; their values in bf16, "
+                  "the error feedback keeping the rounding)")
   ap.add_argument("--reps", type=int, default=3, help="turns of H steps per contender")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds per link's job")
   ap.add_argument("--out-dir", default=None)
