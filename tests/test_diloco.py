@@ -296,7 +296,15 @@ def test_split_outer_state_needs_the_fast_axes():
     jr.diloco(optax.sgd(0.1), every=3, shard="params")
   tx = jr.diloco(optax.sgd(0.1), every=3, fast_axes="local", shard="optimizer")
   with pytest.raises(ValueError, match=r"fast axes \('local',\) are not bound here; call"):
-    tx.init(P0)
+    jax.jit(tx.init)(P0)   # traced outside the shard_map
+  whole = tx.init(P0)      # eager: the fragments whole, for a train step to cut
+  assert [np.shape(x) for x in whole.outer_params.values()] == [(1,), (5, 1)]
+  mesh = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
+  update = jax.shard_map(lambda g, s, p: tx.update(g, s, p), mesh=mesh, in_specs=P(),
+                         out_specs=P(), check_vma=False)
+  with pytest.raises(ValueError, match=r"whole fragments \(6 values, not this member's share of "
+                     r"2\): its init ran outside the fast axes \('local',\)"):
+    update(P0, whole, P0)
 
 
 @pytest.mark.parametrize("kw", [dict(every=3, compression=jr.codecs.int8()),

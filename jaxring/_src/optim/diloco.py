@@ -40,17 +40,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from jaxring._src import fuse, vma
+from jaxring._src import vma
 from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
 from jaxring._src.optim.diloco_host import HostSync
 from jaxring._src.optim.diloco_parts import (MEMORIES, PLAN_ATTR, check_memory, check_slow,
                                              fragment_of, placed, spanned)
-from jaxring._src.optim.diloco_share import Shares
+from jaxring._src.optim.diloco_share import Cut, pseudo_of, size, whole_flat
 
 TRANSFERS = ("program", "host")
 SHARDS = ("none", "optimizer")
@@ -119,7 +118,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       ``fast_axes``): each keeps only its share of the outer parameters, the outer optimizer's
       state and the residual, flat per fragment, and takes the outer step on it (the outer
       optimizer must be elementwise, as SGD, Nesterov and Adam are). Call ``init`` and
-      ``update`` where the fast axes are bound.
+      ``update`` where the fast axes are bound; under ``jaxring.train_step`` (a TrainState, an
+      ``nnx.Optimizer``) the outer parameters are the state's ``params``, whole, and the step
+      cuts the rest.
     outer_memory: ``"host"``: the outer parameters, the outer optimizer's state and the
       residual, which only a sync reads, are kept in host memory (on a GPU, pinned host memory)
       and brought to the device for a sync only; ``"device"`` keeps them there. Under
@@ -173,7 +174,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
 
   hosted = HostSync(axes, compression, delay, next(_instances)) if host else None
   align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
-  made: dict = {}
+  cut = Cut(fast_axes, align, sharded=sharded, host=host, outer=outer)
+  shares, split_params = cut.shares, cut.split_params
   offload = outer_memory == "host"
 
   def home(tree, params=False):
@@ -189,78 +191,20 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return state._replace(outer_params=home(state.outer_params, params=True),
                           outer=home(state.outer), residual=home(state.residual))
 
-  def shares() -> Shares:
-    """The members' shares of a fragment over the fast axes (``fast_axes`` and those a train
-    step says its model spans)."""
-    fast = tuple(dict.fromkeys(axis_names(fast_axes) + spanned()[0]))
-    if fast not in made:
-      made[fast] = Shares(fast, align, mpi_only=host)
-    return made[fast]
-
   def _pending(pieces):
     """Per fragment: (the outer parameters waiting to be applied, the local ones when sent);
     with ``transfer="host"`` the local ones only (the outer step waits for the transfer)."""
     return tuple((tuple(p),) if host else (tuple(p), tuple(p)) for p in pieces)
 
-  def flat(piece):
-    return fuse.concat(piece, range(len(piece)), jnp.float32)
-
-  def size(piece):
-    return sum(int(np.size(x)) for x in piece)
-
-  def share_of(piece):
-    """This member's share of a fragment's values, in their dtype (f32 if they differ)."""
-    return shares().take(fuse.concat(piece, range(len(piece)), jnp.result_type(*piece)))
-
-  def pseudo_share(outer_p, local_p):
-    """This member's share of a fragment's pseudo-gradient (f32)."""
-    if sharded:   # the outer parameters are the share already
-      return outer_p.astype(jnp.float32) - shares().take(flat(local_p))
-    return shares().take(flat(pseudo_of(outer_p, local_p)))
-
-  def residual_share(res_p):
-    """This member's share of a fragment's residual (kept so with ``shard="optimizer"``; else
-    the leaves, zero outside the share)."""
-    return res_p if sharded or res_p is None else shares().take(flat(res_p))
-
-  def residual_kept(err, res_p):
-    """``err``, this member's share of the next residual, as the state keeps it."""
-    if sharded or err is None:
-      return err
-    idxs = range(len(res_p))
-    err = shares().place(err, size(res_p))
-    return [e.astype(r.dtype) for e, r in zip(fuse.split(err, res_p, idxs), res_p)]
-
   def host_send(p, mine, res_p):
     """Starts fragment ``p``'s transfer, ``mine`` this member's share of its pseudo-gradient;
     returns its next residual (or None)."""
     if res_p is not None:
-      mine = mine + residual_share(res_p)
+      mine = mine + cut.residual_share(res_p)
     sent = hosted.send(p, mine)
     # the residual keeps what the codec left out of this member's share; the others' shares
     # are their senders' to carry
-    return None if res_p is None else residual_kept(mine - sent, res_p)
-
-  def outer_from_share(avg, ostate, outer_p, local_p):
-    """The outer step from this member's share ``avg`` of a fragment's averaged
-    pseudo-gradient: (the new outer parameters whole, as kept, the outer state)."""
-    n, idxs = size(local_p), range(len(local_p))
-    if sharded:   # the step on the share; the members' new shares put together
-      (new,), ostate = outer_step([avg], ostate, [outer_p])
-      whole = fuse.split(shares().gather(new, n), local_p, idxs)
-      return [w.astype(x.dtype) for w, x in zip(whole, local_p)], new, ostate
-    new, ostate = outer_step(fuse.split(shares().gather(avg, n), outer_p, idxs, jnp.float32),
-                             ostate, outer_p)
-    return new, new, ostate
-
-  def pseudo_of(outer_p, local_p):
-    """A fragment's pseudo-gradient: what the outer parameters lost since the last sync (f32)."""
-    return [o.astype(jnp.float32) - x.astype(jnp.float32) for o, x in zip(outer_p, local_p)]
-
-  def outer_step(avg, ostate, outer_p):
-    """The outer optimizer's step with the averaged pseudo-gradient: (new outer, its state)."""
-    upd, ostate = outer.update([a.astype(o.dtype) for a, o in zip(avg, outer_p)], ostate, outer_p)
-    return optax.apply_updates(outer_p, upd), ostate
+    return None if res_p is None else cut.residual_kept(mine - sent, res_p)
 
   def at(t, lag):   # inner step t (from 1 after the warm-up) lies lag steps after a sync time
     return ((t - lag) % every == 0) & (t - lag > 0)
@@ -273,21 +217,21 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     its = [iter(p) for p in pieces]
     return jax.tree_util.tree_unflatten(treedef, [next(its[f]) for f in frag_of])
 
-  def kept_outer(pieces):
-    """With ``shard="optimizer"``, the outer parameters as the state keeps them: per fragment,
-    this member's share."""
-    return tuple(share_of(x) if x else jnp.zeros((0,), jnp.float32) for x in pieces)
-
   def init(params):
     frag_of = fragment_of(params, fragments)
     pieces, _ = parts(params, frag_of)
     own = set(axes if bound(axes) else ())
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
     if sharded:
       own |= set(shares().axes if bound(shares().axes) else ())
-      outer_kept = kept_outer(pieces)
-      residual = tuple(jnp.zeros_like(x, jnp.float32) for x in outer_kept) if keeps_residual \
+      # eager and outside the fast axes (a TrainState's or an nnx.Optimizer's init): the
+      # fragments whole, for a train step to cut (split_flats); update refuses it elsewhere
+      later = not traced and not shares().bound_here()
+      flats = tuple(whole_flat(x) for x in pieces) if later else cut.kept_outer(pieces)
+      outer_kept = params if later else flats
+      residual = tuple(jnp.zeros_like(x, jnp.float32) for x in flats) if keeps_residual \
           else None
-      outer_states = tuple(outer.init([x]) for x in outer_kept)
+      outer_states = tuple(outer.init([x]) for x in flats)
     else:
       outer_kept = params
       residual = zeros_per_member(params, axes) if keeps_residual else None
@@ -301,7 +245,6 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     state = jax.tree_util.tree_map(lambda x: vma.pvary(x, varying), state)
     # in a program (a scan's carry must keep its types); an eager init's stays on the device,
     # for a train step to lay out, and the first update moves it
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(params))
     return settled(state) if traced else state
 
   def sync(pseudo, residual):
@@ -317,12 +260,12 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     state, the residual)."""
     slow_mean = (lambda v, r: (v, r)) if every == 1 else sync  # noqa: E731 (averaged already)
     if shares().axes:   # each member its share, over the slow axis; gathered back
-      res = residual_share(res_p)
-      (avg,), res = slow_mean([pseudo_share(outer_p, local_p)], None if res is None else [res])
-      return (*outer_from_share(avg, ostate, outer_p, local_p),
-              None if res is None else residual_kept(res[0], res_p))
+      res = cut.residual_share(res_p)
+      (avg,), res = slow_mean([cut.pseudo_share(outer_p, local_p)], None if res is None else [res])
+      return (*cut.outer_from_share(avg, ostate, outer_p, local_p),
+              None if res is None else cut.residual_kept(res[0], res_p))
     avg, res_p = slow_mean(pseudo_of(outer_p, local_p), res_p)
-    new_outer, ostate = outer_step(avg, ostate, outer_p)
+    new_outer, ostate = cut.outer_step(avg, ostate, outer_p)
     return [n.astype(x.dtype) for n, x in zip(new_outer, local_p)], new_outer, ostate, res_p
 
   def update(grads, state: DiLoCoState, params=None):
@@ -331,6 +274,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     check_slow(axes)
     check_memory(outer_memory, axes + shares().axes)
     frag_of = fragment_of(params, fragments)
+    if sharded:   # an init outside the fast axes keeps whole fragments, for a train step to cut
+      cut.check_cut(state, [size(p) for p in parts(params, frag_of)[0]])
     count = state.count
     # every value here is this member's: typed varying over every axis anything varies over, so
     # that the branches of a sync and of no sync have one type (shard_map(check_vma=True))
@@ -348,7 +293,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       new = optax.apply_updates(params, updates)
       pieces = parts(new, frag_of)[0]
       return updates, settled(state._replace(
-          count=count + 1, inner=inner_state, outer_params=kept_outer(pieces) if sharded else new,
+          count=count + 1, inner=inner_state,
+          outer_params=cut.kept_outer(pieces) if split_params() else new,
           pending=_pending(pieces) if delay else None))
 
     def local(_):
@@ -360,10 +306,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       new = optax.apply_updates(params, updates)
       t = count - warmup + 1                     # this inner step's number after the warm-up
       pieces, treedef = parts(new, frag_of)
-      by_fragment = (lambda x: list(x)) if sharded else (  # noqa: E731
-          lambda x: parts(x, frag_of)[0])
-      outer_pieces = by_fragment(state.outer_params)
-      residuals = None if residual is None else by_fragment(residual)
+      frags = lambda x, split: list(x) if split else parts(x, frag_of)[0]  # noqa: E731
+      outer_pieces = frags(state.outer_params, split_params())
+      residuals = None if residual is None else frags(residual, sharded)
       outer_states = list(state.outer)
       pending = None if state.pending is None else list(state.pending)
       for p in range(fragments):
@@ -376,13 +321,13 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
           def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
             x_p, outer_p, ostate, sent = args
             avg = hosted.receive(p, shares().layout(size(x_p))[1])
-            whole, outer_p, ostate = outer_from_share(avg, *fetch((ostate, outer_p)), x_p)
+            whole, outer_p, ostate = cut.outer_from_share(avg, *fetch((ostate, outer_p)), x_p)
             return ([(w + (x - s)).astype(x.dtype) for w, x, s in zip(whole, x_p, sent)],
                     home(outer_p, params=True), home(ostate))
 
           def send(args, p=p):
             local_p, outer_p, res_p = fetch(args)
-            return home(host_send(p, pseudo_share(outer_p, local_p), res_p))
+            return home(host_send(p, cut.pseudo_share(outer_p, local_p), res_p))
 
           (sent_from,) = pending[p]
           pieces[p], outer_pieces[p], outer_states[p] = cond(
@@ -416,11 +361,11 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
           residuals[p] = res_p
       new_params = join(pieces, frag_of, treedef)
       updates = jax.tree_util.tree_map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
-      kept = (lambda x: tuple(x)) if sharded else (  # noqa: E731
-          lambda x: join(x, frag_of, treedef))
+      kept = lambda x, split: tuple(x) if split else join(x, frag_of, treedef)  # noqa: E731
       return updates, settled(state._replace(
-          count=count + 1, inner=inner_state, outer_params=kept(outer_pieces),
-          outer=tuple(outer_states), residual=None if residuals is None else kept(residuals),
+          count=count + 1, inner=inner_state, outer_params=kept(outer_pieces, split_params()),
+          outer=tuple(outer_states),
+          residual=None if residuals is None else kept(residuals, sharded),
           pending=None if pending is None else tuple(pending)))
 
     state = settled(state)   # (from init, or restored from a checkpoint, on the device)
@@ -432,5 +377,6 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     t = count - warmup + 1
     return (t <= 0) | at(t, 0)
 
-  setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs})
+  setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs,
+                              "split": cut.split_flats if sharded else None})
   return optax.GradientTransformation(init, update)

@@ -29,11 +29,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring._src.optim.diloco import DiLoCoState
-from jaxring._src.optim.diloco_parts import plan_of
+from jaxring._src.optim.diloco_parts import plan_of, spanning
 from jaxring._src.train.grad import replica_mean
 
 # the fields of a DiLoCoState each replica keeps its own of, in a train step's state
 ROWS = ("inner", "residual", "pending", "local", "local_stats")
+
+
+def _split(state):
+  """With ``shard="optimizer"``, the function that cuts the outer state made outside the step to
+  a replica's share (None otherwise, or where the step does not know the transformation)."""
+  plan = plan_of(getattr(state, "tx", None))
+  return None if plan is None else plan["split"]
+
+
+def rows(state) -> tuple:
+  """The fields each replica keeps its own of: with ``shard="optimizer"`` the outer optimizer's
+  state too (each member of the fast axes its share)."""
+  return ROWS + (("outer",) if _split(state) is not None else ())
 
 
 def is_diloco(state) -> bool:
@@ -78,27 +91,39 @@ def specs(state, state_specs, axis_name):
   """``state_specs`` with the per-replica fields of a stored DiLoCo state split over the axes."""
   if not is_stored(state):
     return state_specs
-  rows = {f: jax.tree_util.tree_map(lambda _: P(axis_name), getattr(state.opt_state, f))
-          for f in ROWS}
-  return state_specs.replace(opt_state=state_specs.opt_state._replace(**rows))
+  kept = {f: jax.tree_util.tree_map(lambda _: P(axis_name), getattr(state.opt_state, f))
+          for f in rows(state)}
+  return state_specs.replace(opt_state=state_specs.opt_state._replace(**kept))
 
 
-def stored(state, replicas: int, mesh, axis_name):
+def stored(state, replicas: int, mesh, cfg):
   """The user's state (``params`` the members' common parameters, ``opt_state`` as
-  ``jr.diloco``'s ``init`` made it) laid out as the step keeps it, on ``mesh``."""
+  ``jr.diloco``'s ``init`` made it) laid out as the step keeps it, on ``mesh``; with
+  ``shard="optimizer"`` each replica's row of the outer state and residual its share (cut in a
+  ``shard_map`` over the step's axes, the fast ones as the step's update sees them)."""
   if is_stored(state):
     return state
-  opt = state.opt_state
-  rows = lambda t: jax.tree_util.tree_map(   # noqa: E731
+  opt, axis_name = state.opt_state, cfg.axis_name
+  copies = lambda t: jax.tree_util.tree_map(   # noqa: E731
       lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (replicas,) + np.shape(x)), t)
-  fields = {"local": state.params, "inner": opt.inner, "residual": opt.residual,
-            "pending": opt.pending}
+  fields = {"local": state.params, "inner": opt.inner, "pending": opt.pending}
   if getattr(state, "batch_stats", None) is not None:
     fields["local_stats"] = state.batch_stats
   split = NamedSharding(mesh, P(axis_name))
-  made = jax.jit(lambda f: {k: rows(v) for k, v in f.items()},
+  made = jax.jit(lambda f: {k: copies(v) for k, v in f.items()},
                  out_shardings={k: jax.tree_util.tree_map(lambda _: split, v)
                                 for k, v in fields.items()})(fields)
+  cut, own = _split(state), {"residual": opt.residual}
+  if cut is not None:
+    own["outer"] = opt.outer
+
+  def shares(tree):   # this replica's share of each fragment, as a row
+    with spanning(cfg.reduce_axes, cfg.slow_axes):
+      return jax.tree_util.tree_map(lambda x: x[None], cut(tree))
+
+  made.update(jax.jit(jax.shard_map(shares, mesh=mesh, in_specs=P(), out_specs=P(axis_name),
+                                    check_vma=False) if cut is not None else copies,
+                      out_shardings=split)(own))
   return state.replace(params=opt.outer_params,
                        opt_state=opt._replace(outer_params=_placeholders(state.params), **made))
 
@@ -110,7 +135,7 @@ def _placeholders(params):
 def user_view(state):
   """Inside the step: this replica's values, as ``jr.diloco`` has them in a ``shard_map``."""
   opt = state.opt_state
-  row = {f: jax.tree_util.tree_map(lambda r: r[0], getattr(opt, f)) for f in ROWS}
+  row = {f: jax.tree_util.tree_map(lambda r: r[0], getattr(opt, f)) for f in rows(state)}
   if row["local_stats"] is not None:
     state = state.replace(batch_stats=row["local_stats"])
   return state.replace(params=row["local"],
@@ -125,7 +150,7 @@ def from_user(new):
                     f"step returned a {type(opt).__name__}; update it with tx.update or "
                     "state.apply_gradients")
   row = {f: jax.tree_util.tree_map(lambda x: x[None], getattr(opt, f))
-         for f in ("inner", "residual", "pending")}
+         for f in rows(new) if f not in ("local", "local_stats")}
   local = jax.tree_util.tree_map(lambda x: x[None], new.params)
   return new.replace(params=opt.outer_params, opt_state=opt._replace(
       outer_params=_placeholders(opt.outer_params), local=local, **row))

@@ -125,7 +125,7 @@ class TrainStep:
     state = _without_residuals(state)
     diloco_layout.check(state, cfg)
     if diloco_layout.is_diloco(state):
-      state = diloco_layout.stored(state, self.num_replicas, self.mesh, cfg.axis_name)
+      state = diloco_layout.stored(state, self.num_replicas, self.mesh, cfg)
     specs = self._specs(state)
     state = jax.tree_util.tree_map(
         lambda x, s: sharding.place(x, NamedSharding(self.mesh, s)), state, specs)
