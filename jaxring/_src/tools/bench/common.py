@@ -1,6 +1,7 @@
 """What every benchmark shares: emulated devices, allocator, timing, tables and JSON results."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -109,6 +110,28 @@ def lacks_root(command: str) -> bool:
   print(f"jaxring bench {command}: skipped: needs root (network namespaces and tc)",
         file=sys.stderr)
   return True
+
+
+def job_args(ap: argparse.ArgumentParser, timeout: float, help: str = "seconds the job may take"):
+  """The tail every cluster bench's options share: the job's time limit, the JSON's folder and
+  the switch its ranks run with (:func:`worker_argv`)."""
+  ap.add_argument("--timeout", type=float, default=timeout, help=help)
+  ap.add_argument("--out-dir", default=None, help="folder for the JSON (default "
+                  "benchmarks/results)")
+  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def worker_argv(args: argparse.Namespace, driver_only: Sequence[str] = ()) -> list[str]:
+  """The command line of a cluster bench's ranks: ``--worker`` and every option of ``args``
+  but the driver's own (:func:`job_args`' and ``driver_only``); a flag set as itself, one unset
+  or None left out (the ranks parse the same options, so their defaults agree)."""
+  skip, argv = {"timeout", "out_dir", "worker", *driver_only}, ["--worker"]
+  for key, value in vars(args).items():
+    if key in skip or value is None or value is False:
+      continue
+    flag = "--" + key.replace("_", "-")
+    argv += [flag] if value is True else [flag, str(value)]
+  return argv
 
 
 def machine() -> dict:

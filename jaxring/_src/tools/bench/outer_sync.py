@@ -211,9 +211,7 @@ def _parser() -> argparse.ArgumentParser:
                   "values: 64-value chunks let 1%% of them be chosen; their values in bf16, "
                   "the error feedback keeping the rounding)")
   ap.add_argument("--reps", type=int, default=3, help="turns of H steps per contender")
-  ap.add_argument("--timeout", type=float, default=1800, help="seconds per link's job")
-  ap.add_argument("--out-dir", default=None)
-  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  common.job_args(ap, 1800, "seconds per link's job")
   return ap
 
 
@@ -231,9 +229,7 @@ def main(argv: list[str] | None = None) -> int:
   from jaxring._src.tools.bench.cluster import _run_job
   from jaxring._src.tools.cluster import netns
   name, rows, failed = "jro", [], []
-  worker_args = ["--worker", "--devices-per-node", str(args.devices_per_node), "--batch",
-                 str(args.batch), "--every", str(args.every), "--fragments", str(args.fragments),
-                 "--delay", str(args.delay), "--reps", str(args.reps), "--topk", args.topk]
+  worker_args = common.worker_argv(args, ("links", "nodes"))
   for link in filter(None, args.links.split(",")):
     if netns.load_state(name) is not None:
       netns.down(name)

@@ -141,9 +141,7 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--settle", type=int, default=1,
                   help="untimed steps of each contender before its timed ones, every repetition")
-  ap.add_argument("--timeout", type=float, default=1500)
-  ap.add_argument("--out-dir", default=None)
-  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  common.job_args(ap, 1500)
   return ap
 
 
@@ -160,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
   if netns.load_state(name) is not None:
     netns.down(name)
   state = netns.up(name, args.nodes, rate=args.link)
-  worker_args = ["--worker", "--width", str(args.width), "--batch-per-device",
-                 str(args.batch_per_device), "--bucket-mib", str(args.bucket_mib), "--reps",
-                 str(args.reps), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                 "--settle", str(args.settle)]
+  worker_args = common.worker_argv(args, ("nodes", "link", "devices_per_node"))
   try:
     rc, recs, log = cluster._run_job(name, args.nodes, 1, args.devices_per_node, "jax",
                                      worker_args, args.timeout, worker=WORKER)

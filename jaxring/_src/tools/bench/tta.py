@@ -356,9 +356,7 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--diloco-fragments", type=int, default=4)
   ap.add_argument("--diloco-warmup", type=int, default=0, help="synchronous steps first")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--timeout", type=float, default=3600)
-  ap.add_argument("--out-dir", default=None)
-  ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  common.job_args(ap, 3600)
   return ap
 
 
@@ -375,11 +373,7 @@ def main(argv: list[str] | None = None) -> int:
   if netns.load_state(name) is not None:
     netns.down(name)
   state = netns.up(name, args.nodes, rate=args.link)
-  keep = {"nodes", "link", "devices_per_node", "timeout", "out_dir", "worker", "full"}
-  worker_args = ["--worker"] + (["--full"] if args.full else [])
-  for k, v in vars(args).items():
-    if k not in keep:
-      worker_args += [f"--{k.replace('_', '-')}", str(v)]
+  worker_args = common.worker_argv(args, ("nodes", "link", "devices_per_node"))
   load = os.getloadavg()
   try:
     rc, recs, log = cluster._run_job(name, args.nodes, 1, args.devices_per_node, "jax",
