@@ -1,8 +1,10 @@
 """``jaxring bench outer-sync``'s table arithmetic and its refusals (the runs need root and the
 emulated cluster: docs/benchmarks.md)."""
+import argparse
+
 import pytest
 
-from jaxring._src.tools.bench import outer_sync
+from jaxring._src.tools.bench import common, outer_sync
 
 
 def _rec(name, seconds, tx, waited=None):
@@ -38,3 +40,19 @@ def test_rows_read_utilization_against_the_step_with_no_collective_turn_by_turn(
 def test_a_delay_a_turn_cannot_hold_is_refused(delay, capsys):
   assert outer_sync.main(["--every", "20", "--fragments", "4", "--delay", str(delay)]) == 2
   assert "must be >= 1 and below --every / --fragments = 5" in capsys.readouterr().err
+
+
+def test_the_ranks_get_every_option_but_the_drivers():
+  args = outer_sync._parser().parse_args(["--links", "1gbit", "--every", "50", "--timeout", "9"])
+  argv = common.worker_argv(args, ("links", "nodes"))
+  assert argv[0] == "--worker" and "--links" not in argv and "--timeout" not in argv
+  assert "--out-dir" not in argv and "--nodes" not in argv   # None, and the driver's
+  # the ranks parse what they were given back to the driver's values
+  again = vars(outer_sync._parser().parse_args(argv))
+  assert {k: again[k] for k in ("every", "fragments", "delay", "topk", "reps", "batch")} == {
+      k: vars(args)[k] for k in ("every", "fragments", "delay", "topk", "reps", "batch")}
+  assert again["worker"] and again["every"] == 50
+  flags = argparse.ArgumentParser()
+  flags.add_argument("--full", action="store_true")
+  flags.add_argument("--quick", action="store_true")
+  assert common.worker_argv(flags.parse_args(["--full"])) == ["--worker", "--full"]
