@@ -106,24 +106,24 @@ def stored(state, replicas: int, mesh, cfg):
   opt, axis_name = state.opt_state, cfg.axis_name
   copies = lambda t: jax.tree_util.tree_map(   # noqa: E731
       lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (replicas,) + np.shape(x)), t)
+  cut = _split(state)
   fields = {"local": state.params, "inner": opt.inner, "pending": opt.pending}
+  if cut is None:   # else cut below
+    fields["residual"] = opt.residual
   if getattr(state, "batch_stats", None) is not None:
     fields["local_stats"] = state.batch_stats
   split = NamedSharding(mesh, P(axis_name))
   made = jax.jit(lambda f: {k: copies(v) for k, v in f.items()},
                  out_shardings={k: jax.tree_util.tree_map(lambda _: split, v)
                                 for k, v in fields.items()})(fields)
-  cut, own = _split(state), {"residual": opt.residual}
   if cut is not None:
-    own["outer"] = opt.outer
+    def shares(tree):   # this replica's share of each fragment, as a row
+      with spanning(cfg.reduce_axes, cfg.slow_axes):
+        return jax.tree_util.tree_map(lambda x: x[None], cut(tree))
 
-  def shares(tree):   # this replica's share of each fragment, as a row
-    with spanning(cfg.reduce_axes, cfg.slow_axes):
-      return jax.tree_util.tree_map(lambda x: x[None], cut(tree))
-
-  made.update(jax.jit(jax.shard_map(shares, mesh=mesh, in_specs=P(), out_specs=P(axis_name),
-                                    check_vma=False) if cut is not None else copies,
-                      out_shardings=split)(own))
+    made.update(jax.jit(jax.shard_map(shares, mesh=mesh, in_specs=P(), out_specs=P(axis_name),
+                                      check_vma=False), out_shardings=split)(
+        {"residual": opt.residual, "outer": opt.outer}))
   return state.replace(params=opt.outer_params,
                        opt_state=opt._replace(outer_params=_placeholders(state.params), **made))
 
