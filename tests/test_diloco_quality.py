@@ -31,5 +31,7 @@ def test_rows_pair_the_gaps_by_seed():
   assert row["gaps"] == pytest.approx([-1.0, 1.5]) and row["gap"] == pytest.approx(0.25)
   assert base["gap"] == 0.0 and row["mean"] == pytest.approx(88.25)
   names = [c[0] for c in dq.contenders([20, 100], ["average"], [0, 300])]
+  coded = [c[0] for c in dq.contenders([20], ["average"], [0], ["none", "topk"])]
+  assert coded[1:] == ["diloco H=20 average warmup=0", "diloco H=20 average warmup=0 topk"]
   assert names[0] == "synchronous" and "diloco H=100 average warmup=300" in names
   assert len(names) == 5

@@ -10,7 +10,9 @@ as ``bench tta``'s members do; momentum SGD (0.9) with a cosine from ``--lr`` to
 * ``diloco H=<H> <outer> warmup=<W>``: ``jaxring.diloco(that SGD, axis="node", every=H,
   outer=..., warmup_steps=W)`` with ``grad_axes="local"``; ``nesterov`` is DiLoCo's outer SGD
   (0.7, Nesterov momentum 0.9), ``average`` the outer SGD at 1 (post-local SGD's averaging).
-  Evaluated on the outer parameters (``state.params``, the last sync's).
+  Evaluated on the outer parameters (``state.params``, the last sync's). ``--codec`` adds the
+  pseudo-gradients' codec (with error feedback) to the name: ``int8``, ``topk`` (1% of 16-value
+  chunks, SparseLoCo's sparsity) or ``none``.
 
 Per contender: the mean, the seeds' figures and the gap to synchronous (points), seed by seed
 (the same initialization and batches: the seeds' spread of several points is not in it). Prints
@@ -18,6 +20,7 @@ a table, writes ``benchmarks/results/diloco-quality.json``.
 
   jaxring bench diloco-quality                                # H=20, warm-up 300, 3 seeds
   jaxring bench diloco-quality --every 20,100 --outer average,nesterov --warmup 0,300
+  jaxring bench diloco-quality --outer average,nesterov --codec none,topk --seeds 1
 """
 from __future__ import annotations
 
@@ -29,18 +32,27 @@ from jaxring._src.tools.bench import common
 
 MOMENTUM = 0.9
 OUTER = {"nesterov": (0.7, 0.9), "average": (1.0, 0.0)}
+CODECS = ("none", "int8", "topk")
 
 
-def contenders(every, outers, warmups) -> list[tuple]:
-  """(name, H, outer, warm-up) of every contender; synchronous first (H None)."""
-  rows = [("synchronous", None, None, 0)]
-  for h, outer, w in itertools.product(every, outers, warmups):
-    rows.append((f"diloco H={h} {outer} warmup={w}", h, outer, w))
+def codec_of(name: str):
+  """The pseudo-gradients' codec a ``--codec`` name stands for (None: uncompressed)."""
+  import jaxring as jr
+  return {"none": None, "int8": jr.codecs.int8(),
+          "topk": jr.codecs.topk_chunks(0.01, chunk_size=16, per_tensor=False)}[name]
+
+
+def contenders(every, outers, warmups, codecs=("none",)) -> list[tuple]:
+  """(name, H, outer, warm-up, codec) of every contender; synchronous first (H None)."""
+  rows = [("synchronous", None, None, 0, "none")]
+  for h, outer, w, c in itertools.product(every, outers, warmups, codecs):
+    rows.append((f"diloco H={h} {outer} warmup={w}" + (f" {c}" if c != "none" else ""),
+                 h, outer, w, c))
   return rows
 
 
 def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
-          batch: int = 16, model: str = "resnet_gn"):
+          batch: int = 16, model: str = "resnet_gn", codec: str = "none"):
   """The parameters after ``steps`` steps of one contender (``every`` None: synchronous): the
   outer ones for DiLoCo, as NumPy arrays."""
   import jax
@@ -62,6 +74,7 @@ def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
   if every is not None:
     rate, momentum = OUTER[outer]
     tx = jr.diloco(inner, axis="node", every=every, warmup_steps=warmup,
+                   compression=codec_of(codec),
                    outer=optax.sgd(rate, momentum=momentum or None, nesterov=momentum > 0))
     kw["grad_axes"] = "local"
 
@@ -92,12 +105,12 @@ def accuracy(params, data, model: str = "resnet_gn") -> float:
   return float((np.asarray(logits).argmax(1) == data[3]).mean() * 100)
 
 
-def row_of(name: str, every, outer, warmup, seeds, accs, base=None) -> dict:
+def row_of(name: str, every, outer, warmup, seeds, accs, base=None, codec="none") -> dict:
   """A contender's row; ``base``: synchronous's, whose accuracies the gaps are paired with (by
   seed: the same initialization and batches, so the seeds' spread is not in them)."""
   import numpy as np
   gaps = [a - b for a, b in zip(accs, base["accuracy"])] if base else [0.0] * len(accs)
-  return {"contender": name, "every": every, "outer": outer, "warmup": warmup,
+  return {"contender": name, "every": every, "outer": outer, "warmup": warmup, "codec": codec,
           "seeds": list(seeds), "accuracy": list(accs), "mean": float(np.mean(accs)),
           "gaps": gaps, "gap": float(np.mean(gaps))}
 
@@ -114,12 +127,12 @@ def run(args) -> list[dict]:
   data = hard_shapes()
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   rows = []
-  for name, h, outer, w in contenders(_ints(args.every), args.outer.split(","),
-                                      _ints(args.warmup)):
+  for name, h, outer, w, c in contenders(_ints(args.every), args.outer.split(","),
+                                         _ints(args.warmup), args.codec.split(",")):
     t0 = time.perf_counter()
     accs = [accuracy(train(h, outer, w, steps=args.steps, lr=args.lr, seed=s, data=data,
-                           mesh=mesh), data) for s in seeds]
-    row = row_of(name, h, outer, w, seeds, accs, rows[0] if rows else None)
+                           mesh=mesh, codec=c), data) for s in seeds]
+    row = row_of(name, h, outer, w, seeds, accs, rows[0] if rows else None, c)
     row["seconds"] = time.perf_counter() - t0
     print(f"  {name}: {row['mean']:.2f} ({', '.join(f'{a:.2f}' for a in accs)}), gap "
           f"{row['gap']:+.2f} points ({', '.join(f'{g:+.2f}' for g in row['gaps'])}), "
@@ -138,6 +151,8 @@ def main(argv=None) -> int:
   ap.add_argument("--every", default="20", help="comma-separated H (inner steps a sync)")
   ap.add_argument("--outer", default="average", help=f"comma-separated, of {sorted(OUTER)}")
   ap.add_argument("--warmup", default="300", help="comma-separated synchronous steps first")
+  ap.add_argument("--codec", default="none",
+                  help=f"comma-separated pseudo-gradient codecs (error feedback), of {CODECS}")
   ap.add_argument("--steps", type=int, default=3000)
   ap.add_argument("--lr", type=float, default=0.05, help="the cosine's peak")
   ap.add_argument("--seeds", type=int, default=3)
@@ -146,6 +161,8 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if bad := set(args.outer.split(",")) - set(OUTER):
     ap.error(f"--outer: unknown {sorted(bad)}; of {sorted(OUTER)}")
+  if bad := set(args.codec.split(",")) - set(CODECS):
+    ap.error(f"--codec: unknown {sorted(bad)}; of {list(CODECS)}")
   common.set_cpu_devices(8)
   rows = run(args)
   for r in rows:
