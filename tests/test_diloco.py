@@ -176,9 +176,59 @@ def test_residual_carries_what_the_codec_left_out():
     assert float(np.max(np.abs(np.asarray(gap[k])))) < 1e-5, (k, gap[k])
 
 
+def sparse_reference(every, k, decay, shares=1, steps=STEPS, lr_outer=0.7, momentum=0.9):
+  """DiLoCo whose sync sends the top ``k`` values (SparseLoCo, chunks of 1) in float64: per
+  node ``v = decay * e + pseudo``; in each of ``shares`` equal parts of the flat values (padded)
+  the k of largest ``|v|`` summed over the nodes are averaged, the rest kept in ``e``; Nesterov
+  outer steps, as :func:`reference`."""
+  keys = sorted(P0)
+  flat = lambda p: np.concatenate([p[q].ravel() for q in keys])  # noqa: E731 (tree order)
+  tree = lambda v: {"b": v[:1], "w": v[1:].reshape(5, 1)}  # noqa: E731
+  local = [{q: P0[q].astype(np.float64) for q in keys} for _ in range(2)]
+  outer, mom, res = flat(local[0]), np.zeros(6), [np.zeros(6), np.zeros(6)]
+  for s in range(steps):
+    for n in range(2):
+      g = [grads64(local[n], 4 * n + j) for j in range(4)]
+      local[n] = {q: local[n][q] - LR * np.mean([gg[q] for gg in g], 0) for q in keys}
+    if (s + 1) % every:
+      continue
+    v = [decay * res[n] + outer - flat(local[n]) for n in range(2)]
+    score = np.pad(np.abs(v[0]) + np.abs(v[1]), (0, -6 % shares), constant_values=-1)
+    part = score.size // shares
+    chosen = np.concatenate([j * part + np.argsort(-score[j * part:(j + 1) * part],
+                                                   kind="stable")[:k] for j in range(shares)])
+    chosen = chosen[chosen < 6]
+    pseudo = np.zeros(6)
+    pseudo[chosen] = (v[0][chosen] + v[1][chosen]) / 2
+    for n in range(2):
+      res[n] = v[n].copy()
+      res[n][chosen] = 0
+    mom = momentum * mom + pseudo
+    outer = outer - lr_outer * (momentum * mom + pseudo)
+    local = [tree(outer.copy()) for _ in range(2)]
+  return local
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+@pytest.mark.parametrize("shard", [None, "none", "optimizer"])
+def test_top_k_outer_sync_with_a_decayed_residual_equals_the_float64_reference(decay, shard):
+  """3 of the 6 values sent; over fast_axes each of a node's 4 devices sends 1 of its 2."""
+  codec = jr.codecs.topk_chunks(0.5, chunk_size=1, per_tensor=False)
+  kw = {} if shard is None else dict(fast_axes="local", shard=shard)
+  tx = jr.diloco(optax.sgd(LR), axis="node", every=3, compression=codec, residual_decay=decay,
+                 **kw)
+  got = train(tx, False)
+  k, shares = (3, 1) if shard is None else (1, 4)
+  assert_nodes_match(got, sparse_reference(3, k, decay, shares), rtol=2e-5, atol=2e-6)
+  other = sparse_reference(3, k, 1.5 - decay, shares)   # the decay changes the result
+  assert not np.allclose(got["w"][0], other[0]["w"], rtol=1e-3)
+
+
 def test_arguments_are_checked():
   with pytest.raises(ValueError, match="every must be >= 1"):
     jr.diloco(optax.sgd(0.1), every=0)
+  with pytest.raises(ValueError, match="residual_decay must be in"):
+    jr.diloco(optax.sgd(0.1), every=3, residual_decay=0.0)
   with pytest.raises(ValueError, match="delay=3 must be below every=3"):
     jr.diloco(optax.sgd(0.1), every=3, delay=3)
   with pytest.raises(ValueError, match="every=1.*use shard='none'"):

@@ -87,8 +87,8 @@ class DiLoCoState(NamedTuple):
 
 def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: int,
            outer: optax.GradientTransformation | None = None, compression: Any = None,
-           error_feedback: bool = True, fragments: int = 1, delay: int = 0,
-           warmup_steps: int = 0, algorithm: Any = "auto", fast_axes: Any = (),
+           error_feedback: bool = True, residual_decay: float = 1.0, fragments: int = 1,
+           delay: int = 0, warmup_steps: int = 0, algorithm: Any = "auto", fast_axes: Any = (),
            transfer: str = "program", shard: str = "none",
            outer_memory: str = "device") -> optax.GradientTransformation:
   """An optax transformation that syncs the slow axis every ``every`` steps (see the module
@@ -102,6 +102,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     outer: the outer optimizer; default ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
     compression: the pseudo-gradients' codec (as :func:`jaxring.psum`; a dict per level too).
     error_feedback: with a lossy codec, carry each member's compression error to its next sync.
+    residual_decay: the residual is multiplied by this at each sync before the pseudo-gradient
+      is added (SparseLoCo's ``beta``: ``e <- beta * e + delta``), in (0, 1]; 1 keeps all of it.
     fragments: streaming syncs: the parameters in this many fragments, synced in turn.
     delay: inner steps between taking a fragment's pseudo-gradient and applying its result.
     warmup_steps: synchronous data-parallel steps first.
@@ -165,6 +167,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   if sharded and not axis_names(fast_axes):
     raise ValueError("diloco(shard='optimizer') splits the outer state over the fast axes: "
                      "name them, e.g. fast_axes='local' (the axes a replicated model spans)")
+  if not 0.0 < float(residual_decay) <= 1.0:
+    raise ValueError(f"diloco: residual_decay must be in (0, 1], got {residual_decay!r}")
   validate_compression(compression)
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer
   axes = axis_names(axis)
@@ -200,6 +204,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     """Starts fragment ``p``'s transfer, ``mine`` this member's share of its pseudo-gradient;
     returns its next residual (or None)."""
     if res_p is not None:
+      res_p = decayed(res_p)
       mine = mine + cut.residual_share(res_p)
     sent = hosted.send(p, mine)
     # the residual keeps what the codec left out of this member's share; the others' shares
@@ -247,8 +252,14 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     # for a train step to lay out, and the first update moves it
     return settled(state) if traced else state
 
+  def decayed(residual):   # e <- beta * e, before this sync's pseudo-gradient joins it
+    if residual is None or float(residual_decay) == 1.0:
+      return residual
+    return jax.tree_util.tree_map(lambda r: r * jnp.asarray(residual_decay, r.dtype), residual)
+
   def sync(pseudo, residual):
     """The pseudo-gradient averaged over the slow axis (and the residual carried)."""
+    residual = decayed(residual)
     if compression is None:
       return pmean(pseudo, axes, algorithm=algorithm), residual
     if residual is None:
