@@ -312,12 +312,14 @@ def test_outer_state_split_over_the_fast_axes_changes_nothing(kw, check_vma):
 
 
 def outer_state_sizes(tx):
-  """Values per device of the state's outer parameters and outer optimizer state."""
+  """Values per device of the state's outer parameters, outer optimizer state and pending
+  fragments."""
   mesh = jax.make_mesh((2, 4), ("node", "local"), axis_types=(AxisType.Auto,) * 2)
 
   def run(x):
     s = tx.init(jax.tree.map(jnp.asarray, P0))
-    sizes = [sum(int(np.size(a)) for a in jax.tree.leaves(t)) for t in (s.outer_params, s.outer)]
+    sizes = [sum(int(np.size(a)) for a in jax.tree.leaves(t))
+             for t in (s.outer_params, s.outer, s.pending)]
     return jnp.asarray(sizes)[None] + jnp.zeros_like(x[:1, 0, 0, 0], jnp.int32)
 
   f = jax.shard_map(run, mesh=mesh, in_specs=P(("node", "local")),
@@ -326,11 +328,12 @@ def outer_state_sizes(tx):
 
 
 def test_split_outer_state_is_a_share_and_int8_matches_the_whole():
-  # 6 values: a share of 2 (padded to 8 over 4 devices) of parameters and momentum each
-  whole = outer_state_sizes(jr.diloco(optax.sgd(LR), axis="node", every=3, fast_axes="local"))
-  split = outer_state_sizes(jr.diloco(optax.sgd(LR), axis="node", every=3, fast_axes="local",
-                                      shard="optimizer"))
-  assert list(whole) == [6, 6] and list(split) == [2, 2], (whole, split)
+  # 6 values: a share of 2 (padded to 8 over 4 devices) of parameters, momentum and, with a
+  # delay, the pending move (one copy whole: what the waiting outer parameters add)
+  kw = dict(axis="node", every=3, fast_axes="local", delay=1)
+  whole = outer_state_sizes(jr.diloco(optax.sgd(LR), **kw))
+  split = outer_state_sizes(jr.diloco(optax.sgd(LR), shard="optimizer", **kw))
+  assert list(whole) == [6, 6, 6] and list(split) == [2, 2, 2], (whole, split)
   kw = dict(axis="node", every=3, fast_axes="local", compression=jr.codecs.int8())
   got = train(jr.diloco(optax.sgd(LR), shard="optimizer", **kw), False)
   plain = train(jr.diloco(optax.sgd(LR), **kw), False)

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -195,10 +196,17 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return state._replace(outer_params=home(state.outer_params, params=True),
                           outer=home(state.outer), residual=home(state.residual))
 
-  def _pending(pieces):
-    """Per fragment: (the outer parameters waiting to be applied, the local ones when sent);
-    with ``transfer="host"`` the local ones only (the outer step waits for the transfer)."""
-    return tuple((tuple(p),) if host else (tuple(p), tuple(p)) for p in pieces)
+  def _pending(pieces, later=False):
+    """Per fragment, with ``transfer="host"``: the local parameters when sent (the outer step
+    waits for the transfer); else what applying the outer parameters waiting adds to the
+    member's (zeros until a sync; with ``shard="optimizer"`` its share, flat, whole if
+    ``later``: Cut.move)."""
+    if host:
+      return tuple((tuple(p),) for p in pieces)
+    if sharded:
+      flats = [whole_flat(p) for p in pieces] if later else cut.kept_outer(pieces)
+      return tuple((jnp.zeros(np.shape(f), jnp.float32),) for f in flats)
+    return tuple((tuple(jnp.zeros_like(x) for x in p),) for p in pieces)
 
   def host_send(p, mine, res_p):
     """Starts fragment ``p``'s transfer, ``mine`` this member's share of its pseudo-gradient;
@@ -241,7 +249,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       outer_kept = params
       residual = zeros_per_member(params, axes) if keeps_residual else None
       outer_states = tuple(outer.init(p) for p in pieces)
-    pending = _pending(pieces) if delay else None
+    pending = _pending(pieces, sharded and later) if delay else None
     state = DiLoCoState(jnp.zeros((), jnp.int32), inner.init(params), outer_kept, outer_states,
                         residual, pending)
     # each member's own (update's results are typed so; a scan over steps needs both alike)
@@ -267,17 +275,19 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return mean_with_error(pseudo, residual, axes, algorithm=algorithm, compression=compression)
 
   def outer_sync(local_p, outer_p, ostate, res_p):
-    """A fragment's sync in the program: (the new outer parameters whole, as kept, the outer
-    state, the residual)."""
+    """A fragment's sync in the program: (the new outer parameters whole, or with a ``delay``
+    their Cut.move, as kept, the outer state, the residual)."""
     slow_mean = (lambda v, r: (v, r)) if every == 1 else sync  # noqa: E731 (averaged already)
     if shares().axes:   # each member its share, over the slow axis; gathered back
       res = cut.residual_share(res_p)
       (avg,), res = slow_mean([cut.pseudo_share(outer_p, local_p)], None if res is None else [res])
-      return (*cut.outer_from_share(avg, ostate, outer_p, local_p),
+      new, kept, ostate = cut.outer_from_share(avg, ostate, outer_p, local_p, whole=not delay)
+      return (cut.move(new, local_p) if delay else new, kept, ostate,
               None if res is None else cut.residual_kept(res[0], res_p))
     avg, res_p = slow_mean(pseudo_of(outer_p, local_p), res_p)
     new_outer, ostate = cut.outer_step(avg, ostate, outer_p)
-    return [n.astype(x.dtype) for n, x in zip(new_outer, local_p)], new_outer, ostate, res_p
+    whole = [n.astype(x.dtype) for n, x in zip(new_outer, local_p)]
+    return cut.move(whole, local_p) if delay else whole, new_outer, ostate, res_p
 
   def update(grads, state: DiLoCoState, params=None):
     if params is None:
@@ -351,23 +361,23 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
           res_p = cond(due, send, lambda a: a[2], (pieces[p], outer_pieces[p], res_p))
           pending[p] = (tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], sent_from)),)
         else:
-          if delay:   # a result sent ``delay`` steps ago arrives: apply it, keep the progress
-            waiting, sent_from = pending[p]
-            pieces[p] = [jnp.where(arrives, w + (x - s), x).astype(x.dtype)
-                         for x, w, s in zip(pieces[p], waiting, sent_from)]
+          if delay:   # a result sent ``delay`` steps ago arrives: applied, the progress kept
+            pieces[p] = cond(arrives, lambda a: cut.moved(*a), lambda a: list(a[1]),
+                             (pending[p][0], pieces[p]))
 
-          def do_sync(args):   # (the new outer parameters whole, as kept, the outer state, res)
-            local_p, outer_p, ostate, res_p = fetch(args)
-            whole, outer_p, ostate, res_p = outer_sync(local_p, outer_p, ostate, res_p)
-            return whole, home(outer_p, params=True), home(ostate), home(res_p)
+          def do_sync(args):   # (the new outer parameters whole or their move, as kept, ...)
+            local_p, outer_p, ostate, res_p, _ = fetch(args)
+            result, outer_p, ostate, res_p = outer_sync(local_p, outer_p, ostate, res_p)
+            return result, home(outer_p, params=True), home(ostate), home(res_p)
 
-          whole, outer_pieces[p], outer_states[p], res_p = cond(
-              due, do_sync, lambda a: a, (pieces[p], outer_pieces[p], outer_states[p], res_p))
+          result, outer_pieces[p], outer_states[p], res_p = cond(
+              due, do_sync, lambda a: (a[4] if delay else a[0], *a[1:4]),
+              (pieces[p], outer_pieces[p], outer_states[p], res_p,
+               pending[p][0] if delay else None))
           if delay:   # applied later; until then the member goes on from its own parameters
-            pending[p] = (tuple(jnp.where(due, n, w) for n, w in zip(whole, pending[p][0])),
-                          tuple(jnp.where(due, x, s) for x, s in zip(pieces[p], pending[p][1])))
+            pending[p] = (result,)
           else:
-            pieces[p] = whole
+            pieces[p] = result
         if residuals is not None:
           residuals[p] = res_p
       new_params = join(pieces, frag_of, treedef)

@@ -165,19 +165,39 @@ class Cut:
                                     outer_p)
     return optax.apply_updates(outer_p, upd), ostate
 
-  def outer_from_share(self, avg, ostate, outer_p, local_p):
+  def outer_from_share(self, avg, ostate, outer_p, local_p, *, whole: bool = True):
     """The outer step from this member's share ``avg`` of a fragment's averaged
-    pseudo-gradient: (the new outer parameters whole, as kept, the outer state)."""
+    pseudo-gradient: (the new outer parameters whole, as kept, the outer state). With
+    ``whole=False`` and ``shard="optimizer"`` the first is this member's share of them (what
+    :meth:`move` takes), gathered only where the state keeps them whole."""
     n, idxs = size(local_p), range(len(local_p))
     if self.sharded:   # the step on the share; the members' new shares put together
       mine = outer_p if self.split_params() else self.share_of(outer_p)
       (new,), ostate = self.outer_step([avg], ostate, [mine])
-      whole = fuse.split(self.shares().gather(new, n), local_p, idxs)
-      whole = [w.astype(x.dtype) for w, x in zip(whole, local_p)]
-      return whole, new if self.split_params() else whole, ostate
+      gathered = None
+      if whole or not self.split_params():
+        gathered = fuse.split(self.shares().gather(new, n), local_p, idxs)
+        gathered = [w.astype(x.dtype) for w, x in zip(gathered, local_p)]
+      return gathered if whole else new, new if self.split_params() else gathered, ostate
     new, ostate = self.outer_step(
         fuse.split(self.shares().gather(avg, n), outer_p, idxs, jnp.float32), ostate, outer_p)
     return new, new, ostate
+
+  def move(self, new, local_p):
+    """What applying the new outer parameters ``new`` (``outer_from_share(whole=False)``'s, as
+    they are when sent) adds to a member's ``local_p``: with ``shard="optimizer"`` its share,
+    flat in f32 (gathered at arrival by :meth:`moved`), else per leaf, in its dtype."""
+    if self.sharded:
+      return new.astype(jnp.float32) - self.shares().take(flat(local_p))
+    return tuple((w - x).astype(x.dtype) for w, x in zip(new, local_p))
+
+  def moved(self, move, local_p):
+    """``local_p`` with a pending :meth:`move` applied (the inner progress since it was sent
+    kept)."""
+    if self.sharded:
+      move = fuse.split(self.shares().gather(move, size(local_p)), local_p,
+                        range(len(local_p)), jnp.float32)
+    return [(x + m).astype(x.dtype) for x, m in zip(local_p, move)]
 
   def split_flats(self, tree):
     """An outer state made outside the fast axes for a train step to lay out, inside its

@@ -99,17 +99,18 @@ def specs(state, state_specs, axis_name):
 def stored(state, replicas: int, mesh, cfg):
   """The user's state (``params`` the members' common parameters, ``opt_state`` as
   ``jr.diloco``'s ``init`` made it) laid out as the step keeps it, on ``mesh``; with
-  ``shard="optimizer"`` each replica's row of the outer state and residual its share (cut in a
-  ``shard_map`` over the step's axes, the fast ones as the step's update sees them)."""
+  ``shard="optimizer"`` each replica's row of the outer state, residual and pending moves its
+  share (cut in a ``shard_map`` over the step's axes, the fast ones as the step's update sees
+  them)."""
   if is_stored(state):
     return state
   opt, axis_name = state.opt_state, cfg.axis_name
   copies = lambda t: jax.tree_util.tree_map(   # noqa: E731
       lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (replicas,) + np.shape(x)), t)
   cut = _split(state)
-  fields = {"local": state.params, "inner": opt.inner, "pending": opt.pending}
+  fields = {"local": state.params, "inner": opt.inner}
   if cut is None:   # else cut below
-    fields["residual"] = opt.residual
+    fields.update(residual=opt.residual, pending=opt.pending)
   if getattr(state, "batch_stats", None) is not None:
     fields["local_stats"] = state.batch_stats
   split = NamedSharding(mesh, P(axis_name))
@@ -123,7 +124,7 @@ def stored(state, replicas: int, mesh, cfg):
 
     made.update(jax.jit(jax.shard_map(shares, mesh=mesh, in_specs=P(), out_specs=P(axis_name),
                                       check_vma=False), out_shardings=split)(
-        {"residual": opt.residual, "outer": opt.outer}))
+        {"residual": opt.residual, "outer": opt.outer, "pending": opt.pending}))
   return state.replace(params=opt.outer_params,
                        opt_state=opt._replace(outer_params=_placeholders(state.params), **made))
 
