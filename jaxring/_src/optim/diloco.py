@@ -68,9 +68,10 @@ class DiLoCoState(NamedTuple):
     outer: the outer optimizer's state, one per fragment (of the share, so split).
     residual: this member's error-feedback residual of the pseudo-gradient (None without a codec
       or without error feedback; so split too).
-    pending: with ``delay``: per fragment, the outer parameters waiting to be applied and the
-      local parameters at the time they were sent; with ``transfer="host"`` the local ones only,
-      the outer step waiting for the transfer (None without a delay).
+    pending: with ``delay``: per fragment, what applying the outer parameters waiting adds to
+      the member's (new outer minus local when sent; with ``shard="optimizer"`` its share,
+      flat); with ``transfer="host"`` the local parameters when sent, the outer step waiting
+      for the transfer (None without a delay).
     local: None here; in a :func:`jaxring.train_step`'s state, each replica's own parameters
       (the state's ``params`` then being the outer ones; jaxring._src.train.diloco_layout).
     local_stats: likewise its own BatchNorm statistics (the state's as of the last sync).
