@@ -224,6 +224,14 @@ def test_top_k_outer_sync_with_a_decayed_residual_equals_the_float64_reference(d
   assert not np.allclose(got["w"][0], other[0]["w"], rtol=1e-3)
 
 
+def test_a_sparsifying_codec_decays_its_residual_by_default():
+  from jaxring._src.optim.diloco import SPARSE_DECAY
+  codec = jr.codecs.topk_chunks(0.5, chunk_size=1, per_tensor=False)
+  got = train(jr.diloco(optax.sgd(LR), axis="node", every=3, compression=codec), False)
+  assert SPARSE_DECAY < 1
+  assert_nodes_match(got, sparse_reference(3, 3, SPARSE_DECAY), rtol=2e-5, atol=2e-6)
+
+
 def test_arguments_are_checked():
   with pytest.raises(ValueError, match="every must be >= 1"):
     jr.diloco(optax.sgd(0.1), every=0)

@@ -33,5 +33,10 @@ def test_rows_pair_the_gaps_by_seed():
   names = [c[0] for c in dq.contenders([20, 100], ["average"], [0, 300])]
   coded = [c[0] for c in dq.contenders([20], ["average"], [0], ["none", "topk"])]
   assert coded[1:] == ["diloco H=20 average warmup=0", "diloco H=20 average warmup=0 topk"]
+  decayed = dq.contenders([20], ["nesterov"], [0], ["none", "topk"], [1.0, 0.9])
+  assert [c.name for c in decayed[1:]] == ["diloco H=20 nesterov warmup=0",
+                                           "diloco H=20 nesterov warmup=0 topk decay=1",
+                                           "diloco H=20 nesterov warmup=0 topk decay=0.9"]
+  assert [c.decay for c in decayed] == [None, None, 1.0, 0.9]
   assert names[0] == "synchronous" and "diloco H=100 average warmup=300" in names
   assert len(names) == 5

@@ -46,7 +46,7 @@ from jax import lax
 
 from jaxring._src import vma
 from jaxring._src.collectives import axis_names, pmean, validate_compression
-from jaxring._src.error_feedback import bound, mean_with_error, zeros_per_member
+from jaxring._src.error_feedback import bound, is_sparsifying, mean_with_error, zeros_per_member
 from jaxring._src.optim.diloco_host import HostSync
 from jaxring._src.optim.diloco_parts import (MEMORIES, PLAN_ATTR, check_memory, check_slow,
                                              fragment_of, placed, spanned)
@@ -54,6 +54,9 @@ from jaxring._src.optim.diloco_share import Cut, pseudo_of, size, whole_flat
 
 TRANSFERS = ("program", "host")
 SHARDS = ("none", "optimizer")
+# the residual's default decay under a sparsifying codec (SparseLoCo's beta); bench
+# diloco-quality: top-k 1% under the Nesterov outer step trained to 40% at 1, 67-71% at 0.95-0.9
+SPARSE_DECAY = 0.95
 _instances = itertools.count()
 
 
@@ -89,7 +92,7 @@ class DiLoCoState(NamedTuple):
 
 def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: int,
            outer: optax.GradientTransformation | None = None, compression: Any = None,
-           error_feedback: bool = True, residual_decay: float = 1.0, fragments: int = 1,
+           error_feedback: bool = True, residual_decay: float | None = None, fragments: int = 1,
            delay: int = 0, warmup_steps: int = 0, algorithm: Any = "auto", fast_axes: Any = (),
            transfer: str = "program", shard: str = "none",
            outer_memory: str = "device") -> optax.GradientTransformation:
@@ -105,7 +108,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     compression: the pseudo-gradients' codec (as :func:`jaxring.psum`; a dict per level too).
     error_feedback: with a lossy codec, carry each member's compression error to its next sync.
     residual_decay: the residual is multiplied by this at each sync before the pseudo-gradient
-      is added (SparseLoCo's ``beta``: ``e <- beta * e + delta``), in (0, 1]; 1 keeps all of it.
+      is added (SparseLoCo's ``beta``: ``e <- beta * e + delta``), in (0, 1]; 1 keeps all of
+      it. Default: ``SPARSE_DECAY`` with a sparsifying codec (``topk_chunks``: what it holds
+      back, kept whole, comes out in bursts the outer momentum multiplies), else 1.
     fragments: streaming syncs: the parameters in this many fragments, synced in turn.
     delay: inner steps between taking a fragment's pseudo-gradient and applying its result.
     warmup_steps: synchronous data-parallel steps first.
@@ -169,6 +174,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   if sharded and not axis_names(fast_axes):
     raise ValueError("diloco(shard='optimizer') splits the outer state over the fast axes: "
                      "name them, e.g. fast_axes='local' (the axes a replicated model spans)")
+  if residual_decay is None:
+    residual_decay = SPARSE_DECAY if is_sparsifying(compression) else 1.0
   if not 0.0 < float(residual_decay) <= 1.0:
     raise ValueError(f"diloco: residual_decay must be in (0, 1], got {residual_decay!r}")
   validate_compression(compression)

@@ -12,7 +12,8 @@ as ``bench tta``'s members do; momentum SGD (0.9) with a cosine from ``--lr`` to
   (0.7, Nesterov momentum 0.9), ``average`` the outer SGD at 1 (post-local SGD's averaging).
   Evaluated on the outer parameters (``state.params``, the last sync's). ``--codec`` adds the
   pseudo-gradients' codec (with error feedback) to the name: ``int8``, ``topk`` (1% of 16-value
-  chunks, SparseLoCo's sparsity) or ``none``.
+  chunks, SparseLoCo's sparsity) or ``none``; ``--decay`` the residual's (``residual_decay``;
+  ``default``: the transformation's own).
 
 Per contender: the mean, the seeds' figures and the gap to synchronous (points), seed by seed
 (the same initialization and batches: the seeds' spread of several points is not in it). Prints
@@ -21,12 +22,14 @@ a table, writes ``benchmarks/results/diloco-quality.json``.
   jaxring bench diloco-quality                                # H=20, warm-up 300, 3 seeds
   jaxring bench diloco-quality --every 20,100 --outer average,nesterov --warmup 0,300
   jaxring bench diloco-quality --outer average,nesterov --codec none,topk --seeds 1
+  jaxring bench diloco-quality --outer nesterov --warmup 0 --codec int8,topk --decay 1,0.9
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import time
+from typing import NamedTuple
 
 from jaxring._src.tools.bench import common
 
@@ -42,17 +45,28 @@ def codec_of(name: str):
           "topk": jr.codecs.topk_chunks(0.01, chunk_size=16, per_tensor=False)}[name]
 
 
-def contenders(every, outers, warmups, codecs=("none",)) -> list[tuple]:
-  """(name, H, outer, warm-up, codec) of every contender; synchronous first (H None)."""
-  rows = [("synchronous", None, None, 0, "none")]
+class Contender(NamedTuple):
+  name: str
+  every: int | None    # None: synchronous
+  outer: str | None
+  warmup: int
+  codec: str = "none"
+  decay: float | None = None   # the residual's; None: diloco's default
+
+
+def contenders(every, outers, warmups, codecs=("none",), decays=(None,)) -> list[Contender]:
+  """Every contender, synchronous first; a decay only for a codec (the residual's)."""
+  rows = [Contender("synchronous", None, None, 0)]
   for h, outer, w, c in itertools.product(every, outers, warmups, codecs):
-    rows.append((f"diloco H={h} {outer} warmup={w}" + (f" {c}" if c != "none" else ""),
-                 h, outer, w, c))
+    for d in decays if c != "none" else (None,):
+      name = f"diloco H={h} {outer} warmup={w}" + (f" {c}" if c != "none" else "")
+      rows.append(Contender(name + (f" decay={d:g}" if d is not None else ""), h, outer, w, c,
+                            d))
   return rows
 
 
 def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
-          batch: int = 16, model: str = "resnet_gn", codec: str = "none"):
+          batch: int = 16, model: str = "resnet_gn", codec: str = "none", decay=None):
   """The parameters after ``steps`` steps of one contender (``every`` None: synchronous): the
   outer ones for DiLoCo, as NumPy arrays."""
   import jax
@@ -75,6 +89,7 @@ def train(every, outer, warmup, *, steps: int, lr: float, seed: int, data, mesh,
     rate, momentum = OUTER[outer]
     tx = jr.diloco(inner, axis="node", every=every, warmup_steps=warmup,
                    compression=codec_of(codec),
+                   **({} if decay is None else {"residual_decay": decay}),
                    outer=optax.sgd(rate, momentum=momentum or None, nesterov=momentum > 0))
     kw["grad_axes"] = "local"
 
@@ -105,12 +120,14 @@ def accuracy(params, data, model: str = "resnet_gn") -> float:
   return float((np.asarray(logits).argmax(1) == data[3]).mean() * 100)
 
 
-def row_of(name: str, every, outer, warmup, seeds, accs, base=None, codec="none") -> dict:
+def row_of(name: str, every, outer, warmup, seeds, accs, base=None, codec="none",
+           decay=None) -> dict:
   """A contender's row; ``base``: synchronous's, whose accuracies the gaps are paired with (by
   seed: the same initialization and batches, so the seeds' spread is not in them)."""
   import numpy as np
   gaps = [a - b for a, b in zip(accs, base["accuracy"])] if base else [0.0] * len(accs)
   return {"contender": name, "every": every, "outer": outer, "warmup": warmup, "codec": codec,
+          "decay": decay,
           "seeds": list(seeds), "accuracy": list(accs), "mean": float(np.mean(accs)),
           "gaps": gaps, "gap": float(np.mean(gaps))}
 
@@ -127,12 +144,13 @@ def run(args) -> list[dict]:
   data = hard_shapes()
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   rows = []
-  for name, h, outer, w, c in contenders(_ints(args.every), args.outer.split(","),
-                                         _ints(args.warmup), args.codec.split(",")):
+  decays = [None if d == "default" else float(d) for d in args.decay.split(",")]
+  for name, h, outer, w, c, d in contenders(_ints(args.every), args.outer.split(","),
+                                            _ints(args.warmup), args.codec.split(","), decays):
     t0 = time.perf_counter()
     accs = [accuracy(train(h, outer, w, steps=args.steps, lr=args.lr, seed=s, data=data,
-                           mesh=mesh, codec=c), data) for s in seeds]
-    row = row_of(name, h, outer, w, seeds, accs, rows[0] if rows else None, c)
+                           mesh=mesh, codec=c, decay=d), data) for s in seeds]
+    row = row_of(name, h, outer, w, seeds, accs, rows[0] if rows else None, c, d)
     row["seconds"] = time.perf_counter() - t0
     print(f"  {name}: {row['mean']:.2f} ({', '.join(f'{a:.2f}' for a in accs)}), gap "
           f"{row['gap']:+.2f} points ({', '.join(f'{g:+.2f}' for g in row['gaps'])}), "
@@ -153,6 +171,8 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", default="300", help="comma-separated synchronous steps first")
   ap.add_argument("--codec", default="none",
                   help=f"comma-separated pseudo-gradient codecs (error feedback), of {CODECS}")
+  ap.add_argument("--decay", default="default",
+                  help="comma-separated residual decays of the codecs' rows (default: diloco's)")
   ap.add_argument("--steps", type=int, default=3000)
   ap.add_argument("--lr", type=float, default=0.05, help="the cosine's peak")
   ap.add_argument("--seeds", type=int, default=3)
