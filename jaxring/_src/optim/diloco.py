@@ -110,7 +110,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     residual_decay: the residual is multiplied by this at each sync before the pseudo-gradient
       is added (SparseLoCo's ``beta``: ``e <- beta * e + delta``), in (0, 1]; 1 keeps all of
       it. Default: ``SPARSE_DECAY`` with a sparsifying codec (``topk_chunks``: what it holds
-      back, kept whole, comes out in bursts the outer momentum multiplies), else 1.
+      back, kept whole, comes out in bursts the outer momentum multiplies) and ``every > 1``,
+      else 1 (``every=1`` is per-step error feedback, as :func:`jaxring.reduce_gradients`).
     fragments: streaming syncs: the parameters in this many fragments, synced in turn.
     delay: inner steps between taking a fragment's pseudo-gradient and applying its result.
     warmup_steps: synchronous data-parallel steps first.
@@ -175,7 +176,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     raise ValueError("diloco(shard='optimizer') splits the outer state over the fast axes: "
                      "name them, e.g. fast_axes='local' (the axes a replicated model spans)")
   if residual_decay is None:
-    residual_decay = SPARSE_DECAY if is_sparsifying(compression) else 1.0
+    residual_decay = SPARSE_DECAY if is_sparsifying(compression) and int(every) > 1 else 1.0
   if not 0.0 < float(residual_decay) <= 1.0:
     raise ValueError(f"diloco: residual_decay must be in (0, 1], got {residual_decay!r}")
   validate_compression(compression)
