@@ -1,8 +1,8 @@
 """Worker for tests/test_distributed.py: processes that plan a collective differently.
 
-``--case codec|shape|skip|absent``: process 1 compresses where process 0 does not, passes one
-element more, skips the first of two collectives, or plans none at all (it only sleeps, alive and
-heartbeating). Every process prints ``RAISED <type>: <message>`` (exit 3) or ``OK`` (exit 0).
+``--case codec|shape|skip|absent|diloco``: process 1 compresses where process 0 does not, passes
+one element more, skips the first of two collectives, plans none at all (it only sleeps, alive and
+heartbeating), or compresses the pseudo-gradients of a ``jaxring.diloco`` outer sync. Every process prints ``RAISED <type>: <message>`` (exit 3) or ``OK`` (exit 0).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 def main() -> int:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--case", choices=("same", "codec", "shape", "skip", "absent"), required=True)
+  ap.add_argument("--case", choices=("same", "codec", "shape", "skip", "absent", "diloco"), required=True)
   args = ap.parse_args()
 
   import jaxring.distributed
@@ -34,7 +34,18 @@ def main() -> int:
   x = jax.make_array_from_process_local_data(
       NamedSharding(mesh, P(axes)), jnp.ones((mesh.shape["local"], size), jnp.float32))
 
+  def outer_sync(v):   # one DiLoCo update: its sync (traced in its cond) is the first collective
+    import optax
+    tx = jaxring.diloco(optax.sgd(0.1), axis="node", every=2,
+                        compression=jaxring.codecs.int8() if odd else None)
+    params = {"w": v[0]}
+    updates, _ = tx.update(params, tx.init(params), params)
+    return updates["w"][None]
+
   def program(skip_first: bool):
+    if args.case == "diloco":
+      return jax.jit(jax.shard_map(outer_sync, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
+
     def body(v):
       total = 0.0 if skip_first else jaxring.psum(v, axes, algorithm="ring",
                                                   compression=comp).sum()
