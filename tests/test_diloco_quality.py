@@ -26,8 +26,10 @@ def test_every_1_averaging_is_the_synchronous_run_and_h2_is_not():
 
 
 def test_rows_pair_the_gaps_by_seed():
-  base = dq.row_of("synchronous", None, None, 0, [0, 1], [90.0, 86.0])
-  row = dq.row_of("diloco", 20, "average", 300, [0, 1], [89.0, 87.5], base)
+  base = dq.row_of(dq.Contender("synchronous", None, None, 0), [0, 1], [90.0, 86.0])
+  row = dq.row_of(dq.Contender("diloco", 20, "average", 300, "int8"), [0, 1], [89.0, 87.5], base)
+  assert (row["contender"], row["every"], row["codec"], row["decay"]) == \
+      ("diloco", 20, "int8", None) and "name" not in row
   assert row["gaps"] == pytest.approx([-1.0, 1.5]) and row["gap"] == pytest.approx(0.25)
   assert base["gap"] == 0.0 and row["mean"] == pytest.approx(88.25)
   names = [c[0] for c in dq.contenders([20, 100], ["average"], [0, 300])]

@@ -375,7 +375,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
                              (pending[p][0], pieces[p]))
 
           def do_sync(args):   # (the new outer parameters whole or their move, as kept, ...)
-            local_p, outer_p, ostate, res_p, _ = fetch(args)
+            local_p, outer_p, ostate, res_p = fetch(args[:4])   # (args[4]: the pending move)
             result, outer_p, ostate, res_p = outer_sync(local_p, outer_p, ostate, res_p)
             return result, home(outer_p, params=True), home(ostate), home(res_p)
 

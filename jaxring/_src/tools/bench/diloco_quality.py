@@ -120,15 +120,14 @@ def accuracy(params, data, model: str = "resnet_gn") -> float:
   return float((np.asarray(logits).argmax(1) == data[3]).mean() * 100)
 
 
-def row_of(name: str, every, outer, warmup, seeds, accs, base=None, codec="none",
-           decay=None) -> dict:
+def row_of(contender: Contender, seeds, accs, base=None) -> dict:
   """A contender's row; ``base``: synchronous's, whose accuracies the gaps are paired with (by
   seed: the same initialization and batches, so the seeds' spread is not in them)."""
   import numpy as np
   gaps = [a - b for a, b in zip(accs, base["accuracy"])] if base else [0.0] * len(accs)
-  return {"contender": name, "every": every, "outer": outer, "warmup": warmup, "codec": codec,
-          "decay": decay,
-          "seeds": list(seeds), "accuracy": list(accs), "mean": float(np.mean(accs)),
+  row = contender._asdict()
+  row["contender"] = row.pop("name")
+  return {**row, "seeds": list(seeds), "accuracy": list(accs), "mean": float(np.mean(accs)),
           "gaps": gaps, "gap": float(np.mean(gaps))}
 
 
@@ -145,14 +144,15 @@ def run(args) -> list[dict]:
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   rows = []
   decays = [None if d == "default" else float(d) for d in args.decay.split(",")]
-  for name, h, outer, w, c, d in contenders(_ints(args.every), args.outer.split(","),
-                                            _ints(args.warmup), args.codec.split(","), decays):
+  for c in contenders(_ints(args.every), args.outer.split(","), _ints(args.warmup),
+                      args.codec.split(","), decays):
     t0 = time.perf_counter()
-    accs = [accuracy(train(h, outer, w, steps=args.steps, lr=args.lr, seed=s, data=data,
-                           mesh=mesh, codec=c, decay=d), data) for s in seeds]
-    row = row_of(name, h, outer, w, seeds, accs, rows[0] if rows else None, c, d)
+    accs = [accuracy(train(c.every, c.outer, c.warmup, steps=args.steps, lr=args.lr, seed=s,
+                           data=data, mesh=mesh, codec=c.codec, decay=c.decay), data)
+            for s in seeds]
+    row = row_of(c, seeds, accs, rows[0] if rows else None)
     row["seconds"] = time.perf_counter() - t0
-    print(f"  {name}: {row['mean']:.2f} ({', '.join(f'{a:.2f}' for a in accs)}), gap "
+    print(f"  {c.name}: {row['mean']:.2f} ({', '.join(f'{a:.2f}' for a in accs)}), gap "
           f"{row['gap']:+.2f} points ({', '.join(f'{g:+.2f}' for g in row['gaps'])}), "
           f"{row['seconds']:.0f} s", flush=True)
     rows.append(row)
