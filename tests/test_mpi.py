@@ -214,7 +214,8 @@ def test_a_live_rank_stuck_between_collectives_is_named_by_every_rank():
 def test_diloco_host_transfer_equals_the_in_program_sync():
   # 2 nodes x 2 ranks; the outer sync moved by a host thread during the delay steps: the same
   # parameters after every step as the sync inside the program (uncompressed; int8+EF within its
-  # rounding, residual non-zero), the same outer parameters on every rank
+  # rounding, residual non-zero), the same outer parameters on every rank; a decayed residual
+  # (residual_decay=0.5) follows its rule at each send
   rc, out, _ = mpirun(4, "--check", "equal", timeout=130, worker="mpi_diloco.py")
   assert rc == 0, f"mpirun exited {rc}\n{out[-6000:]}"
   for rank in range(4):

@@ -1,4 +1,4 @@
-"""Worker for tests/test_diloco_host.py, run by ``mpirun -n 4``: ``jaxring.diloco`` over MPI with
+"""Worker for tests/test_mpi.py, run by ``mpirun -n 4``: ``jaxring.diloco`` over MPI with
 the outer sync in the step's program and moved by a host thread (``transfer="host"``).
 
 Ranks ``2 * node + local``: ``local`` is bound to the two ranks of a node, ``node`` to the ranks
@@ -11,11 +11,12 @@ fragment or its half (``fast_axes="local"``); with int8 and error feedback the h
 member's codes gathered) stays within int8's rounding of the program form (a ring that requantizes
 per hop) and carries a non-zero residual; with ``shard="optimizer"`` too, a rank keeping only its
 half of the outer state; and the program form with ``fast_axes`` (each rank its half of the sync)
-equals it; ``outer_memory="host"`` is refused over MPI-bound axes (jax cannot lower its moves beside
-MPI's ordered effects). ``--check resume``: a checkpoint taken with a transfer in flight resumes
-exactly. ``--check stall``: the ranks of node 1 never sync (``every`` beyond the run); the others
-must give up within ``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow axis. Prints ``rank
-R: OK``.
+equals it; with ``residual_decay=0.5`` each send's residual is the decayed rule's, exactly
+(``decayed_residual``); ``outer_memory="host"`` is refused over MPI-bound axes (jax cannot lower
+its moves beside MPI's ordered effects). ``--check resume``: a checkpoint taken with a transfer
+in flight resumes exactly. ``--check stall``: the ranks of node 1 never sync (``every`` beyond the
+run); the others must give up within ``JAXRING_FAILURE_TIMEOUT`` with the message naming the slow
+axis. Prints ``rank R: OK``.
 """
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ def main() -> int:
     comm.Abort(3)
 
   def make(transfer, codec=None, every=EVERY, fast=(), shard="none", delay=DELAY,
-           memory="device"):
+           memory="device", decay=None):
     return jaxring.diloco(optax.adam(0.05), axis="node", every=every, fragments=FRAGMENTS,
-                          delay=delay, fast_axes=fast, shard=shard,
+                          delay=delay, fast_axes=fast, shard=shard, residual_decay=decay,
                           compression=codec, transfer=transfer, outer_memory=memory)
 
   if args.check == "stall":
@@ -160,8 +161,49 @@ def main() -> int:
     outer = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(got[-1][1])])
     if not np.array_equal((comm if shard == "none" else node_comm).allgather(outer)[0], outer):
       fail(f"rank {rank}: FAIL {codec}: the outer parameters differ between ranks")
+  decayed_residual(make, stepper, params0, frag, int8, fail, rank)
   print(f"rank {rank}: OK")
   return 0
+
+
+def decayed_residual(make, stepper, params0, frag, codec, fail, rank) -> None:
+  """``residual_decay`` on the host path: at each send ``v = decay * residual + pseudo-gradient``
+  is encoded and the residual becomes ``v - decode(encode(v))`` (checked against the state held
+  before and after each send, whole fragments, ``delay=1``; the undecayed rule must not fit)."""
+  import jax.numpy as jnp
+  decay, f32 = 0.5, jnp.float32
+  tx = make("host", codec, delay=1, decay=decay)
+  step = stepper(tx)
+  params, state, checked = params0, tx.init(params0), 0
+
+  def flat(tree, keys):
+    return jnp.concatenate([jnp.ravel(jnp.asarray(tree[k], f32)) for k in keys])
+
+  for t in range(1, STEPS + 1):
+    before = state
+    params, state = step(params, state)
+    for f in range(FRAGMENTS):
+      offset = f * EVERY // FRAGMENTS
+      if (t - offset) % EVERY or t <= offset:   # fragment f not sent at step t
+        continue
+      keys = [k for k in sorted(params0) if frag[k] == f]
+      sent_from = dict(zip(keys, state.pending[f][0]))   # the local parameters it was sent from
+      res = flat(before.residual, keys)
+      share = flat(before.outer_params, keys) - flat(sent_from, keys)
+      got = np.asarray(flat(state.residual, keys))
+      for d in (decay, 1.0):
+        v = jnp.asarray(d, f32) * res + share
+        want = np.asarray(v - codec.decode(codec.encode(v, f32), f32))
+        err = np.abs(got - want).max() / (np.abs(want).max() + 1e-12)
+        if d == decay and not err <= 1e-5:
+          fail(f"rank {rank}: FAIL step {t} fragment {f}: the residual is not the decayed "
+               f"rule's (off by {err})")
+        if d == 1.0 and np.abs(res).max() > 0:
+          if not err > 1e-2:
+            fail(f"rank {rank}: FAIL step {t} fragment {f}: the residual did not decay")
+          checked += 1
+  if not checked:
+    fail(f"rank {rank}: FAIL no send carried a non-zero residual: the decay went unchecked")
 
 
 def resume(make, stepper, params0, rank, directory, fail) -> int:
