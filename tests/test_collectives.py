@@ -337,7 +337,7 @@ def test_bad_arguments():
                                             in_specs=P("d"), out_specs=P()))(jnp.ones(8))
   with pytest.raises(ValueError, match="algorithm must be one of"):
     call(algorithm="tree")
-  with pytest.raises(TypeError, match="compression must be None, a jaxring.codecs codec"):
+  with pytest.raises(TypeError, match=r"compression must be None, .*codecs.parse\(.int8.\)"):
     call(compression="int8")
   with pytest.raises(ValueError, match="compression names levels \\['nodes'\\]"):
     call(algorithm="ring", compression={"nodes": jaxring.codecs.none()})

@@ -80,8 +80,10 @@ def validate_compression(compression) -> None:
   if isinstance(compression, dict) and all(isinstance(c, (Codec, type(None)))
                                            for c in compression.values()):
     return
+  hint = (f" (a codec's spelling: jaxring.codecs.parse({compression!r}) makes the codec)"
+          if isinstance(compression, str) else "")
   raise TypeError("compression must be None, a jaxring.codecs codec, or a dict level name -> codec;"
-                  f" got {compression!r}")
+                  f" got {compression!r}{hint}")
 
 
 def is_lossy(compression) -> bool:
