@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import multiproc as mp
+from jaxring._src.transport.inprocess import INPROCESS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +38,8 @@ def _algorithms() -> list[str]:
     import jaxring
   except ImportError:
     return ["lax"]
-  return ["lax", "xla", "ring", "hierarchical"] if hasattr(jaxring, "psum") else ["lax"]
+  return (["lax", "xla", "ring", "hierarchical", "local"] if hasattr(jaxring, "psum") else
+          ["lax"])
 
 
 @pytest.mark.timeout(240)
@@ -53,6 +55,10 @@ def test_psum_across_processes_matches_float64_numpy(nproc, devices):
     assert f"process {r.rank}/{nproc}: {devices} devices" in r.stdout, mp.report(results)
     for algorithm in algorithms:
       assert f"process {r.rank}: OK {algorithm} calls=50" in r.stdout, mp.report(results)
+    if "local" in algorithms and devices > 1 and INPROCESS.available():
+      # a reduction over this process's devices alone stays in shared memory, off gloo's loopback
+      assert (f"process {r.rank}: local custom calls ['jaxring_local_all_gather', "
+              "'jaxring_local_reduce_scatter']") in r.stdout, mp.report(results)
 
 
 @pytest.mark.timeout(240)

@@ -89,5 +89,18 @@ def test_the_transport_declares_what_it_lacks_and_raises_if_asked():
   assert XLA.spans_processes and MPI_TRANSPORT.spans_processes
   with pytest.raises(NotImplementedError, match="no ring step over level 'local'"):
     INPROCESS.shift((jnp.ones(4),), group)
-  with pytest.raises(NotImplementedError, match="no all-reduce over level 'local'"):
-    INPROCESS.all_reduce(jnp.ones(4), group)
+
+
+
+def test_its_all_reduce_over_one_level_equals_lax_psum_typed_invariant():
+  # what a reduction over this process's devices alone runs in a multi-process job
+  group = Group(AXES, 8, 1, 8, "local")
+  x = _x()
+  step, put = _step(lambda v: INPROCESS.all_reduce(v, group))
+  got = step(put(x))
+  want = _step(lambda v: jax.lax.psum(v, AXES))[0](put(x))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-5)
+  rows = np.asarray(x, np.float64).reshape(8, -1).sum(0)
+  np.testing.assert_allclose(np.asarray(got), rows, rtol=1e-5, atol=1e-4)
+  assert _custom_calls(lambda v: INPROCESS.all_reduce(v, group), x)[0] == {
+      "jaxring_local_reduce_scatter", "jaxring_local_all_gather"}

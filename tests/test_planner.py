@@ -147,6 +147,24 @@ def test_one_process_hierarchical_runs_the_fast_level_on_the_in_process_transpor
   assert lax_level.algos == ("xla", "ring") and lax_level.transports == (XLA, XLA)
 
 
+@pytest.mark.skipif(not INPROCESS.available(), reason="needs the CPU extension")
+def test_a_reduction_over_this_process_devices_alone_stays_in_shared_memory():
+  # across processes XLA:CPU would run lax's collective over gloo's loopback (docs/design.md)
+  for algorithm in ("auto", "hierarchical", {"local": "inprocess"}, {"local": "auto"}):
+    plan = _plan(("local",), (8,), 1 << 20, algorithm=algorithm, mp=True)
+    assert plan.kind == "hierarchical" and plan.algos == ("xla",), algorithm
+    assert plan.transports == (INPROCESS,), algorithm
+  # one process: lax's collective is in-process already, and the default keeps it
+  assert _plan(("local",), (8,), 1 << 20).kind == "xla"
+  assert _plan(("local",), (8,), 1 << 20, {"local": "inprocess"}).transports == (INPROCESS,)
+  # asked for lax's collective, a codec, or a level spanning processes: not in shared memory
+  assert _plan(("local",), (8,), 1 << 20, algorithm="xla", mp=True).kind == "xla"
+  int8 = _plan(("local",), (8,), 1 << 20, compression=jaxring.codecs.int8(), mp=True)
+  assert int8.kind == "ring" and int8.transports == (XLA,)
+  topo = jaxring.Topology((jaxring.Level("local", 8),))
+  assert _plan(("local",), (8,), 1 << 20, mp=True, topo=topo).kind == "xla"
+
+
 def test_a_level_the_in_process_transport_cannot_serve_is_refused_with_the_fix():
   want = r"level 'node' cannot use 'inprocess'.*CPU backend.*level below the slowest.*'ring'"
   with pytest.raises(ValueError, match=want):

@@ -2,8 +2,9 @@
 
 Every process builds the same global mesh ``("node", "local")`` = (processes, devices per
 process), feeds each device a row drawn from ``default_rng((seed, call, global_device))`` and checks
-every call's all-reduce against a float64 NumPy sum of all those rows. Prints one ``OK`` line per
-algorithm, or exits non-zero with the first mismatch.
+every call's all-reduce against a float64 NumPy sum of all those rows (``local``: of this
+process's rows, and the in-process custom calls its program runs are printed). Prints one ``OK``
+line per algorithm, or exits non-zero with the first mismatch.
 
 With ``--die-at CALL --die-rank R`` process R kills itself (``--die-how kill``: SIGKILL) or freezes
 (``stop``: SIGSTOP) at that call, or stays alive but never launches the call (``stuck``: sleeps in
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import time
@@ -30,7 +32,9 @@ def main() -> int:
   ap.add_argument("--calls", type=int, default=50)
   ap.add_argument("--size", type=int, default=1003)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--algorithms", default="lax", help="comma list: lax, xla, ring, hierarchical")
+  ap.add_argument("--algorithms", default="lax",
+                  help="comma list: lax, xla, ring, hierarchical, local (jaxring.psum over "
+                  "this process's devices alone)")
   ap.add_argument("--die-rank", type=int, default=-1)
   ap.add_argument("--die-at", type=int, default=-1)
   ap.add_argument("--die-how", choices=("kill", "stop", "stuck"), default="kill")
@@ -54,6 +58,10 @@ def main() -> int:
   def reducer(algorithm):
     if algorithm == "lax":
       body = lambda v: jax.lax.psum(v, axes)
+    elif algorithm == "local":   # this process's devices alone (auto: the in-process transport)
+      import jaxring
+      return jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "local"), mesh=mesh,
+                                   in_specs=P(axes), out_specs=P("node")))
     else:
       import jaxring
       body = lambda v: jaxring.psum(v, axes, algorithm=algorithm)
@@ -63,6 +71,12 @@ def main() -> int:
   everyone = range(nproc * per_proc)
   for algorithm in args.algorithms.split(","):
     f = reducer(algorithm)
+    summed = mine if algorithm == "local" else everyone
+    if algorithm == "local":   # which collectives the compiled program runs
+      hlo = f.lower(jax.make_array_from_process_local_data(
+          sharding, np.zeros((per_proc, args.size), np.float32))).compile().as_text()
+      print(f"process {me}: local custom calls "
+            f"{sorted(set(re.findall(r'jaxring_local_[a-z_]+', hlo)))}", flush=True)
     worst, t0 = 0.0, time.perf_counter()
     for call in range(args.calls):
       if args.progress and call % args.progress == 0:
@@ -76,7 +90,7 @@ def main() -> int:
       local = rows(args.seed, call, mine, args.size).astype(np.float32)
       x = jax.make_array_from_process_local_data(sharding, local)
       y = np.asarray(f(x).addressable_data(0), np.float64).reshape(-1)
-      want = rows(args.seed, call, everyone, args.size).astype(np.float32).astype(np.float64)
+      want = rows(args.seed, call, summed, args.size).astype(np.float32).astype(np.float64)
       want = want.sum(axis=0)
       err = float(np.max(np.abs(y - want)))
       tol = 1e-5 * (1 + float(np.max(np.abs(want))))

@@ -238,6 +238,20 @@ def _shared_memory(r: PlanRequest, level, codec: Codec, last: bool = False) -> b
           (not r.multi_process or getattr(level, "in_process", False)) and INPROCESS.available())
 
 
+def one_level_in_process(r: PlanRequest) -> bool:
+  """Whether a reduction over one whole level of this process's devices, in a multi-process job,
+  runs on the in-process transport: XLA:CPU would send it over gloo's loopback TCP (the level
+  alone is what ``diloco``'s and ``train_step(grad_axes=...)``'s fast-level gradients reduce
+  over). Asked as ``auto`` or ``hierarchical``; ``{level: "inprocess"}`` asks for it in a
+  one-process job too (where lax's collective stays in the process: the default keeps it)."""
+  if len(r.groups) != 1 or not r.groups[0].whole:
+    return False
+  a = r.algorithm
+  a = a.get(r.groups[0].name, "auto") if isinstance(a, dict) else a
+  asked = a == INPROCESS.name or (r.multi_process and a in ("auto", "hierarchical"))
+  return asked and _shared_memory(r, r.levels[0], r.codecs[0])
+
+
 class Hierarchical:
   """BlueConnect over the levels the axes span; one level is a ring."""
 
@@ -246,6 +260,10 @@ class Hierarchical:
 
   def plan(self, r: PlanRequest) -> Plan:
     if len(r.groups) == 1:
+      if one_level_in_process(r):   # the level's own all-reduce, in shared memory
+        return Plan("hierarchical", tuple(r.groups), tuple(r.codecs), ("xla",), tuple(r.strides),
+                    transport=r.transport, pieces=(r.levels[0].pieces,),
+                    level_transports=(INPROCESS,))
       return ring.Ring().plan(r)
     algos, transports = [], []
     for i, (g, c) in enumerate(zip(r.groups, r.codecs)):

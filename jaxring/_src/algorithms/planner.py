@@ -21,6 +21,7 @@ from jaxring._src import profiles
 from jaxring._src import topology as topo_mod
 from jaxring._src.algorithms import base
 from jaxring._src.algorithms.base import Plan, PlanRequest
+from jaxring._src.algorithms.hierarchical import one_level_in_process
 from jaxring._src.codecs.base import Codec, accum_dtype, for_dtype
 from jaxring._src.transport.binding import mesh_axis_names
 from jaxring._src.transport.groups import (
@@ -213,13 +214,15 @@ def _plan(axes, sizes, nbytes, dtype, algorithm, compression, multi_process, gro
       raise ValueError("algorithm='xla' is the native collective and cannot compress; use "
                        "algorithm='ring', 'hierarchical' or 'auto' with compression")
     return Plan("xla", tuple(groups), transport=transport)
+  request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
+                        tuple(codecs), whole, transport, algorithm, multi_process, dtype)
   if kind == "auto":
     kind = choose(nbytes, len(groups), codecs, lossy,
                   find_profile_for(axes, sizes, transport.name), dtype, transport)
+    if kind == "xla" and one_level_in_process(request):
+      kind = "hierarchical"   # lax's collective would cross gloo's loopback (docs/design.md)
   if kind == "xla":
     return Plan("xla", tuple(groups), transport=transport)
-  request = PlanRequest(tuple(axes), tuple(sizes), tuple(groups), tuple(levels), tuple(strides),
-                        tuple(codecs), whole, transport, algorithm, multi_process, dtype)
   return base.get(kind).plan(request)
 
 
