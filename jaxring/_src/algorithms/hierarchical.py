@@ -240,9 +240,7 @@ def _shared_memory(r: PlanRequest, level, codec: Codec, last: bool = False) -> b
 
 def one_level_in_process(r: PlanRequest) -> bool:
   """Whether a reduction over one whole level of this process's devices, in a multi-process job,
-  runs on the in-process transport: XLA:CPU would send it over gloo's loopback TCP (the level
-  alone is what ``diloco``'s and ``train_step(grad_axes=...)``'s fast-level gradients reduce
-  over). Asked as ``auto`` or ``hierarchical``; ``{level: "inprocess"}`` asks for it in a
+  runs on the in-process transport: XLA:CPU would send it over gloo's loopback TCP. Asked as ``auto`` or ``hierarchical``; ``{level: "inprocess"}`` asks for it in a
   one-process job too (where lax's collective stays in the process: the default keeps it)."""
   if len(r.groups) != 1 or not r.groups[0].whole:
     return False
