@@ -5,7 +5,9 @@ Trains ``train_dist.problem()`` with int8 compression (residuals sharded across 
 step. Prints ``RESUMED <step>`` (the step fit started from) and ``FINAL <crc32 of the params>``.
 With ``--diloco`` the processes are the nodes: ``jaxring.diloco`` (every 3 steps, 2 fragments,
 delay 1, int8 with error feedback) through ``train_step(grad_axes="local")``, and the crc covers
-each replica's own parameters and the residuals too.
+each replica's own parameters and the residuals too, and ``TOP-LEVEL ALL-REDUCES <n>`` counts
+the compiled step's lax all-reduces outside the outer syncs' conditionals (the fast level's
+gradients and metrics run in-process).
 """
 from __future__ import annotations
 
@@ -64,6 +66,10 @@ def main() -> int:
   state = jt.fit(step, state, batches, num_steps=args.steps, checkpointer=ckpt,
                  checkpoint_every=2, progress=False)
   ckpt.close()
+  if args.diloco:
+    hlo = step.lower(state, next(iter(batches))).compile().as_text()
+    lax_ops = [l for l in hlo.splitlines() if " all-reduce(" in l or " all-reduce-start(" in l]
+    print(f"TOP-LEVEL ALL-REDUCES {sum('/cond/' not in l for l in lax_ops)}", flush=True)
   if args.diloco:   # this process's rows of everything: its node's parameters, residuals
     flat = [np.asarray(s.data) for x in jax.tree.leaves((state.params, state.opt_state))
             for s in x.addressable_shards]

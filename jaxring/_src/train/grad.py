@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxring._src import fuse, native
 from jaxring._src.algorithms import engine
 from jaxring._src.codecs.base import accum_dtype
+from jaxring._src.collectives import axis_names
 from jaxring._src.error_feedback import next_residual
 from jaxring._src.optim.momentum import auto_clip, corrected_mean
 from jaxring._src.train import nnx_graph, partition
@@ -63,18 +64,18 @@ def _split(flat, like: Sequence, dtype=None):
 
 
 def replica_mean(tree, axis_name):
-  """Every leaf's mean over the replicas (integers as float32), the leaves of one dtype fused
-  into one ``pmean``. Leaf by leaf, XLA:CPU combined the 40 batch-norm statistics and the loss
-  of a ResNet-18 into one all-reduce that gloo ran operand by operand, about 10 ms each across
-  4 processes: 0.45 s of a 0.87 s step (docs/benchmarks.md, "Training on the emulated
-  cluster")."""
+  """Every leaf's mean over the replicas (integers as float32), a dtype's leaves fused into one
+  all-reduce (gloo ran XLA:CPU's combined one operand by operand: docs/benchmarks.md, "Training
+  on the emulated cluster"), planned as ``auto`` (a process's own devices: in shared memory)."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   leaves = [jnp.asarray(x) for x in leaves]
   leaves = [x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32) for x in leaves]
-  out = list(leaves)
+  binding, out = engine.bind(axis_names(axis_name), "train_step"), list(leaves)
   for idxs in fuse.by_dtype(leaves).values():
-    for i, x in zip(idxs, fuse.split(native.pmean(fuse.concat(leaves, idxs), axis_name), leaves,
-                                     idxs)):
+    flat = fuse.concat(leaves, idxs)
+    total = engine.all_reduce_flat(flat.astype(accum_dtype(flat.dtype)), flat.dtype, binding,
+                                   "auto", None)[0]
+    for i, x in zip(idxs, fuse.split((total / binding.size).astype(flat.dtype), leaves, idxs)):
       out[i] = x
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -335,9 +336,8 @@ def _reduced_value_and_grad(ctx: StepContext, fun, argnums, has_aux, args, kwarg
 
 def _reduce_after_backward(cfg, buckets, grads, residuals, inv_scale, check):
   """The baseline: the same buckets, reduced one after another once backprop has finished."""
-  grads = list(grads)
+  grads, flags = list(grads), []
   new_res = None if residuals is None else list(residuals)
-  flags = []
   tok = _after_backward_token(grads)
   for b in buckets:
     res = None if residuals is None else [residuals[i] for i in b.indices]
