@@ -223,6 +223,22 @@ def test_diloco_host_transfer_equals_the_in_program_sync():
 
 
 @skip_without_mpi
+@pytest.mark.timeout(200)
+def test_diloco_host_transfer_in_jax_shape_equals_the_in_program_sync():
+  # 2 processes of jax.distributed under mpirun, 2 devices each (node = process, bound to MPI
+  # too): train_step(grad_axes="local")'s host form, each device moving its half of a fragment,
+  # gives the program form's parameters (int8: within its rounding); no all-reduce is left in
+  # the step's program
+  port = mp.free_port()
+  rc, out, _ = mpirun(2, timeout=180, worker="mpi_diloco_jax_shape.py",
+                      JAXRING_COORDINATOR=f"127.0.0.1:{port}", JAXRING_NUM_PROCESSES="2",
+                      JAXRING_LOCAL_DEVICE_COUNT="2")
+  assert rc == 0, f"mpirun exited {rc}\n{out[-6000:]}"
+  for rank in range(2):
+    assert f"rank {rank}: OK" in out, out[-6000:]
+
+
+@skip_without_mpi
 @pytest.mark.timeout(150)
 def test_diloco_host_transfer_a_checkpoint_in_flight_resumes_exactly(tmp_path):
   # each rank's orbax checkpoint at step 5, fragment 0's transfer sent at 4 and due at 6: the

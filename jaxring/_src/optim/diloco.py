@@ -18,13 +18,14 @@ pseudo-gradient is applied ``τ`` inner steps after it was taken: the member kee
 progress it made meanwhile, ``local <- outer_new + (local_now - local_at_send)``.
 
 ``transfer="host"`` (with a ``delay``, the slow axis bound to MPI by
-``jaxring.distributed.bind_mpi_axis``): the pseudo-gradient leaves the step's program and a host
-thread moves it over MPI while the next ``delay`` inner steps run (jaxring._src.transport.
-host_exchange); the outer step is taken when it arrives. XLA:CPU runs no collective beside a
-program's computation nor a second program beside it, so this is the form whose transfer overlaps
-the steps. Uncompressed, the members' pseudo-gradients are summed (``Iallreduce``); with a codec
-(plus the residual, which keeps what the codec left out of a member's own) the bytes are a
-ring's, in two stages (jaxring._src.optim.diloco_host).
+``jaxring.distributed.bind_mpi_axis``; in JAX's shape under ``mpirun`` a mesh axis too): the
+pseudo-gradient leaves the step's program and a host thread moves it over MPI while the next
+``delay`` inner steps run (jaxring._src.transport.host_exchange); the outer step is taken when
+it arrives. XLA:CPU runs no collective beside a program's computation nor a second program
+beside it, so this is the form whose transfer overlaps the steps. Uncompressed, the members'
+pseudo-gradients are summed (``Iallreduce``); with a codec (plus the residual, which keeps what
+the codec left out of a member's own) the bytes are a ring's, in two stages
+(jaxring._src.optim.diloco_host).
 
 ``warmup_steps``: synchronous data parallel first (gradients averaged over the slow axis too,
 the outer parameters following the model), as post-local SGD starts (Lin et al. 2020).
@@ -122,8 +123,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       over the slow links, in the program or, with ``transfer="host"``, by the host thread) and
       an ``all_gather`` over the fast axes puts the shares back together.
     transfer: ``"program"``: the sync inside the step's program; ``"host"``: by a host thread
-      during the ``delay`` steps (needs ``delay >= 1`` and the slow axis, and any
-      ``fast_axes``, bound to MPI).
+      during the ``delay`` steps (needs ``delay >= 1`` and the slow axis bound to MPI; the
+      ``fast_axes`` bound to MPI too, one process a device, or by a ``shard_map`` over each
+      process's devices, JAX's shape launched by ``mpirun``: each device moves its share).
     shard: ``"none"``: every member keeps the whole outer state; ``"optimizer"`` (with
       ``fast_axes``): each keeps only its share of the outer parameters, the outer optimizer's
       state and the residual, flat per fragment, and takes the outer step on it (the outer
@@ -186,10 +188,10 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   lossy = compression is not None and getattr(compression, "lossy", True)
   keeps_residual = bool(error_feedback) and lossy
 
-  hosted = HostSync(axes, compression, delay, next(_instances)) if host else None
   align = (getattr(compression, "align", 1) or 1) if compression is not None else 1
   cut = Cut(fast_axes, align, sharded=sharded, host=host, outer=outer)
   shares, split_params = cut.shares, cut.split_params
+  hosted = HostSync(axes, compression, delay, next(_instances), shares) if host else None
   offload = outer_memory == "host"
 
   def home(tree, params=False):

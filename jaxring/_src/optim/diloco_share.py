@@ -30,7 +30,8 @@ class Shares:
   Args:
     fast_axes: the axes whose members hold the same parameters.
     align: a share's length is a multiple of it.
-    mpi_only: the fast axes must be bound to MPI (a host transfer's members are processes).
+    mpi_only: a host transfer's (only the message differs: the fast axes bound to MPI, or
+      by a ``shard_map`` over each process's own devices).
   """
 
   def __init__(self, fast_axes, align: int = 1, *, mpi_only: bool = False):
@@ -54,13 +55,13 @@ class Shares:
       bound = binding_mod.bind(self.axes, "diloco")
     except NameError:
       bound = None
-    if bound is None or (self.mpi_only and bound.lax_bound):
-      where = ("bind them with jaxring.distributed.bind_mpi_axis, or leave fast_axes empty "
-               "(every member then sends the whole fragment)" if self.mpi_only else
+    if bound is None:
+      where = ("bind them with jaxring.distributed.bind_mpi_axis or a shard_map over each "
+               "process's devices, or leave fast_axes empty (every member then sends the whole "
+               "fragment)" if self.mpi_only else
                "call the transformation's init and update inside the shard_map (or pmap) whose "
                "axes include them, or bind them with jaxring.distributed.bind_mpi_axis")
-      raise ValueError(f"diloco: the fast axes {self.axes} are not bound "
-                       f"{'to MPI' if self.mpi_only else 'here'}; {where}")
+      raise ValueError(f"diloco: the fast axes {self.axes} are not bound here; {where}")
     if bound.lax_bound:
       return lax.axis_index(self.axes), bound.size
     return bound.rank, bound.size

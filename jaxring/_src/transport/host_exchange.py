@@ -107,7 +107,8 @@ class Exchange:
     with self._lock:
       if key in self._open:
         raise RuntimeError(f"jaxring: a host-side transfer '{key}' over {self.name!r} was started "
-                           "again before the last one was finished")
+                           "again before the last one was finished (or by two devices of this "
+                           "process: name the axes they span as diloco's fast_axes)")
       start = {"sum": lambda a, o: self.comm.Iallreduce(a, o, op=MPI.SUM),
                "gather": self.comm.Iallgather, "alltoall": self.comm.Ialltoall}[kind]
       requests = [start(a, o) for a, o in zip(inputs, outputs)]
@@ -165,14 +166,14 @@ class Exchange:
         time.sleep(self.poll_s)
 
 
-_exchanges: dict[int, Exchange] = {}
+_exchanges: dict[tuple, Exchange | tuple[Exchange, ...]] = {}
 _restored: dict[str, dict[Key, list[np.ndarray]]] = {}   # by exchange name: from a checkpoint
 
 
 def in_flight() -> dict[tuple[str, Key], list[np.ndarray]]:
   """The results of this process's transfers started and not yet finished, by (exchange name,
   key), waited for: what a checkpoint taken now keeps."""
-  return {(e.name, k): v for e in list(_exchanges.values()) for k, v in e.results().items()}
+  return {(e.name, k): v for e in _all_exchanges() for k, v in e.results().items()}
 
 
 def restore(name: str, key: Key, outputs) -> None:
@@ -191,36 +192,67 @@ def _restored_result(name: str, key) -> list[np.ndarray]:
   return kept.pop(same[0])
 
 
-def exchange_for(binding) -> Exchange:
+def exchange_for(binding, members: int = 1):
   """The exchange of an MPI-bound axis (``transport.mpi_axis.MpiAxis``), made on first use:
-  collective over its communicator, as the first trace of a program is on every member."""
-  if id(binding) not in _exchanges:
-    _exchanges[id(binding)] = Exchange(binding.comm, str(binding.name))
-  return _exchanges[id(binding)]
+  collective over its communicator, as the first trace of a program is on every member. With
+  ``members > 1`` (the devices of one process that each move their own share: JAX's shape),
+  a tuple of that many exchanges, one per device's index, each on its own duplicate."""
+  made = _exchanges.get((id(binding), members))
+  if made is None:
+    made = Exchange(binding.comm, str(binding.name)) if members == 1 else tuple(
+        Exchange(binding.comm, f"{binding.name} member {j}") for j in range(members))
+    _exchanges[(id(binding), members)] = made
+  return made
+
+
+def _all_exchanges() -> list[Exchange]:
+  return [e for made in list(_exchanges.values())
+          for e in (made if isinstance(made, tuple) else (made,))]
 
 
 def waited_s() -> float:
   """Seconds this process's exchanges spent in :meth:`Exchange.finish` waiting, in all."""
-  return sum(e.waited_s for e in _exchanges.values())
+  return sum(e.waited_s for e in _all_exchanges())
 
 
-def start_in_program(exchange: Exchange, key: Hashable, kind: str, arrays) -> None:
+def _pick(exchange, where) -> Exchange:
+  """The exchange a callback's device uses: ``where`` is None (one exchange) or ``(its index
+  among the process's devices, its index along the slow axis, -1 where no mesh axis is)``."""
+  if where is None:
+    return exchange
+  ex = exchange[int(where[0])]
+  if int(where[1]) >= 0 and int(where[1]) != ex.comm.Get_rank():
+    raise ValueError(f"jaxring: a device at index {int(where[1])} of the slow axis runs in MPI "
+                     f"rank {ex.comm.Get_rank()} of {ex.name!r}: launch one process per member "
+                     "of the slow axis, rank = its index (the mesh's rows in process order)")
+  return ex
+
+
+def start_in_program(exchange, key: Hashable, kind: str, arrays, where=None) -> None:
   """Inside a traced program: hands ``arrays`` to ``exchange.start`` when the program runs there
-  (an ordered ``io_callback``: once, in program order)."""
+  (an ordered ``io_callback``: once, in program order). ``exchange`` may be a tuple of them, one
+  per device of the process, with ``where`` (traced, see :func:`_pick`) naming this device's."""
   def start(*values):
-    exchange.start(key, kind, values)
-  io_callback(start, None, *arrays, ordered=True)
+    if where is None:
+      exchange.start(key, kind, values)
+    else:
+      _pick(exchange, values[0]).start(key, kind, values[1:])
+  io_callback(start, None, *(() if where is None else (where,)), *arrays, ordered=True)
 
 
-def finish_in_program(exchange: Exchange, key: Hashable, kind: str, like) -> list:
+def finish_in_program(exchange, key: Hashable, kind: str, like, where=None) -> list:
   """Inside a traced program: the result of the transfer ``key`` (see :meth:`Exchange.start`),
-  for arrays shaped like ``like``, waited for when the program runs there."""
-  n = exchange.comm.Get_size()
+  for arrays shaped like ``like``, waited for when the program runs there (``exchange`` and
+  ``where`` as in :func:`start_in_program`)."""
+  one = exchange if where is None else exchange[0]
+  n = one.comm.Get_size()
   shapes = [jax.ShapeDtypeStruct((n, *np.shape(a)) if kind == "gather" else np.shape(a), a.dtype)
             for a in like]
-  return list(io_callback(functools.partial(_finished, exchange, key), shapes, ordered=True))
+  if where is None:
+    return list(io_callback(functools.partial(_finished, exchange, key), shapes, ordered=True))
+  return list(io_callback(lambda w: _pick(exchange, w).finish(key), shapes, where,
+                          ordered=True))
 
 
 def _finished(exchange: Exchange, key: Hashable) -> list[np.ndarray]:
   return exchange.finish(key)
-

@@ -20,7 +20,9 @@ rate decayed to 0 along a cosine over ``--steps``, where top-k with momentum cor
   (each tensor's share of the chunks, the default);
 * ``diloco H=<H> ...`` (``--diloco-every H``): ``jaxring.diloco`` of that momentum SGD through
   ``train_step(axis_name=("node", "local"), grad_axes="local")``, uncompressed, int8+EF, and int8
-  in ``--diloco-fragments``; evaluated on the outer parameters.
+  in ``--diloco-fragments``, top-k; evaluated on the outer parameters. With
+  ``--diloco-host-delay D`` the job runs under ``mpirun`` (still JAX's shape, the node axis also
+  bound to MPI) and adds uncompressed and int8 with ``transfer="host", delay=D``.
 
 Contenders take turns, ``--eval-every`` steps each (so the machine's drifting load hits all
 alike); after each turn the test accuracy of the replicated parameters is measured outside the
@@ -44,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -69,8 +72,6 @@ def _loss(params, batch, model: str = "resnet"):
 
 def hand_written(mesh, model: str = "resnet"):
   """``jit(shard_map(step))`` with ``lax.pmean`` of the gradients (the pmap-era idiom)."""
-  import functools
-
   import jax
   from jax import lax
   from jax.sharding import PartitionSpec as P
@@ -87,8 +88,6 @@ def hand_written(mesh, model: str = "resnet"):
 
 def decorated(mesh, model: str = "resnet", **kwargs):
   """The single-device step under ``@jaxring.train_step(mesh, **kwargs)``."""
-  import functools
-
   import jaxring.train as jt
   loss_fn = functools.partial(_loss, model=model)
 
@@ -124,10 +123,12 @@ def contenders(mesh, lr: float, bucket_bytes: int, chunk_size: int, model: str =
 
 
 def diloco_contenders(mesh, lr: float, bucket_bytes: int, model: str, schedule: str, steps: int,
-                      every: int, fragments: int, warmup: int, chunk_size: int = 16) -> dict:
+                      every: int, fragments: int, warmup: int, chunk_size: int = 16,
+                      host_delay: int = 0) -> dict:
   """name -> (step, optimizer) of the DiLoCo contenders on a ("node", "local") ``mesh``:
   uncompressed, int8, int8 in fragments and top-k 1% chunks (SparseLoCo's sparsity), each lossy
-  codec with error feedback."""
+  codec with error feedback; with ``host_delay``, uncompressed and int8 also with
+  ``transfer="host"`` (the sync moved by a host thread over MPI during ``host_delay`` steps)."""
   import optax
 
   import jaxring
@@ -135,11 +136,16 @@ def diloco_contenders(mesh, lr: float, bucket_bytes: int, model: str, schedule: 
   inner, out = optax.sgd(learning_rate(lr, schedule, steps), momentum=MOMENTUM), {}
   codecs = {"none": None, "int8": jaxring.codecs.int8(),
             "topk": jaxring.codecs.topk_chunks(0.01, chunk_size=chunk_size, per_tensor=False)}
-  for codec, p in (("none", 1), ("int8", 1), ("int8", fragments), ("topk", 1)):
+  runs = [("none", 1, 0), ("int8", 1, 0), ("int8", fragments, 0), ("topk", 1, 0)]
+  runs += [("none", 1, host_delay), ("int8", 1, host_delay)] if host_delay else []
+  for codec, p, delay in runs:
     tx = jaxring.diloco(inner, axis="node", every=every, fragments=p, warmup_steps=warmup,
-                        compression=codecs[codec])
-    out[f"diloco H={every} {codec}" + (f" fragments={p}" if p > 1 else "")] = (decorated(
-        mesh, model, axis_name=("node", "local"), grad_axes="local", bucket_bytes=bucket_bytes), tx)
+                        compression=codecs[codec], delay=delay,
+                        transfer="host" if delay else "program")
+    name = (f"diloco H={every} {codec}" + (f" fragments={p}" if p > 1 else "") +
+            (f" host delay={delay}" if delay else ""))
+    out[name] = (decorated(mesh, model, axis_name=("node", "local"), grad_axes="local",
+                           bucket_bytes=bucket_bytes), tx)
   return out
 
 
@@ -178,14 +184,10 @@ def accuracy(params, xte, yte, model: str = "resnet") -> float:
   return float(multihost_utils.broadcast_one_to_all(np.float32(acc)))
 
 
-_JITTED: dict = {}
-
-
-def _eval(fn):
+@functools.cache
+def _eval(fn):   # jitted once per model
   import jax
-  if fn not in _JITTED:
-    _JITTED[fn] = jax.jit(fn)
-  return _JITTED[fn]
+  return jax.jit(fn)
 
 
 def compute_share(params, batch_of, args, mesh=None) -> common.ComputeShare:
@@ -209,6 +211,9 @@ def compute_share(params, batch_of, args, mesh=None) -> common.ComputeShare:
 def worker(args) -> int:
   import jaxring.distributed
   jaxring.distributed.initialize()
+  if args.diloco_host_delay:   # under mpirun: the slow axis (a process per node) bound to MPI too
+    from mpi4py import MPI
+    jaxring.distributed.bind_mpi_axis("node", MPI.COMM_WORLD)
   import jax
   import numpy as np
   from jax.sharding import AxisType, Mesh, NamedSharding
@@ -241,7 +246,7 @@ def worker(args) -> int:
                  axis_types=(AxisType.Auto,) * 2)
     two = diloco_contenders(mesh2, args.lr, int(args.bucket_mib * (1 << 20)), args.model,
                             args.schedule, args.steps, args.diloco_every, args.diloco_fragments,
-                            args.diloco_warmup, args.chunk_size)
+                            args.diloco_warmup, args.chunk_size, args.diloco_host_delay)
     steps_of.update(two)
     batches.update(dict.fromkeys(two, Batches(xtr, ytr, len(devices), args.batch_per_device,
                                               members, NamedSharding(mesh2, P(("node", "local"))))))
@@ -355,6 +360,9 @@ def _parser() -> argparse.ArgumentParser:
                   help="add jaxring.diloco contenders syncing the nodes every this many steps")
   ap.add_argument("--diloco-fragments", type=int, default=4)
   ap.add_argument("--diloco-warmup", type=int, default=0, help="synchronous steps first")
+  ap.add_argument("--diloco-host-delay", type=int, default=0,
+                  help="also the uncompressed and int8 contenders with transfer='host', the "
+                  "sync applied this many steps after it was sent (the job runs under mpirun)")
   ap.add_argument("--seed", type=int, default=0)
   common.job_args(ap, 3600)
   return ap
@@ -376,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
   worker_args = common.worker_argv(args, ("nodes", "link", "devices_per_node"))
   load = os.getloadavg()
   try:
-    rc, recs, log = cluster._run_job(name, args.nodes, 1, args.devices_per_node, "jax",
+    transport = "mpi" if args.diloco_host_delay else "jax"   # host transfers: under mpirun
+    rc, recs, log = cluster._run_job(name, args.nodes, 1, args.devices_per_node, transport,
                                      worker_args, args.timeout, worker=WORKER)
   finally:
     print(f"cluster {name!r}: deleted {len(netns.down(name))} objects", flush=True)
