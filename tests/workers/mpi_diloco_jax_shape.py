@@ -2,14 +2,15 @@
 ``jax.distributed`` with 2 CPU devices, the mesh ``(node, local)`` a row per process, and
 ``node`` also bound to MPI (COMM_WORLD) for ``jaxring.diloco(transfer="host")``.
 
-``@train_step(axis_name=("node", "local"), grad_axes="local")`` fits each node's own
-least-squares data (drawn from ``default_rng(node * 2 + local)``) with ``jaxring.diloco(adam,
-every=4, fragments=2, delay=2)``. Uncompressed, the host form (each device moves its half of a
-fragment on an exchange of its own) gives each node the same own parameters after every step as
-the sync in the program (rtol 1e-6), and the same outer parameters outside a fragment's transfer
-window (the program takes the outer step at the send, the host form at the arrival); with int8 and error feedback (the staged all-to-all, then the
-gather) it stays within int8's rounding of the program's ring. The host form's compiled step
-holds no lax all-reduce: the slow level's bytes left the program. Prints ``rank R: OK``.
+``@train_step(axis_name=("node", "local"), grad_axes="local")`` fits each node's own least-squares
+data (drawn from ``default_rng(node * 2 + local)``) with ``jaxring.diloco(adam, every=4,
+fragments=2, delay=2)``. Uncompressed, the host form (each device moves its half of a fragment on
+an exchange of its own) gives each node the same own parameters after every step as the sync in the
+program (rtol 1e-6), and the same outer parameters outside a fragment's transfer window (the
+program takes the outer step at the send, the host form at the arrival); with int8 and error
+feedback (the staged all-to-all, then the gather) it stays within int8's rounding of the program's
+ring. The host form's compiled step holds no lax all-reduce: the slow level's bytes left the
+program. Prints ``rank R: OK``.
 """
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from jax import lax
 
 from jaxring._src.transport import binding as binding_mod

@@ -212,8 +212,7 @@ def worker(args) -> int:
   import jaxring.distributed
   jaxring.distributed.initialize()
   if args.diloco_host_delay:   # under mpirun: the slow axis (a process per node) bound to MPI too
-    from mpi4py import MPI
-    jaxring.distributed.bind_mpi_axis("node", MPI.COMM_WORLD)
+    jaxring.distributed.bind_mpi_axis("node")   # (COMM_WORLD)
   import jax
   import numpy as np
   from jax.sharding import AxisType, Mesh, NamedSharding
