@@ -70,7 +70,7 @@ def main() -> int:
     hlo = step.lower(state, next(iter(batches))).compile().as_text()
     lax_ops = [l for l in hlo.splitlines() if " all-reduce(" in l or " all-reduce-start(" in l]
     print(f"TOP-LEVEL ALL-REDUCES {sum('/cond/' not in l for l in lax_ops)}", flush=True)
-  if args.diloco:   # this process's rows of everything: its node's parameters, residuals
+    # this process's rows of everything: its node's parameters, residuals
     flat = [np.asarray(s.data) for x in jax.tree.leaves((state.params, state.opt_state))
             for s in x.addressable_shards]
   else:

@@ -240,8 +240,9 @@ def _shared_memory(r: PlanRequest, level, codec: Codec, last: bool = False) -> b
 
 def one_level_in_process(r: PlanRequest) -> bool:
   """Whether a reduction over one whole level of this process's devices, in a multi-process job,
-  runs on the in-process transport: XLA:CPU would send it over gloo's loopback TCP. Asked as ``auto`` or ``hierarchical``; ``{level: "inprocess"}`` asks for it in a
-  one-process job too (where lax's collective stays in the process: the default keeps it)."""
+  runs on the in-process transport: XLA:CPU would send it over gloo's loopback TCP. Asked as
+  ``auto`` or ``hierarchical``; ``{level: "inprocess"}`` asks for it in a one-process job too
+  (where lax's collective stays in the process: the default keeps it)."""
   if len(r.groups) != 1 or not r.groups[0].whole:
     return False
   a = r.algorithm

@@ -123,4 +123,3 @@ class HostSync:
     rows = self._decode_rows(host_exchange.finish_in_program(ex, self.key(p), "gather",
                                                              list(like), where))
     return rows.reshape(-1)[:m] if self.staged else rows.mean(axis=0)
-

@@ -30,14 +30,14 @@ class Shares:
   Args:
     fast_axes: the axes whose members hold the same parameters.
     align: a share's length is a multiple of it.
-    mpi_only: a host transfer's (only the message differs: the fast axes bound to MPI, or
-      by a ``shard_map`` over each process's own devices).
+    host: a host transfer's (only the message differs: the fast axes bound to MPI, or by a
+      ``shard_map`` over each process's own devices).
   """
 
-  def __init__(self, fast_axes, align: int = 1, *, mpi_only: bool = False):
+  def __init__(self, fast_axes, align: int = 1, *, host: bool = False):
     self.axes = axis_names(fast_axes)
     self.align = max(int(align or 1), 1)
-    self.mpi_only = mpi_only
+    self.host = host
 
   def bound_here(self) -> bool:
     """Whether the fast axes are bound here (by ``shard_map``/``pmap`` or to MPI)."""
@@ -58,7 +58,7 @@ class Shares:
     if bound is None:
       where = ("bind them with jaxring.distributed.bind_mpi_axis or a shard_map over each "
                "process's devices, or leave fast_axes empty (every member then sends the whole "
-               "fragment)" if self.mpi_only else
+               "fragment)" if self.host else
                "call the transformation's init and update inside the shard_map (or pmap) whose "
                "axes include them, or bind them with jaxring.distributed.bind_mpi_axis")
       raise ValueError(f"diloco: the fast axes {self.axes} are not bound here; {where}")
@@ -126,7 +126,7 @@ class Cut:
   def shares(self) -> Shares:
     fast = tuple(dict.fromkeys(self.fast + spanned()[0]))
     if fast not in self.made:
-      self.made[fast] = Shares(fast, self.align, mpi_only=self.host)
+      self.made[fast] = Shares(fast, self.align, host=self.host)
     return self.made[fast]
 
   def split_params(self) -> bool:

@@ -23,7 +23,6 @@ has another ``owner``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
 from collections.abc import Hashable
@@ -233,10 +232,8 @@ def start_in_program(exchange, key: Hashable, kind: str, arrays, where=None) -> 
   (an ordered ``io_callback``: once, in program order). ``exchange`` may be a tuple of them, one
   per device of the process, with ``where`` (traced, see :func:`_pick`) naming this device's."""
   def start(*values):
-    if where is None:
-      exchange.start(key, kind, values)
-    else:
-      _pick(exchange, values[0]).start(key, kind, values[1:])
+    ex, values = (exchange, values) if where is None else (_pick(exchange, values[0]), values[1:])
+    ex.start(key, kind, values)
   io_callback(start, None, *(() if where is None else (where,)), *arrays, ordered=True)
 
 
@@ -244,15 +241,9 @@ def finish_in_program(exchange, key: Hashable, kind: str, like, where=None) -> l
   """Inside a traced program: the result of the transfer ``key`` (see :meth:`Exchange.start`),
   for arrays shaped like ``like``, waited for when the program runs there (``exchange`` and
   ``where`` as in :func:`start_in_program`)."""
-  one = exchange if where is None else exchange[0]
-  n = one.comm.Get_size()
+  n = (exchange if where is None else exchange[0]).comm.Get_size()
   shapes = [jax.ShapeDtypeStruct((n, *np.shape(a)) if kind == "gather" else np.shape(a), a.dtype)
             for a in like]
-  if where is None:
-    return list(io_callback(functools.partial(_finished, exchange, key), shapes, ordered=True))
-  return list(io_callback(lambda w: _pick(exchange, w).finish(key), shapes, where,
-                          ordered=True))
-
-
-def _finished(exchange: Exchange, key: Hashable) -> list[np.ndarray]:
-  return exchange.finish(key)
+  operands = () if where is None else (where,)
+  return list(io_callback(lambda *w: _pick(exchange, w[0] if w else None).finish(key), shapes,
+                          *operands, ordered=True))
