@@ -109,6 +109,15 @@ def test_a_codec_with_error_feedback_equals_the_shard_map_form(codec):
   assert any(np.abs(r).max() > 0 for r in jax.tree.leaves(state.opt_state.residual))   # lossy
 
 
+def test_fast_axes_none_is_none():
+  # None, as (): no fast axes of the transform's own (the step's grad_axes are the fast ones)
+  kw = dict(axis="node", every=3)
+  got, _ = run(jr.diloco(optax.sgd(LR), fast_axes=None, **kw), 4, grad_axes="local")
+  want, _ = run(jr.diloco(optax.sgd(LR), **kw), 4, grad_axes="local")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_outer_state_in_host_memory_through_the_step():
   # the outer momentum and the residual rows stay in host memory between steps; the state's
   # params (the outer parameters: the model an evaluation reads) and the replicas' own stay on

@@ -42,10 +42,17 @@ def test_a_delay_a_turn_cannot_hold_is_refused(delay, capsys):
   assert "must be >= 1 and below --every / --fragments = 5" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("shapes", ["", "jax,gpu"])
+def test_an_unknown_shape_is_refused(shapes, capsys):
+  assert outer_sync.main(["--shapes", shapes]) == 2
+  assert f"--shapes takes jax, mpi, got {shapes!r}" in capsys.readouterr().err
+
+
 def test_the_ranks_get_every_option_but_the_drivers():
   args = outer_sync._parser().parse_args(["--links", "1gbit", "--every", "50", "--timeout", "9"])
-  argv = common.worker_argv(args, ("links", "nodes"))
+  argv = outer_sync.job_argv(args, "mpi")
   assert argv[0] == "--worker" and "--links" not in argv and "--timeout" not in argv
+  assert "--shapes" not in argv and argv[argv.index("--shape") + 1] == "mpi"   # one job's
   assert "--out-dir" not in argv and "--nodes" not in argv   # None, and the driver's
   # the ranks parse what they were given back to the driver's values
   again = vars(outer_sync._parser().parse_args(argv))

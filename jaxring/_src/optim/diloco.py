@@ -50,7 +50,8 @@ from jaxring._src.collectives import axis_names, pmean, validate_compression
 from jaxring._src.error_feedback import bound, is_sparsifying, mean_with_error, zeros_per_member
 from jaxring._src.optim.diloco_host import HostSync
 from jaxring._src.optim.diloco_parts import (MEMORIES, PLAN_ATTR, check_memory, check_slow,
-                                             fragment_of, placed, spanned)
+                                             fragment_of, host_transfers_traced, placed,
+                                             spanned)
 from jaxring._src.optim.diloco_share import Cut, pseudo_of, size, whole_flat
 
 TRANSFERS = ("program", "host")
@@ -121,7 +122,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
       replicated model spans, e.g. ``"local"``): this changes the plan, not the result: each
       member averages only its ``1/size`` share of a fragment over the slow axis (sends that
       over the slow links, in the program or, with ``transfer="host"``, by the host thread) and
-      an ``all_gather`` over the fast axes puts the shares back together.
+      an ``all_gather`` over the fast axes puts the shares back together (``()`` or ``None``:
+      none).
     transfer: ``"program"``: the sync inside the step's program; ``"host"``: by a host thread
       during the ``delay`` steps (needs ``delay >= 1`` and the slow axis bound to MPI; the
       ``fast_axes`` bound to MPI too, one process a device, or by a ``shard_map`` over each
@@ -171,6 +173,7 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
   if shard not in SHARDS:
     raise ValueError(f"diloco: shard must be one of {SHARDS}, got {shard!r}")
   sharded = shard == "optimizer"
+  fast_axes = () if fast_axes is None else fast_axes   # None: none, as ()
   if sharded and int(every) == 1 and compression is not None and error_feedback:
     raise ValueError("diloco(every=1) averages the gradients themselves, whose residual "
                      "shard='optimizer' does not split: use shard='none' at every=1")
@@ -349,6 +352,8 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
         if (host or sharded) and not pieces[p]:   # more fragments than leaves: nothing to move
           continue
         res_p = None if residuals is None else residuals[p]
+        if host and not host_transfers_traced():   # a step with none (plan's host_steps)
+          continue
         if host:
           def arrive(args, p=p):   # the transfer is back: the outer step, the progress kept
             x_p, outer_p, ostate, sent = args
@@ -409,6 +414,13 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     t = count - warmup + 1
     return (t <= 0) | at(t, 0)
 
+  def host_steps(count: int) -> bool:   # the step after count starts or finishes a transfer
+    t, lags = count - warmup + 1, (0, delay, *((hosted.midway,) if hosted.staged else ()))
+    return count >= warmup and any(
+        (t - lag) % every == 0 and t - lag > 0
+        for p in range(fragments) for lag in (p * every // fragments + d for d in lags))
+
   setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs,
-                              "split": cut.split_flats if sharded else None})
+                              "split": cut.split_flats if sharded else None,
+                              "host_steps": host_steps if host else None})
   return optax.GradientTransformation(init, update)

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxring._src.optim.diloco import DiLoCoState
-from jaxring._src.optim.diloco_parts import plan_of, spanning
+from jaxring._src.optim.diloco_parts import plan_of, spanning, without_host_transfers
 from jaxring._src.train.grad import replica_mean
 
 # the fields of a DiLoCoState each replica keeps its own of, in a train step's state
@@ -47,6 +47,45 @@ def rows(state) -> tuple:
   """The fields each replica keeps its own of: with ``shard="optimizer"`` the outer optimizer's
   state too (each member of the fast axes its share)."""
   return ROWS + (("outer",) if _split(state) is not None else ())
+
+
+class HostSchedule:
+  """Which program a train step runs with a ``transfer="host"`` diloco: on the steps that start
+  and finish no host transfer, the step's program traced without the transfers' callbacks
+  (``diloco_parts.without_host_transfers``: jax's C++ dispatch, not Python's). The count is
+  read from the device once, then followed while each step is handed the count it returned."""
+
+  def __init__(self, spmd, donate_argnums: tuple):
+    self._spmd, self._donate, self._quiet = spmd, donate_argnums, None
+    self._last = self._next = None   # (the count array a step returned, its value); the next
+    self.quiet_steps = self.count_reads = 0   # for inspection
+
+  def program(self, state, jitted):
+    """``jitted`` (the whole step's program), or the quiet one where this step moves nothing."""
+    plan = plan_of(getattr(state, "tx", None)) if is_diloco(state) else None
+    self._next = None
+    if plan is None or plan.get("host_steps") is None:
+      return jitted
+    count = state.opt_state.count
+    if self._last is not None and self._last[0] is count:
+      n = self._last[1]
+    else:
+      n, self.count_reads = int(np.asarray(count.addressable_data(0))), self.count_reads + 1
+    self._next = n + 1
+    # the first step runs the whole program (at a step that moves nothing the quiet one's
+    # equal), so that both are compiled by the second step, not at the first transfer's
+    if plan["host_steps"](n) or self._last is None and self.count_reads == 1:
+      return jitted
+    self.quiet_steps += 1
+    if self._quiet is None:
+      def quiet(*args):
+        with without_host_transfers():
+          return self._spmd(*args)
+      self._quiet = jax.jit(quiet, donate_argnums=self._donate)
+    return self._quiet
+
+  def ran(self, new_state) -> None:
+    self._last = None if self._next is None else (new_state.opt_state.count, self._next)
 
 
 def is_diloco(state) -> bool:

@@ -73,6 +73,7 @@ class TrainStep:
     self.config = config
     self.buckets = None
     self._jitted = jax.jit(self._spmd, donate_argnums=(0, 1) if donate else ())
+    self._host = diloco_layout.HostSchedule(self._spmd, (0, 1) if donate else ())
     self._donate, self._calls, self._nnx, self._functional = donate, 0, None, None
     self._checked = False  # the step's signature takes the first call's arguments
     self._split = None     # NNX's split form, step(graphdef, state, batch)
@@ -275,8 +276,10 @@ class TrainStep:
     residuals = residual_tree(state)
     if residuals is not None:
       guards.check_residuals(state)
-    new_state, residuals, metrics = self._jitted(_without_residuals(state), residuals,
-                                                 self.shard_batch(batch), args)
+    run = self._host.program(state, self._jitted)
+    new_state, residuals, metrics = run(_without_residuals(state), residuals,
+                                        self.shard_batch(batch), args)
+    self._host.ran(new_state)
     self._pace((metrics, new_state))
     return with_residual_tree(new_state, residuals), metrics
 

@@ -1,18 +1,25 @@
 """``jaxring bench outer-sync``: whether DiLoCo's outer sync hides behind the inner steps, on the
-emulated cluster (root), at each ``--links`` rate.
+emulated cluster (root), at each ``--links`` rate, in each of ``--shapes``:
 
-One MPI rank per device (``jaxring cluster run --transport mpi``, ``--nodes`` x
-``--devices-per-node``, one compute thread each); every rank trains bench tta's GroupNorm ResNet
-(``resnet_gn``) on ``--batch`` random 16x16 images a step with momentum SGD. Contenders:
+* ``jax``: one process per node (``jax.distributed`` under ``mpirun``) driving its
+  ``--devices-per-node`` CPU devices, a ``("node", "local")`` mesh and ``@jaxring.train_step(
+  axis_name=("node", "local"), grad_axes="local")`` (bench tta's DiLoCo contenders), ``node``
+  also bound to MPI for the host transfers: how one trains on GPUs;
+* ``mpi``: one MPI rank per device (``--nodes`` x ``--devices-per-node``, one compute thread
+  each), the axes bound to MPI communicators, the transform called in a plain ``jax.jit`` step.
 
-* ``compute alone``: the step with no collective at all (each rank its own model);
-* ``per-step pmean none`` / ``int8``: synchronous data parallel, ``jaxring.pmean`` of the
-  gradients over the ranks bound as ``(local, node)`` every step (int8 on the node level);
-* ``local pmean only``: the gradients averaged over ``local`` and no outer sync ever: the step
-  DiLoCo would take if its outer sync cost nothing;
-* ``diloco H=.. P=.. in program``: ``jaxring.diloco(every=H, fragments=P, fast_axes="local")``,
-  gradients averaged over ``local``, each fragment's sync inside the step's program (XLA:CPU
-  runs it in the step), each rank averaging its node's half over ``node``;
+Every device trains bench tta's GroupNorm ResNet (``resnet_gn``) on ``--batch`` random 16x16
+images a step with momentum SGD. Contenders:
+
+* ``compute alone``: the step with no collective at all (each device its own model);
+* ``per-step pmean none`` / ``int8``: synchronous data parallel, the gradients averaged over
+  ``(local, node)`` every step (int8 on the node level);
+* ``local pmean only``: the gradients averaged over ``local`` and no outer sync ever (``mpi``:
+  the inner optimizer alone; ``jax``: a diloco whose sync never comes): the step DiLoCo would
+  take if its outer sync cost nothing;
+* ``diloco H=.. P=.. in program``: ``jaxring.diloco(every=H, fragments=P)``, gradients averaged
+  over ``local``, each fragment's sync inside the step's program (XLA:CPU runs it in the step),
+  each device averaging its node's half over ``node`` (the fast axes ``local``);
 * ``diloco H=.. P=.. host d=..`` (and ``int8``): ``transfer="host", delay=d``, the same halves
   moved by a host thread over MPI during the next ``d`` steps;
 * ``diloco H=.. P=.. in program topk``: the program's sync with ``--topk`` and error feedback
@@ -20,17 +27,19 @@ One MPI rank per device (``jaxring cluster run --transport mpi``, ``--nodes`` x
 
 Contenders take turns of ``H`` steps each (every fragment syncs once a turn, and with the host
 transfer a turn starts ``d`` steps after a send, so none is in flight across turns: ``d`` must be
-below ``H / P``), ``--reps`` turns; a turn's time is the slowest rank's, after a barrier. Reported:
-mean ms per step (median over turns), compute utilization (``compute alone``'s step time over the
-contender's, median of the per-turn ratios), the same against ``local pmean only`` (what is left
-of the outer sync's cost), the time the host transfers were waited for, and the bytes each node
-put on its link per step (``tx_bytes`` of its interface, all turns' bytes over all their steps)
-and how many times fewer than ``per-step pmean none``'s; the same of the bytes a row adds to
-``local pmean only``'s (the bench's own per-turn coordination crosses the links too).
+below ``H / P``; its first turn is untimed), ``--reps`` turns; a turn's time is the slowest
+rank's, after a barrier. Reported: mean ms per step (median over turns), compute utilization
+(``compute alone``'s step time over the contender's, median of the per-turn ratios), the same
+against ``local pmean only`` (what is left of the outer sync's cost), the time the host transfers
+were waited for (the slowest rank's: a member ahead waits at an arrival for those behind), and
+the bytes each node put on its link per step (``tx_bytes`` of its interface, all turns' bytes
+over all their steps) and how many times fewer than ``per-step pmean none``'s; the same of the
+bytes a row adds to ``local pmean only``'s (the bench's own per-turn coordination crosses the
+links too).
 
 Example:
-  sudo jaxring bench outer-sync                         # 10mbit, 100mbit and 1gbit links
-  sudo jaxring bench outer-sync --links 10mbit --reps 2 --every 50
+  sudo jaxring bench outer-sync                     # 10mbit, 100mbit and 1gbit; both shapes
+  sudo jaxring bench outer-sync --links 10mbit --shapes jax --reps 2 --every 50
 """
 from __future__ import annotations
 
@@ -47,6 +56,7 @@ WORKER = "jaxring._src.tools.bench.outer_sync"
 ALONE = "compute alone"
 PMEAN = "per-step pmean none"
 LOCAL = "local pmean only (no outer sync)"
+SHAPES = ("jax", "mpi")
 
 
 def names(every: int, fragments: int, delay: int) -> dict:
@@ -58,9 +68,8 @@ def names(every: int, fragments: int, delay: int) -> dict:
           f"{base} in program topk": ("program", "topk")}
 
 
-def worker(args) -> int:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                             "false intra_op_parallelism_threads=1").strip()
+def _mpi_shape(args, comm):
+  """One rank per device: ``(make, run, node_stride)`` of the MPI shape (module docstring)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -68,12 +77,8 @@ def worker(args) -> int:
 
   import jaxring
   import jaxring.distributed as jd
-  from jaxring._src.tools.bench import cluster_worker
   from jaxring._src.tools.bench.models import MODELS
-  from jaxring._src.transport import host_exchange
 
-  MPI = require("mpi4py.MPI", "mpi", "jaxring bench outer-sync's ranks need MPICH and mpi4py")
-  comm = MPI.COMM_WORLD
   rank, per = comm.Get_rank(), args.devices_per_node
   node, local = divmod(rank, per)
   levels = jaxring.Topology((jaxring.Level("local", per),
@@ -81,7 +86,6 @@ def worker(args) -> int:
   jd.bind_mpi_axis("data", comm, levels)
   jd.bind_mpi_axis("local", comm.Split(node, rank))
   jd.bind_mpi_axis("node", comm.Split(local, rank))
-  iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
   init, logits_fn = MODELS["resnet_gn"]
   params0 = init(jax.random.key(0))
   rng = np.random.default_rng(rank)
@@ -91,21 +95,11 @@ def worker(args) -> int:
   def loss(p, b):
     return optax.softmax_cross_entropy_with_integer_labels(logits_fn(p, b["x"]), b["y"]).mean()
 
-  inner = optax.sgd(0.03, momentum=0.9)
-  codecs = {None: None, "int8": jaxring.codecs.int8(), "topk": jaxring.codecs.parse(args.topk)}
-
-  def make(kind, codec):
+  def make(kind, codec, tx):
     if kind in ("alone", "pmean"):
-      tx = inner
       reduce = {"alone": lambda g: g, "pmean": lambda g: jaxring.pmean(
-          g, "data", compression=None if codec is None else {"node": codecs[codec]})}[kind]
-    elif kind == "local":
-      tx, reduce = inner, lambda g: jaxring.pmean(g, "local")   # noqa: E731
+          g, "data", compression=None if codec is None else {"node": codec})}[kind]
     else:
-      tx = jaxring.diloco(inner, axis="node", every=args.every, fragments=args.fragments,
-                          delay=0 if kind == "program" else args.delay,
-                          transfer="program" if kind == "program" else "host",
-                          fast_axes="local", compression=codecs[codec])
       reduce = lambda g: jaxring.pmean(g, "local")   # noqa: E731
 
     @jax.jit
@@ -121,13 +115,101 @@ def worker(args) -> int:
       carry = step(*carry)
     return jax.block_until_ready(carry)
 
+  return make, run, per, params0
+
+
+def _jax_shape(args, comm):
+  """One process per node driving its ``--devices-per-node`` devices, a ``("node", "local")``
+  mesh, ``@jaxring.train_step`` (bench tta's DiLoCo contenders): ``(make, run, 1, params)``."""
+  import jax
+  import numpy as np
+  from jax.sharding import AxisType, Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jaxring.train as jt
+  from jaxring._src.tools.bench import tta
+  from jaxring._src.tools.bench.models import MODELS
+
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  mesh = Mesh(np.asarray(devices).reshape(jax.process_count(), -1), ("node", "local"),
+              axis_types=(AxisType.Auto,) * 2)
+  params0 = MODELS["resnet_gn"][0](jax.random.key(0))
+  rng, n = np.random.default_rng(comm.Get_rank()), args.batch * len(jax.local_devices())
+  sharded = NamedSharding(mesh, P(("node", "local")))
+  batch = {k: jax.make_array_from_process_local_data(sharded, v) for k, v in (
+      ("x", rng.standard_normal((n, 16, 16, 3)).astype(np.float32)),
+      ("y", rng.integers(0, 16, n).astype(np.int32)))}
+
+  def alone(state, b):   # each device its own model: no collective, not even in the process
+    grads = jax.grad(tta._loss)(state.params, b, "resnet_gn")
+    return state.apply_gradients(grads=grads), {}
+
+  def make(kind, codec, tx):
+    if kind == "alone":
+      step = jax.jit(jax.shard_map(alone, mesh=mesh, in_specs=(P(), P(("node", "local"))),
+                                   out_specs=(P(), P()), check_vma=False), donate_argnums=(0,))
+    elif kind == "pmean":
+      step = tta.decorated(mesh, "resnet_gn", axis_name=("node", "local"),
+                           compression=None if codec is None else {"node": codec})
+    else:   # local (diloco never syncing), program, host
+      step = tta.decorated(mesh, "resnet_gn", axis_name=("node", "local"), grad_axes="local")
+    state = jt.TrainState.create(apply_fn=None, params=params0, tx=tx)
+    state = (step.prepare(state) if hasattr(step, "prepare") else
+             jax.device_put(jax.tree.map(np.copy, state), NamedSharding(mesh, P())))
+    return (lambda s: step(s, batch)[0]), state
+
+  def run(step, state, n):
+    for _ in range(n):   # one step in flight, as bench tta (its docstring: gloo's deadlock)
+      state = jax.block_until_ready(step(state))
+    return state
+
+  return make, run, 1, params0
+
+
+def worker(args) -> int:
+  flags = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+  if args.shape == "mpi":   # one compute thread per rank
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flags).strip()
+  else:
+    import jaxring.distributed as jd
+    jd.initialize()
+    jd.bind_mpi_axis("node")   # COMM_WORLD: a rank per node, for the host transfers
+  import jax
+  import numpy as np
+  import optax
+
+  import jaxring
+  from jaxring._src.tools.bench import cluster_worker
+  from jaxring._src.transport import host_exchange
+
+  MPI = require("mpi4py.MPI", "mpi", "jaxring bench outer-sync's ranks need MPICH and mpi4py")
+  comm = MPI.COMM_WORLD
+  rank = comm.Get_rank()
+  make, run, stride, params0 = (_mpi_shape if args.shape == "mpi" else _jax_shape)(args, comm)
+  iface = os.environ.get("JAXRING_INTERFACE", "jreth0")
+  inner = optax.sgd(0.03, momentum=0.9)
+  codecs = {None: None, "int8": jaxring.codecs.int8(), "topk": jaxring.codecs.parse(args.topk)}
+  fast = "local" if args.shape == "mpi" else None   # JAX's shape: train_step's grad_axes
+
+  def tx_of(kind, codec):
+    # local: MPI's shape averages over local alone; train_step (JAX's) takes a diloco never syncing
+    if kind in ("alone", "pmean") or (kind, args.shape) == ("local", "mpi"):
+      return inner
+    every = 1 << 30 if kind == "local" else args.every   # local: the same step, never syncing
+    return jaxring.diloco(inner, axis="node", every=every, fragments=args.fragments,
+                          delay=args.delay if kind == "host" else 0,
+                          transfer="host" if kind == "host" else "program", fast_axes=fast,
+                          compression=codecs[codec])
+
   contenders = names(args.every, args.fragments, args.delay)
   steps, carries = {}, {}
   for name, (kind, codec) in contenders.items():
-    steps[name], carries[name] = make(kind, codec)
+    steps[name], carries[name] = make(kind, codecs[codec], tx_of(kind, codec))
     t0 = time.perf_counter()
-    # aligned so that a turn holds every send and its arrival (module docstring)
-    carries[name] = run(steps[name], carries[name], args.delay if kind == "host" else 1)
+    # aligned so that a turn holds every send and its arrival (module docstring); the host
+    # form's first turn untimed (the step's two programs compiled, MPI's connections made)
+    warm = args.every + args.delay if kind == "host" else 1
+    carries[name] = run(steps[name], carries[name], warm)
     comm.Barrier()
     if rank == 0:
       print(f"{name}: compiled and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -144,7 +226,7 @@ def worker(args) -> int:
       comm.Barrier()
       times[name].append(float(max(comm.allgather(seconds))))
       waited[name].append(float(max(comm.allgather(host_exchange.waited_s() - w0))))
-      tx[name].append(float(np.mean(comm.allgather(b1 - b0)[::per])))  # one rank per node
+      tx[name].append(float(np.mean(comm.allgather(b1 - b0)[::stride])))  # one rank per node
     if rank == 0:
       print(f"rep {rep + 1}/{args.reps}: " + ", ".join(
           f"{n} {times[n][-1] / args.every * 1e3:.0f} ms" for n in contenders), flush=True)
@@ -153,7 +235,7 @@ def worker(args) -> int:
       cluster_worker.emit(contender=name, kind=kind, codec=codec or "none", every=args.every,
                           fragments=args.fragments, delay=args.delay, steps=args.every,
                           turn_seconds=times[name], tx_per_turn=tx[name],
-                          waited_per_turn=waited[name],
+                          waited_per_turn=waited[name], shape=args.shape,
                           params=int(sum(np.size(x) for x in jax.tree.leaves(params0))))
   comm.Barrier()
   return 0
@@ -211,8 +293,18 @@ def _parser() -> argparse.ArgumentParser:
                   "values: 64-value chunks let 1%% of them be chosen; their values in bf16, "
                   "the error feedback keeping the rounding)")
   ap.add_argument("--reps", type=int, default=3, help="turns of H steps per contender")
+  ap.add_argument("--shapes", default="jax,mpi",
+                  help="comma-separated: jax (a process per node driving its devices through "
+                  "@jaxring.train_step, the node axis also bound to MPI), mpi (a rank a device)")
+  ap.add_argument("--shape", choices=SHAPES, default="jax", help=argparse.SUPPRESS)   # a job's
   common.job_args(ap, 1800, "seconds per link's job")
   return ap
+
+
+def job_argv(args, shape: str) -> list[str]:
+  """The command line of one shape's ranks: every option but the driver's."""
+  return common.worker_argv(argparse.Namespace(**{**vars(args), "shape": shape}),
+                            ("links", "nodes", "shapes"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,27 +316,36 @@ def main(argv: list[str] | None = None) -> int:
           f"--fragments = {args.every / args.fragments:g} (a turn holds each send's arrival)",
           file=sys.stderr)
     return 2
+  shapes = [x for x in args.shapes.split(",") if x]
+  if not shapes or set(shapes) - set(SHAPES):
+    print(f"jaxring bench outer-sync: --shapes takes {', '.join(SHAPES)}, got {args.shapes!r}",
+          file=sys.stderr)
+    return 2
   if common.lacks_root("outer-sync"):
     return 2
   from jaxring._src.tools.bench.cluster import _run_job
   from jaxring._src.tools.cluster import netns
   name, rows, failed = "jro", [], []
-  worker_args = common.worker_argv(args, ("links", "nodes"))
   for link in filter(None, args.links.split(",")):
-    if netns.load_state(name) is not None:
-      netns.down(name)
-    netns.up(name, args.nodes, rate=link)
-    try:
-      rc, recs, log = _run_job(name, args.nodes, args.devices_per_node, None, "mpi",
-                               worker_args, args.timeout, worker=WORKER)
-    finally:
-      netns.down(name)
-    if rc != 0 or not recs:
-      print(f"--- link {link}: the job exited {rc}; its output:\n{log[-4000:]}", file=sys.stderr)
-      failed.append(link)
-      continue
-    rows += rows_of(recs, link)
-  common.print_table(rows, [("link", "link", "s"), ("contender", "contender", "s"),
+    for shape in shapes:
+      procs, devices = (args.devices_per_node, None) if shape == "mpi" else (1,
+                                                                            args.devices_per_node)
+      if netns.load_state(name) is not None:
+        netns.down(name)
+      netns.up(name, args.nodes, rate=link)   # a fresh cluster: its byte counters from 0
+      try:
+        rc, recs, log = _run_job(name, args.nodes, procs, devices, "mpi",
+                                 job_argv(args, shape), args.timeout, worker=WORKER)
+      finally:
+        netns.down(name)
+      if rc != 0 or not recs:
+        print(f"--- link {link}, shape {shape}: the job exited {rc}; its output:\n"
+              f"{log[-4000:]}", file=sys.stderr)
+        failed.append(f"{link} {shape}")
+        continue
+      rows += [{"shape": shape, **r} for r in rows_of(recs, link)]
+  common.print_table(rows, [("link", "link", "s"), ("shape", "shape", "s"),
+                            ("contender", "contender", "s"),
                             ("ms_per_step", "ms/step", ".1f"),
                             ("utilization", "utilization", ".3f"),
                             ("of_local_only", "of local-only", ".3f"),
