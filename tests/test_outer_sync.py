@@ -36,6 +36,21 @@ def test_rows_read_utilization_against_the_step_with_no_collective_turn_by_turn(
   assert rows[outer_sync.ALONE]["utilization"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("kind", ["program", "host"])
+def test_every_turn_holds_each_fragments_sync_and_arrival(kind):
+  every, fragments, delay = 100, 4, 20
+  warm = outer_sync.warm_steps(kind, every, delay)
+  for turn in range(3):   # inner steps t = count + 1 of the turn
+    ts = range(warm + turn * every + 1, warm + (turn + 1) * every + 1)
+    for p in range(fragments):   # diloco: fragment p sends at p * H / P + k H, k >= 1
+      sends = [t for t in ts if (t - p * every // fragments) % every == 0 and
+               t > p * every // fragments]
+      assert len(sends) == 1, (kind, turn, p, sends)
+      if kind == "host":
+        assert sends[0] + delay in ts, (turn, p)   # its arrival in the same turn
+  assert outer_sync.warm_steps("pmean", every, delay) == 1   # compiled, nothing to align
+
+
 @pytest.mark.parametrize("delay", [0, 5])
 def test_a_delay_a_turn_cannot_hold_is_refused(delay, capsys):
   assert outer_sync.main(["--every", "20", "--fragments", "4", "--delay", str(delay)]) == 2

@@ -27,15 +27,15 @@ images a step with momentum SGD. Contenders:
 
 Contenders take turns of ``H`` steps each (every fragment syncs once a turn, and with the host
 transfer a turn starts ``d`` steps after a send, so none is in flight across turns: ``d`` must be
-below ``H / P``; its first turn is untimed), ``--reps`` turns; a turn's time is the slowest
-rank's, after a barrier. Reported: mean ms per step (median over turns), compute utilization
-(``compute alone``'s step time over the contender's, median of the per-turn ratios), the same
-against ``local pmean only`` (what is left of the outer sync's cost), the time the host transfers
-were waited for (the slowest rank's: a member ahead waits at an arrival for those behind), and
-the bytes each node put on its link per step (``tx_bytes`` of its interface, all turns' bytes
-over all their steps) and how many times fewer than ``per-step pmean none``'s; the same of the
-bytes a row adds to ``local pmean only``'s (the bench's own per-turn coordination crosses the
-links too).
+below ``H / P``; a diloco's first turn is untimed: ``warm_steps``), ``--reps`` turns; a turn's
+time is the slowest rank's, after a barrier. Reported: mean ms per step (median over turns),
+compute utilization (``compute alone``'s step time over the contender's, median of the per-turn
+ratios), the same against ``local pmean only`` (what is left of the outer sync's cost), the time
+the host transfers were waited for (the slowest rank's: a member ahead waits at an arrival for
+those behind), and the bytes each node put on its link per step (``tx_bytes`` of its interface,
+all turns' bytes over all their steps) and how many times fewer than ``per-step pmean none``'s;
+the same of the bytes a row adds to ``local pmean only``'s (the bench's own per-turn
+coordination crosses the links too).
 
 Example:
   sudo jaxring bench outer-sync                     # 10mbit, 100mbit and 1gbit; both shapes
@@ -166,6 +166,14 @@ def _jax_shape(args, comm):
   return make, run, 1, params0
 
 
+def warm_steps(kind: str, every: int, delay: int) -> int:
+  """The untimed steps before a contender's turns: one compiles; a diloco's first ``every`` (its
+  fragment ``p`` first syncs at inner step ``p * every / P + every``), so that every turn holds
+  each fragment's sync, and with the host transfer ``delay`` more, so that it holds each send's
+  arrival too (and the step's two programs are compiled, MPI's connections made)."""
+  return {"program": every, "host": every + delay}.get(kind, 1)
+
+
 def worker(args) -> int:
   flags = " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
   if args.shape == "mpi":   # one compute thread per rank
@@ -206,10 +214,7 @@ def worker(args) -> int:
   for name, (kind, codec) in contenders.items():
     steps[name], carries[name] = make(kind, codecs[codec], tx_of(kind, codec))
     t0 = time.perf_counter()
-    # aligned so that a turn holds every send and its arrival (module docstring); the host
-    # form's first turn untimed (the step's two programs compiled, MPI's connections made)
-    warm = args.every + args.delay if kind == "host" else 1
-    carries[name] = run(steps[name], carries[name], warm)
+    carries[name] = run(steps[name], carries[name], warm_steps(kind, args.every, args.delay))
     comm.Barrier()
     if rank == 0:
       print(f"{name}: compiled and warmed in {time.perf_counter() - t0:.1f} s", flush=True)
