@@ -415,10 +415,9 @@ def diloco(inner: optax.GradientTransformation, *, axis: Any = "node", every: in
     return (t <= 0) | at(t, 0)
 
   def host_steps(count: int) -> bool:   # the step after count starts or finishes a transfer
-    t, lags = count - warmup + 1, (0, delay, *((hosted.midway,) if hosted.staged else ()))
-    return count >= warmup and any(
-        (t - lag) % every == 0 and t - lag > 0
-        for p in range(fragments) for lag in (p * every // fragments + d for d in lags))
+    lags = (0, delay, *((hosted.midway,) if hosted.staged else ()))
+    return count >= warmup and any(at(count - warmup + 1, p * every // fragments + d)
+                                   for p in range(fragments) for d in lags)
 
   setattr(update, PLAN_ATTR, {"axes": axes, "syncs": first_fragment_syncs,
                               "split": cut.split_flats if sharded else None,

@@ -58,6 +58,7 @@ class HostSchedule:
   def __init__(self, spmd, donate_argnums: tuple):
     self._spmd, self._donate, self._quiet = spmd, donate_argnums, None
     self._last = self._next = None   # (the count array a step returned, its value); the next
+    self._whole_ran = False
     self.quiet_steps = self.count_reads = 0   # for inspection
 
   def program(self, state, jitted):
@@ -74,7 +75,8 @@ class HostSchedule:
     self._next = n + 1
     # the first step runs the whole program (at a step that moves nothing the quiet one's
     # equal), so that both are compiled by the second step, not at the first transfer's
-    if plan["host_steps"](n) or self._last is None and self.count_reads == 1:
+    if plan["host_steps"](n) or not self._whole_ran:
+      self._whole_ran = True
       return jitted
     self.quiet_steps += 1
     if self._quiet is None:

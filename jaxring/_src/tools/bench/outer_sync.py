@@ -69,7 +69,8 @@ def names(every: int, fragments: int, delay: int) -> dict:
 
 
 def _mpi_shape(args, comm):
-  """One rank per device: ``(make, run, node_stride)`` of the MPI shape (module docstring)."""
+  """One rank per device: ``(make, run, node_stride, params)`` of the MPI shape (module
+  docstring)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -200,10 +201,10 @@ def worker(args) -> int:
   fast = "local" if args.shape == "mpi" else None   # JAX's shape: train_step's grad_axes
 
   def tx_of(kind, codec):
-    # local: MPI's shape averages over local alone; train_step (JAX's) takes a diloco never syncing
+    # local: the inner optimizer (MPI's shape) or, as train_step needs one, a diloco never syncing
     if kind in ("alone", "pmean") or (kind, args.shape) == ("local", "mpi"):
       return inner
-    every = 1 << 30 if kind == "local" else args.every   # local: the same step, never syncing
+    every = 1 << 30 if kind == "local" else args.every
     return jaxring.diloco(inner, axis="node", every=every, fragments=args.fragments,
                           delay=args.delay if kind == "host" else 0,
                           transfer="host" if kind == "host" else "program", fast_axes=fast,
