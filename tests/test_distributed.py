@@ -38,8 +38,8 @@ def _algorithms() -> list[str]:
     import jaxring
   except ImportError:
     return ["lax"]
-  return (["lax", "xla", "ring", "hierarchical", "local"] if hasattr(jaxring, "psum") else
-          ["lax"])
+  return (["lax", "xla", "ring", "hierarchical", "local", "node-topk"] if hasattr(jaxring, "psum")
+          else ["lax"])
 
 
 @pytest.mark.timeout(240)
@@ -59,6 +59,9 @@ def test_psum_across_processes_matches_float64_numpy(nproc, devices):
       # a reduction over this process's devices alone stays in shared memory, off gloo's loopback
       assert (f"process {r.rank}: local custom calls ['jaxring_local_all_gather', "
               "'jaxring_local_reduce_scatter']") in r.stdout, mp.report(results)
+    if "node-topk" in algorithms:   # a few norms, a few chunks: each one gather (ring.GATHER_BELOW)
+      assert (f"process {r.rank}: node-topk collectives ['all-gather', 'all-gather']"
+              in r.stdout), mp.report(results)
 
 
 @pytest.mark.timeout(240)

@@ -1,7 +1,9 @@
-"""Sub-chunked ring hops (``Level.pieces``) and the all-gather that carries the slow level's payload.
+"""Sub-chunked ring hops (``Level.pieces``), the all-gather that carries the slow level's payload,
+and the ring's small-message gather.
 
-Both change how bytes move, never the values: results must be bit-identical to the plain schedule
-and within float32 rounding of a float64 NumPy sum; the compiled HLO must show the new schedule.
+The first two change how bytes move, never the values: results must be bit-identical to the plain
+schedule and within float32 rounding of a float64 NumPy sum; the gather rounds each value once, so
+its sum is within float32 rounding of the decoded values'. The compiled HLO must show the schedule.
 """
 import re
 
@@ -84,7 +86,7 @@ def count_permutes(f, x) -> int:
 
 
 def test_pieces_split_every_hop_of_the_node_ring():
-  x = jnp.zeros((8, 4096), jnp.float32)
+  x = jnp.zeros((8, 16384), jnp.float32)   # the node ring's 8 KiB of bf16: not gathered
   with jaxring.use_topology(topology(1)):
     one = count_permutes(reducer("mesh", "hierarchical", codecs.bf16()), x)
   with jaxring.use_topology(topology(4)):
@@ -126,3 +128,38 @@ def test_local_all_gather_carries_the_node_levels_int8():
   operands = re.findall(r'custom_call_target="jaxring_local_all_gather_decode", '
                         r'operand_layout_constraints=\{(\w+)\[(\d+)\]\{0\}, (\w+)\[(\d+)\]', hlo)
   assert operands == [("s8", str(n // 4), "f32", str(n // 4 // 256))], operands
+
+def ops_of(f, x) -> list[str]:
+  return [c.op for c in compiled_wire_bytes(f, x).collectives]
+
+
+@pytest.mark.parametrize("codec", [codecs.bf16(), codecs.int8(block_size=32)], ids=["bf16", "int8"])
+def test_a_small_lossy_ring_is_one_all_gather_rounding_each_value_once(codec):
+  """Under ring.GATHER_BELOW the ring gathers every member's encoded buffer and sums it: one
+  collective, the sum of each member's decoded values (the ring would re-round partial sums)."""
+  from jaxring._src.algorithms import engine, ring
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(AUTO,))
+  x = np.random.default_rng(3).standard_normal((8, 96)).astype(np.float32) * 100
+
+  def body(v):
+    binding = engine.bind(("d",), "psum")
+    total, err = engine.all_reduce_flat(v[0], jnp.float32, binding, "ring", codec, want_error=True)
+    return total[None], err[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d"))))
+  assert 7 * codec.wire_bytes(96) < ring.GATHER_BELOW
+  assert ops_of(f, x) == ["all-gather"]
+  total, err = map(np.asarray, f(x))
+  decoded = x.astype(np.float64) - err          # each member's one encoding, as sent
+  np.testing.assert_array_equal(decoded.astype(np.float32),
+                                np.stack([codec.decode(codec.encode(jnp.asarray(r), jnp.float32),
+                                                       jnp.float32) for r in x]))
+  for row in total[1:]:
+    np.testing.assert_array_equal(row, total[0])
+  exact = decoded.sum(0)
+  bound = 8 * np.finfo(np.float32).eps * np.abs(decoded).sum(0).max()
+  assert np.abs(total[0] - exact).max() <= bound
+
+  big = np.random.default_rng(4).standard_normal((8, 4096)).astype(np.float32)
+  assert 7 * codec.wire_bytes(4096) >= ring.GATHER_BELOW
+  assert ops_of(f, big).count("collective-permute") == 7   # the ring's reduce-scatter hops

@@ -27,6 +27,21 @@ def rows(seed: int, call: int, devices: range, size: int) -> np.ndarray:
   return np.stack([np.random.default_rng((seed, call, g)).standard_normal(size) for g in devices])
 
 
+TOPK_DENSITY, TOPK_CHUNK = 0.25, 16
+
+
+def topk_sum(parts: np.ndarray) -> np.ndarray:
+  """The members' sum in the chunks of largest summed norm (float64), zeros elsewhere."""
+  n = parts.shape[1]
+  nc = -(-n // TOPK_CHUNK)
+  xs = np.pad(parts, ((0, 0), (0, nc * TOPK_CHUNK - n))).reshape(len(parts), nc, TOPK_CHUNK)
+  score = np.sqrt((xs ** 2).sum(2)).sum(0)
+  chosen = np.argsort(-score, kind="stable")[:int(np.ceil(TOPK_DENSITY * nc - 1e-9))]
+  want = np.zeros((nc, TOPK_CHUNK))
+  want[chosen] = xs[:, chosen].sum(0)
+  return want.reshape(-1)[:n]
+
+
 def main() -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--calls", type=int, default=50)
@@ -34,7 +49,7 @@ def main() -> int:
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--algorithms", default="lax",
                   help="comma list: lax, xla, ring, hierarchical, local (jaxring.psum over "
-                  "this process's devices alone)")
+                  "this process's devices alone), node-topk (top-k over the processes alone)")
   ap.add_argument("--die-rank", type=int, default=-1)
   ap.add_argument("--die-at", type=int, default=-1)
   ap.add_argument("--die-how", choices=("kill", "stop", "stuck"), default="kill")
@@ -62,6 +77,11 @@ def main() -> int:
       import jaxring
       return jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "local"), mesh=mesh,
                                    in_specs=P(axes), out_specs=P("node")))
+    elif algorithm == "node-topk":   # over the processes alone, top-k: its few bytes gathered
+      import jaxring
+      codec = jaxring.codecs.topk_chunks(TOPK_DENSITY, TOPK_CHUNK)
+      return jax.jit(jax.shard_map(lambda v: jaxring.psum(v, "node", compression=codec),
+                                   mesh=mesh, in_specs=P(axes), out_specs=P("local")))
     else:
       import jaxring
       body = lambda v: jaxring.psum(v, axes, algorithm=algorithm)
@@ -71,7 +91,13 @@ def main() -> int:
   everyone = range(nproc * per_proc)
   for algorithm in args.algorithms.split(","):
     f = reducer(algorithm)
-    summed = mine if algorithm == "local" else everyone
+    summed = {"local": mine, "node-topk": range(0, nproc * per_proc, per_proc)}.get(algorithm,
+                                                                                   everyone)
+    if algorithm == "node-topk":
+      from jaxring._src.tools.hlo_bytes import compiled_wire_bytes
+      ops = [c.op for c in compiled_wire_bytes(f, jax.make_array_from_process_local_data(
+          sharding, np.zeros((per_proc, args.size), np.float32))).collectives]
+      print(f"process {me}: node-topk collectives {ops}", flush=True)
     if algorithm == "local":   # which collectives the compiled program runs
       hlo = f.lower(jax.make_array_from_process_local_data(
           sharding, np.zeros((per_proc, args.size), np.float32))).compile().as_text()
@@ -91,7 +117,7 @@ def main() -> int:
       x = jax.make_array_from_process_local_data(sharding, local)
       y = np.asarray(f(x).addressable_data(0), np.float64).reshape(-1)
       want = rows(args.seed, call, summed, args.size).astype(np.float32).astype(np.float64)
-      want = want.sum(axis=0)
+      want = topk_sum(want) if algorithm == "node-topk" else want.sum(axis=0)
       err = float(np.max(np.abs(y - want)))
       tol = 1e-5 * (1 + float(np.max(np.abs(want))))
       if not err <= tol:

@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from jaxring._src import fuse, native
-from jaxring._src.algorithms import base, linear
+from jaxring._src.algorithms import base, linear, ring
 from jaxring._src.algorithms.base import Plan
 from jaxring._src.algorithms.planner import dense_codecs, make_plan, native_axes
 from jaxring._src.codecs.base import accum_dtype
@@ -155,8 +155,16 @@ def sum_norms(norms, binding):
   member, by the lossless plan ``auto`` picks for their size: the native all-reduce without a
   measured profile; with one, what it measured fastest (on the emulated cluster's (node,
   local) mesh, the hierarchical plan: docs/simulations.md, "Validation against measurement on
-  the emulated cluster")."""
-  return all_reduce_flat(norms, norms.dtype, binding, "auto", None)[0]
+  the emulated cluster"). Where that is XLA's all-reduce of a few norms over one mesh axis
+  across processes, the ring's gather (``ring.GATHER_BELOW``) sums them: gloo's all-reduce of
+  a few hundred bytes put 10.3 KB on a node's link, its all-gather 6.3 KB (docs/design.md)."""
+  nbytes = norms.shape[0] * norms.dtype.itemsize
+  algorithm = "auto"
+  if (binding.lax_bound and len(binding.axes) == 1 and jax.process_count() > 1
+      and (binding.size - 1) * nbytes < ring.GATHER_BELOW
+      and plan_for(binding, nbytes, norms.dtype, "auto", None).kind == "xla"):
+    algorithm = "ring"
+  return all_reduce_flat(norms, norms.dtype, binding, algorithm, None)[0]
 
 
 def sparse_all_reduce(flat, dtype, binding, codec, dense, *, want_error: bool = False,

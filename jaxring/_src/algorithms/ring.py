@@ -142,16 +142,45 @@ def ring_all_gather_payload(payload: tuple, group: Group, transport) -> tuple:
   return tuple(_unrotate([slot[i] for slot in slots], r).reshape(-1) for i in range(len(payload)))
 
 
+#: Below this many bytes gathered a member, :func:`all_reduce` is one all-gather and a local sum:
+#: 2 (p - 1) ring steps of a few bytes cost a message each (gloo put ~1.9 KB a collective on a
+#: node's link, docs/design.md), one all-gather receives (p - 1) payloads in one.
+GATHER_BELOW = 8 << 10
+
+
 def all_reduce(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False,
                pieces: int = 1):
   """Ring all-reduce: reduce-scatter, encode the owned chunk once, all-gather, decode.
 
-  Every member decodes the same gathered payload, so the result is bit-identical on all members.
-  Returns ``(result, error)`` like :func:`reduce_scatter`.
+  A small buffer (every other member's payload under :data:`GATHER_BELOW` bytes together) over a
+  whole group is gathered encoded and summed where it lands (:func:`gather_sum`): latency-bound,
+  one message instead of ``2 (p - 1)``. Every member decodes the same gathered payload, so the
+  result is bit-identical on all members. Returns ``(result, error)`` like
+  :func:`reduce_scatter`.
   """
+  if gathers(flat, group, codec, dtype):
+    return gather_sum(flat, group, codec, dtype, transport, want_error=want_error)
   gathered, err = all_reduce_payload(flat, group, codec, dtype, transport, want_error=want_error,
                                      pieces=pieces)
   return codec.decode(gathered, dtype), err
+
+
+def gathers(flat, group: Group, codec: Codec, dtype) -> bool:
+  """Whether the all-reduce of ``flat`` gathers instead of ringing (:data:`GATHER_BELOW`)."""
+  p = group.size
+  return p > 1 and group.whole and (p - 1) * codec.wire_bytes(flat.shape[0], dtype) < GATHER_BELOW
+
+
+def gather_sum(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False):
+  """Every member's whole buffer encoded once, gathered, decoded and summed in member order.
+
+  The sum of the decoded values is the same on every member and rounds once per value (the
+  ring's partial sums round at every hop); the error is this member's one encoding's.
+  """
+  payload = codec.encode(flat, dtype)
+  rows = codec.decode(transport.all_gather(payload, group), dtype).reshape(group.size, -1)
+  total = jnp.sum(rows, axis=0, dtype=flat.dtype)
+  return total, (flat - codec.decode(payload, dtype) if want_error else None)
 
 
 def all_reduce_payload(flat, group: Group, codec: Codec, dtype, transport, *, want_error=False,
@@ -159,8 +188,16 @@ def all_reduce_payload(flat, group: Group, codec: Codec, dtype, transport, *, wa
   """:func:`all_reduce` without the final decode: ``(gathered payload, error)``.
 
   The payload holds every member's encoded chunk in member order; a caller that must move the
-  result further (the all-gather phase of faster levels) can carry it encoded.
+  result further (the all-gather phase of faster levels) can carry it encoded. A small buffer is
+  gathered and summed (:func:`gather_sum`) and the sum encoded once, that encoding's error split
+  evenly between the members (each holds the same sum), so that their errors add up to it once.
   """
+  if gathers(flat, group, codec, dtype):
+    total, err = gather_sum(flat, group, codec, dtype, transport, want_error=want_error)
+    payload = codec.encode(total, dtype)
+    if want_error:
+      err = err + (total - codec.decode(payload, dtype)) / jnp.asarray(group.size, flat.dtype)
+    return payload, err
   shard, err = reduce_scatter(flat, group, codec, dtype, transport, want_error=want_error,
                               pieces=pieces)
   payload = codec.encode(shard, dtype)
