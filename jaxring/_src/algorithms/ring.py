@@ -15,6 +15,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from jaxring._src import vma
 from jaxring._src.algorithms.base import Plan, PlanRequest, permute_flat, register
 from jaxring._src.codecs.base import Codec
 from jaxring._src.transport.binding import mesh_axis_names
@@ -175,8 +176,11 @@ def gather_sum(flat, group: Group, codec: Codec, dtype, transport, *, want_error
   """Every member's whole buffer encoded once, gathered, decoded and summed in member order.
 
   The sum of the decoded values is the same on every member and rounds once per value (the
-  ring's partial sums round at every hop); the error is this member's one encoding's.
+  ring's partial sums round at every hop); the error is this member's one encoding's. The
+  buffer is typed varying first (as a ring's hops type it), so that the gather types the sum
+  invariant, as ``lax.psum`` does.
   """
+  flat = vma.pvary(flat, group.axes)
   payload = codec.encode(flat, dtype)
   rows = codec.decode(transport.all_gather(payload, group), dtype).reshape(group.size, -1)
   total = jnp.sum(rows, axis=0, dtype=flat.dtype)
