@@ -351,7 +351,7 @@ def test_bad_arguments():
 
 def test_per_level_algorithm_dict():
   mesh = mesh_of((2, 4), ("node", "local"))
-  n = 4 * ring.GATHER_BELOW // 4   # the node ring's shard of n / 4 f32 values: not gathered
+  n = ring.GATHER_BELOW   # the node ring's shard, n / 4 f32 values, is n bytes: not gathered
   x = jnp.asarray(np.random.RandomState(12).randn(8 * n), jnp.float32)
   f = jax.jit(jax.shard_map(
       lambda v: jaxring.psum(v, ("node", "local"), algorithm={"local": "xla", "node": "ring"}),

@@ -129,6 +129,7 @@ def test_local_all_gather_carries_the_node_levels_int8():
                         r'operand_layout_constraints=\{(\w+)\[(\d+)\]\{0\}, (\w+)\[(\d+)\]', hlo)
   assert operands == [("s8", str(n // 4), "f32", str(n // 4 // 256))], operands
 
+
 def ops_of(f, x) -> list[str]:
   return [c.op for c in compiled_wire_bytes(f, x).collectives]
 

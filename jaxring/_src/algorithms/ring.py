@@ -144,8 +144,9 @@ def ring_all_gather_payload(payload: tuple, group: Group, transport) -> tuple:
 
 
 #: Below this many bytes gathered a member, :func:`all_reduce` is one all-gather and a local sum:
-#: 2 (p - 1) ring steps of a few bytes cost a message each (gloo put ~1.9 KB a collective on a
-#: node's link, docs/design.md), one all-gather receives (p - 1) payloads in one.
+#: a few bytes cost what a collective costs, not what they weigh (a top-k sync of one fragment
+#: over gloo, 4 processes: 18.1 KB on a node's link by the ring's 3 hops and all-gather, 16.1 KB
+#: by one all-gather; docs/design.md, "Investigations").
 GATHER_BELOW = 8 << 10
 
 
